@@ -1,0 +1,84 @@
+# Helpers shared by every module's CMakeLists: global flags, module libraries, the shared
+# precompiled header, and test registration.
+include_guard(GLOBAL)
+
+function(roundpipe_global_flags)
+  add_compile_options(-Wall -Wextra)
+  if(ROUNDPIPE_WERROR)
+    add_compile_options(-Werror)
+  endif()
+  if(ROUNDPIPE_SANITIZE)
+    if(NOT ROUNDPIPE_SANITIZE MATCHES "^(address|thread|undefined)$")
+      message(FATAL_ERROR "ROUNDPIPE_SANITIZE='${ROUNDPIPE_SANITIZE}' is not one of address, thread, undefined")
+    endif()
+    add_compile_options(-fsanitize=${ROUNDPIPE_SANITIZE} -fno-omit-frame-pointer)
+    add_link_options(-fsanitize=${ROUNDPIPE_SANITIZE})
+  endif()
+endfunction()
+
+# One object library owns the LibTorch precompiled header; every target that uses LibTorch
+# reuses it (identical flags are guaranteed by global options + the generated config header).
+function(roundpipe_use_pch target)
+  if(NOT ROUNDPIPE_PCH)
+    return()
+  endif()
+  if(NOT TARGET roundpipe_pch)
+    add_library(roundpipe_pch OBJECT "${PROJECT_SOURCE_DIR}/cmake/pch/roundpipe_pch.cpp")
+    target_link_libraries(roundpipe_pch PRIVATE torch)
+    target_include_directories(roundpipe_pch PRIVATE "${PROJECT_SOURCE_DIR}" "${PROJECT_BINARY_DIR}/generated")
+    target_precompile_headers(roundpipe_pch PRIVATE "${PROJECT_SOURCE_DIR}/cmake/pch/roundpipe_pch.h")
+  endif()
+  target_precompile_headers(${target} REUSE_FROM roundpipe_pch)
+endfunction()
+
+# roundpipe_add_module(<module> SOURCES ... [PUBLIC_DEPS ...] [PRIVATE_DEPS ...])
+# Creates static library roundpipe_<module>, alias roundpipe::<module>, headers root-relative.
+function(roundpipe_add_module module)
+  cmake_parse_arguments(ARG "NO_TORCH" "" "SOURCES;PUBLIC_DEPS;PRIVATE_DEPS" ${ARGN})
+  set(target roundpipe_${module})
+  add_library(${target} STATIC ${ARG_SOURCES})
+  add_library(roundpipe::${module} ALIAS ${target})
+  set_target_properties(${target} PROPERTIES EXPORT_NAME ${module} OUTPUT_NAME roundpipe_${module})
+  target_include_directories(${target} PUBLIC
+    $<BUILD_INTERFACE:${PROJECT_SOURCE_DIR}>
+    $<BUILD_INTERFACE:${PROJECT_BINARY_DIR}/generated>
+    $<INSTALL_INTERFACE:${CMAKE_INSTALL_INCLUDEDIR}>)
+  target_link_libraries(${target} PUBLIC ${ARG_PUBLIC_DEPS} PRIVATE ${ARG_PRIVATE_DEPS})
+  if(NOT ARG_NO_TORCH)
+    target_link_libraries(${target} PUBLIC torch)
+    roundpipe_use_pch(${target})
+  endif()
+  set_property(GLOBAL APPEND PROPERTY ROUNDPIPE_INSTALL_TARGETS ${target})
+  # Public headers: the module folder's *.h, not detail/.
+  file(GLOB headers CONFIGURE_DEPENDS "${CMAKE_CURRENT_SOURCE_DIR}/*.h")
+  file(RELATIVE_PATH rel "${PROJECT_SOURCE_DIR}" "${CMAKE_CURRENT_SOURCE_DIR}")
+  install(FILES ${headers} DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/${rel})
+endfunction()
+
+# roundpipe_add_gtest(<name> SOURCES ... [LIBS ...] [SHARDS n] [LABELS ...])
+# One test binary; registered per shard (GTEST_TOTAL_SHARDS) because every LibTorch process costs
+# ~1 s to start, or per case with ROUNDPIPE_TEST_PER_CASE=ON (gtest_discover_tests).
+function(roundpipe_add_gtest name)
+  cmake_parse_arguments(ARG "" "SHARDS;TIMEOUT" "SOURCES;LIBS;LABELS" ${ARGN})
+  if(NOT ARG_SHARDS)
+    set(ARG_SHARDS 1)
+  endif()
+  if(NOT ARG_TIMEOUT)
+    set(ARG_TIMEOUT 900)
+  endif()
+  add_executable(${name} ${ARG_SOURCES})
+  target_link_libraries(${name} PRIVATE roundpipe_test_common ${ARG_LIBS})
+  roundpipe_use_pch(${name})
+  if(ROUNDPIPE_TEST_PER_CASE)
+    include(GoogleTest)
+    gtest_discover_tests(${name} DISCOVERY_TIMEOUT 120 PROPERTIES LABELS "${ARG_LABELS}" TIMEOUT ${ARG_TIMEOUT})
+  else()
+    math(EXPR last "${ARG_SHARDS} - 1")
+    foreach(i RANGE ${last})
+      add_test(NAME ${name}/shard${i} COMMAND ${name})
+      set_tests_properties(${name}/shard${i} PROPERTIES
+        ENVIRONMENT "GTEST_TOTAL_SHARDS=${ARG_SHARDS};GTEST_SHARD_INDEX=${i}"
+        LABELS "${ARG_LABELS}" TIMEOUT ${ARG_TIMEOUT})
+    endforeach()
+  endif()
+endfunction()

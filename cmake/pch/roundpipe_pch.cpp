@@ -1,0 +1,1 @@
+// Owner translation unit of the shared precompiled header.

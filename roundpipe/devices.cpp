@@ -1,0 +1,45 @@
+#include "roundpipe/devices.h"
+
+#include <c10/core/DeviceGuard.h>
+#include <c10/util/Exception.h>
+#include <torch/cuda.h>
+
+#include "roundpipe/config.h"
+
+namespace roundpipe {
+
+int64_t cuda_device_count() {
+  try {
+    return static_cast<int64_t>(torch::cuda::device_count());
+  } catch (const std::exception&) {
+    return 0;
+  }
+}
+
+std::vector<c10::Device> default_devices() {
+  const int64_t n = cuda_device_count();
+  if (n == 0) return {c10::Device(c10::kCPU)};
+  std::vector<c10::Device> devices;
+  for (int64_t i = 0; i < n; ++i) devices.emplace_back(c10::kCUDA, static_cast<c10::DeviceIndex>(i));
+  return devices;
+}
+
+void check_devices(const std::vector<c10::Device>& devices) {
+  TORCH_CHECK(!devices.empty(), "RoundPipeOptions::devices is empty: give at least one device, e.g. ",
+              "{torch::kCPU} or {torch::Device(torch::kCUDA, 0)}");
+  const int64_t num_cuda = cuda_device_count();
+  for (size_t i = 0; i < devices.size(); ++i) {
+    const c10::Device& d = devices[i];
+    if (d.is_cpu()) continue;
+    TORCH_CHECK(d.is_cuda(), "RoundPipeOptions::devices[", i, "] = ", d,
+                " is not supported: use CPU or CUDA devices");
+    TORCH_CHECK(ROUNDPIPE_WITH_CUDA, "RoundPipeOptions::devices[", i, "] = ", d,
+                " but this build of RoundPipe has no CUDA support (LibTorch without CUDA)");
+    TORCH_CHECK(d.has_index(), "RoundPipeOptions::devices[", i, "] = ", d,
+                " has no index: write torch::Device(torch::kCUDA, k)");
+    TORCH_CHECK(d.index() < num_cuda, "RoundPipeOptions::devices[", i, "] = ", d, " but only ", num_cuda,
+                " CUDA device(s) are visible");
+  }
+}
+
+}  // namespace roundpipe

@@ -1,0 +1,11 @@
+// RoundPipe C++: pipeline-parallel training of LibTorch models larger than one GPU's memory.
+// The umbrella header: include this one to use every public part of the library.
+#pragma once
+
+#include "comm/launch_env.h"
+#include "roundpipe/config.h"
+#include "roundpipe/devices.h"
+#include "roundpipe/logging.h"
+#include "scheduler/dispatch.h"
+#include "scheduler/execute_plan.h"
+#include "scheduler/partitioner.h"

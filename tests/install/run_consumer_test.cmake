@@ -1,0 +1,16 @@
+# Installs the RoundPipe build into WORK_DIR/prefix, then configures, builds and runs the consumer
+# project against it with find_package(RoundPipe). Fails on any step.
+function(run_step)
+  execute_process(COMMAND ${ARGN} RESULT_VARIABLE rc)
+  if(NOT rc EQUAL 0)
+    message(FATAL_ERROR "step failed (exit ${rc}): ${ARGN}")
+  endif()
+endfunction()
+
+file(REMOVE_RECURSE "${WORK_DIR}/prefix" "${WORK_DIR}/build")
+run_step(${CMAKE_COMMAND} --install "${ROUNDPIPE_BUILD_DIR}" --prefix "${WORK_DIR}/prefix")
+run_step(${CMAKE_COMMAND} -S "${CONSUMER_SOURCE_DIR}" -B "${WORK_DIR}/build" -G "${GENERATOR}"
+  "-DCMAKE_PREFIX_PATH=${WORK_DIR}/prefix" "-DTorch_DIR=${TORCH_DIR}" -DCMAKE_BUILD_TYPE=Release
+  -DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
+run_step(${CMAKE_COMMAND} --build "${WORK_DIR}/build")
+run_step("${WORK_DIR}/build/consumer")
