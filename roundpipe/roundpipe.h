@@ -6,6 +6,8 @@
 #include "roundpipe/config.h"
 #include "roundpipe/devices.h"
 #include "roundpipe/logging.h"
+#include "roundpipe/round_pipe.h"
+#include "roundpipe/run_config.h"
 #include "scheduler/dispatch.h"
 #include "scheduler/execute_plan.h"
 #include "scheduler/partitioner.h"

@@ -1,0 +1,30 @@
+#include "roundpipe/detail/device_worker.h"
+
+#include <boost/asio/post.hpp>
+#include <boost/asio/thread_pool.hpp>
+
+#include "roundpipe/config.h"
+#if ROUNDPIPE_WITH_CUDA
+#include <c10/cuda/CUDAFunctions.h>
+#endif
+
+namespace roundpipe::detail {
+
+DeviceWorker::DeviceWorker(c10::Device device)
+    : device_(device), pool_(std::make_unique<boost::asio::thread_pool>(1)) {}
+
+DeviceWorker::~DeviceWorker() { pool_->join(); }
+
+std::future<void> DeviceWorker::post(std::function<void()> job) {
+  auto task = std::make_shared<std::packaged_task<void()>>([this, job = std::move(job)] {
+#if ROUNDPIPE_WITH_CUDA
+    if (device_.is_cuda()) c10::cuda::set_device(device_.index());
+#endif
+    job();
+  });
+  auto future = task->get_future();
+  boost::asio::post(*pool_, [task] { (*task)(); });
+  return future;
+}
+
+}  // namespace roundpipe::detail

@@ -1,0 +1,85 @@
+// The per-call state shared by stage jobs, and the jobs themselves (internal).
+#pragma once
+
+#include <torch/nn/modules/container/any.h>
+
+#include <atomic>
+#include <exception>
+#include <future>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "roundpipe/detail/layer_call.h"
+#include "roundpipe/round_pipe.h"
+#include "scheduler/execute_plan.h"
+
+namespace roundpipe::detail {
+
+/// A single-assignment value passed from one stage job to another (activations, gradients,
+/// saved inputs, buffer snapshots). Exactly one job (the producer) calls set/fail; any thread
+/// may get(), which blocks until set and rethrows the producer's error.
+class Channel {
+ public:
+  Channel() : future_(promise_.get_future().share()) {}
+  void set(Activations value) {
+    promise_.set_value(std::move(value));
+    done_ = true;
+  }
+  void fail(const std::exception_ptr& error) {
+    if (!done_) {
+      promise_.set_exception(error);
+      done_ = true;
+    }
+  }
+  const Activations& get() const { return future_.get(); }
+
+ private:
+  std::promise<Activations> promise_;
+  std::shared_future<Activations> future_;
+  bool done_ = false;  // producer-only
+};
+using ChannelPtr = std::shared_ptr<Channel>;
+
+/// The model's layers as the engine runs them. Immutable after construction, except
+/// `call_modes` (atomics) and the tensors' data (written only by the caller thread between
+/// calls, or by the optimizer through the per-layer protocol).
+struct LayerSet {
+  std::vector<torch::nn::AnyModule> layers;
+  std::vector<std::string> names;  // "3 (Linear)"
+  std::unique_ptr<std::atomic<int>[]> call_modes;
+};
+
+/// State of one forward_backward / forward call. Channels synchronize the jobs; each result slot
+/// is written by exactly one job and read by the caller after every job has finished.
+struct RunContext {
+  const LayerSet* model = nullptr;
+  std::string model_name;
+  int64_t num_layers = 0;
+  int64_t num_microbatch = 0;
+  int64_t iteration = 0;
+  uint64_t seed = 0;
+  bool preserve_rng = true;
+  bool training = true;
+  RecomputeGrain grain = RecomputeGrain::kStage;
+  std::vector<Activations> inputs;   // [mb]
+  std::vector<at::Tensor> labels;    // [mb]
+  const LossFn* loss_fn = nullptr;
+  c10::Device output_device = c10::kCPU;
+
+  std::vector<std::vector<ChannelPtr>> fwd_out;   // [forward stage][mb]
+  std::vector<std::vector<ChannelPtr>> saved;     // [layer][mb]; empty when not kept
+  std::vector<ChannelPtr> buffer_snapshot;        // [layer]; null when not needed
+  std::vector<std::vector<ChannelPtr>> bwd_grad;  // [backward stage][mb]
+
+  std::vector<at::Tensor> losses;                // [mb]                 fused job
+  std::vector<Activations> outputs;              // [mb]                 last forward job (inference)
+  std::vector<std::vector<at::Tensor>> grads;    // [layer][param]       job running its backward
+  std::vector<std::vector<at::Tensor>> buffers;  // [layer][buffer]      job running its forward
+};
+
+void run_forward_stage(RunContext& ctx, size_t stage, scheduler::LayerRange layers, c10::Device device);
+void run_fused_stage(RunContext& ctx, scheduler::LayerRange layers, c10::Device device);
+void run_backward_stage(RunContext& ctx, size_t stage, scheduler::LayerRange layers, c10::Device device);
+
+}  // namespace roundpipe::detail

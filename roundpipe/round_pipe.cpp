@@ -1,0 +1,465 @@
+#include "roundpipe/round_pipe.h"
+
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <c10/util/Exception.h>
+#include <torch/nn/module.h>
+
+#include <unordered_map>
+
+#include "roundpipe/detail/device_worker.h"
+#include "roundpipe/detail/stage_jobs.h"
+#include "roundpipe/devices.h"
+#include "roundpipe/logging.h"
+#include "scheduler/dispatch.h"
+#include "scheduler/partitioner.h"
+
+namespace roundpipe {
+
+// Note [Layer RNG]:
+// Every layer's forward on a microbatch runs with its device's default generator seeded with
+// layer_seed(base seed, iteration, microbatch index, layer index), and the generator's previous
+// state is restored afterwards. Recompute seeds the same way, so it replays the forward's dropout
+// masks, whichever device or thread runs it and whatever the grain: results are independent of
+// the device count for a fixed num_microbatch. A plain loop reproduces it by calling
+// torch::manual_seed(layer_seed(...)) before each layer. The cost on CPU devices: they share one
+// generator, so seeded layer forwards are serialized by a mutex (set preserve_rng_state=false to
+// run CPU workers fully in parallel, without deterministic dropout).
+//
+// Note [Buffers in recompute]:
+// A forward stage snapshots its layers' buffers before its first microbatch; backward stages
+// recompute from that snapshot, in the same microbatch order, and discard the result. Only the
+// forward (or fused) pass's final buffers are written back to the model, so running statistics
+// evolve exactly as in a plain microbatched forward.
+
+namespace {
+
+uint64_t splitmix64(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ULL;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+  return x ^ (x >> 31);
+}
+
+thread_local int optimizer_ctx_depth = 0;
+
+}  // namespace
+
+uint64_t layer_seed(uint64_t base_seed, int64_t iteration, int64_t microbatch, int64_t layer) {
+  uint64_t h = splitmix64(base_seed);
+  h = splitmix64(h ^ static_cast<uint64_t>(iteration));
+  h = splitmix64(h ^ static_cast<uint64_t>(microbatch));
+  h = splitmix64(h ^ static_cast<uint64_t>(layer));
+  return h >> 1;  // keep it representable as a non-negative int64 (Python's manual_seed range)
+}
+
+RunConfig RunConfig::merged_over(const RunConfig& base) const {
+  RunConfig out = base;
+  if (num_microbatch) out.num_microbatch = num_microbatch;
+  if (recompute_grain) out.recompute_grain = recompute_grain;
+  if (preserve_rng_state) out.preserve_rng_state = preserve_rng_state;
+  if (execute_plan) out.execute_plan = execute_plan;
+  if (output_device) out.output_device = output_device;
+  return out;
+}
+
+OptimizerCtx::OptimizerCtx() { ++optimizer_ctx_depth; }
+OptimizerCtx::~OptimizerCtx() { --optimizer_ctx_depth; }
+bool OptimizerCtx::active() { return optimizer_ctx_depth > 0; }
+
+struct RoundPipe::Impl {
+  torch::nn::Sequential model;
+  RoundPipeOptions options;
+  std::vector<c10::Device> devices;
+  detail::LayerSet layer_set;
+  // Compute copies per layer (the model's own parameters) and their master copies (lazy).
+  std::vector<std::vector<torch::Tensor>> params;
+  std::vector<std::vector<std::string>> param_names;
+  std::vector<std::vector<torch::Tensor>> masters;
+  std::vector<std::unique_ptr<detail::DeviceWorker>> workers;
+  int64_t device_cursor = 0;  // round-robin position, continues across calls
+  int64_t iteration = 0;
+  uint64_t seed = 0;
+  const Logger* log = &Logger::get("runtime");
+
+  int64_t num_layers() const { return static_cast<int64_t>(layer_set.layers.size()); }
+
+  RunConfig resolve(const RunConfig& call) const { return call.merged_over(options.run_config()); }
+
+  scheduler::ExecutePlan auto_plan(scheduler::RunType type) const {
+    std::vector<int64_t> bytes, grad_bytes;
+    for (int64_t l = 0; l < num_layers(); ++l) {
+      int64_t b = 0, g = 0;
+      auto module = layer_set.layers[l].ptr();
+      for (const auto& p : module->parameters()) {
+        b += p.nbytes();
+        if (p.requires_grad()) g += p.nbytes();
+      }
+      for (const auto& buf : module->buffers()) b += buf.nbytes();
+      bytes.push_back(b);
+      grad_bytes.push_back(g);
+    }
+    return scheduler::partition(scheduler::size_based_costs(bytes, grad_bytes), type,
+                                scheduler::PartitionOptions().set_min_stages(static_cast<int64_t>(devices.size())));
+  }
+
+  scheduler::ExecutePlan plan_for(const RunConfig& cfg, scheduler::RunType type) const {
+    if (cfg.execute_plan) {
+      cfg.execute_plan->validate(num_layers(), type);
+      return *cfg.execute_plan;
+    }
+    return auto_plan(type);
+  }
+
+  void ensure_masters() {
+    if (!masters.empty()) return;
+    torch::NoGradGuard no_grad;
+    masters.resize(params.size());
+    for (size_t l = 0; l < params.size(); ++l) {
+      for (const auto& p : params[l]) {
+        auto dtype = options.optim_dtype().value_or(p.scalar_type());
+        auto master = p.detach().to(c10::kCPU, dtype, /*non_blocking=*/false, /*copy=*/true);
+        master.requires_grad_(p.requires_grad());
+        masters[l].push_back(master);
+      }
+    }
+  }
+
+  std::vector<std::vector<torch::Tensor>> split(const std::vector<torch::Tensor>& tensors, int64_t& num_micro,
+                                                const char* what) const;
+};
+
+namespace {
+
+// Rows of a batch: size(0) of the first input with a dimension.
+int64_t batch_rows(const std::vector<torch::Tensor>& inputs) {
+  for (const auto& t : inputs) {
+    if (t.defined() && t.dim() > 0) return t.size(0);
+  }
+  return -1;
+}
+
+}  // namespace
+
+std::vector<std::vector<torch::Tensor>> RoundPipe::Impl::split(const std::vector<torch::Tensor>& tensors,
+                                                               int64_t& num_micro, const char* what) const {
+  const int64_t rows = batch_rows(tensors);
+  std::vector<std::vector<torch::Tensor>> per_mb(num_micro);
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const auto& t = tensors[i];
+    if (!t.defined() || t.dim() == 0) {
+      for (auto& mb : per_mb) mb.push_back(t);  // replicated
+      continue;
+    }
+    TORCH_CHECK(t.size(0) == rows, "RoundPipe '", options.name(), "': ", what, "[", i, "] has ", t.size(0),
+                " rows but the batch has ", rows, ": every tensor with a batch dimension must have the same ",
+                "size along dim 0 (0-dim tensors are replicated to every microbatch)");
+    auto chunks = t.tensor_split(num_micro, 0);
+    for (int64_t j = 0; j < num_micro; ++j) per_mb[j].push_back(chunks[j]);
+  }
+  return per_mb;
+}
+
+RoundPipe::RoundPipe(torch::nn::Sequential model, RoundPipeOptions options) : impl_(std::make_unique<Impl>()) {
+  Impl& m = *impl_;
+  TORCH_CHECK(!model.is_empty() && model->size() > 0, "RoundPipe needs a torch::nn::Sequential with at least one layer");
+  m.model = model;
+  m.options = options;
+  m.devices = options.devices().empty() ? default_devices() : options.devices();
+  check_devices(m.devices);
+  if (options.run_config().num_microbatch) {
+    TORCH_CHECK(*options.run_config().num_microbatch >= 1, "RoundPipeOptions::run_config.num_microbatch must be >= 1, got ",
+                *options.run_config().num_microbatch);
+  }
+  std::unordered_map<const void*, int64_t> owner;
+  for (const auto& layer : *model) {
+    const int64_t l = static_cast<int64_t>(m.layer_set.layers.size());
+    m.layer_set.layers.push_back(layer);
+    m.layer_set.names.push_back(std::to_string(l) + " (" + layer.ptr()->name() + ")");
+    for (const auto& b : layer.ptr()->named_buffers()) {
+      TORCH_CHECK(!b.value().requires_grad(), "RoundPipe '", options.name(), "': buffer '", b.key(), "' of layer ",
+                  m.layer_set.names.back(), " requires grad; buffers must not (register it as a parameter instead)");
+    }
+    std::vector<torch::Tensor> ps;
+    std::vector<std::string> names;
+    for (const auto& p : layer.ptr()->named_parameters()) {
+      auto [it, inserted] = owner.emplace(p.value().unsafeGetTensorImpl(), l);
+      TORCH_CHECK(inserted || it->second == l, "RoundPipe '", options.name(), "': parameter '", p.key(), "' of layer ",
+                  m.layer_set.names.back(), " is shared with layer ", it->second,
+                  "; parameters shared between layers are not supported (put both uses in one layer)");
+      if (!inserted) continue;
+      ps.push_back(p.value());
+      names.push_back(std::to_string(l) + "." + p.key());
+    }
+    m.params.push_back(ps);
+    m.param_names.push_back(names);
+  }
+  m.layer_set.call_modes = std::make_unique<std::atomic<int>[]>(m.layer_set.layers.size());
+  for (size_t l = 0; l < m.layer_set.layers.size(); ++l) m.layer_set.call_modes[l] = 0;
+  if (options.seed()) {
+    m.seed = *options.seed();
+  } else {
+    auto gen = at::detail::getDefaultCPUGenerator();
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    m.seed = gen.get<at::CPUGeneratorImpl>()->random64();
+  }
+  for (const auto& device : m.devices) m.workers.push_back(std::make_unique<detail::DeviceWorker>(device));
+  ROUNDPIPE_LOG(*m.log, kInfo, "RoundPipe '", options.name(), "': ", m.num_layers(), " layers on ", m.devices.size(),
+                " device(s)");
+}
+
+RoundPipe::~RoundPipe() = default;
+
+namespace {
+
+using scheduler::RunType;
+
+}  // namespace
+
+torch::Tensor RoundPipe::forward_backward(const std::vector<torch::Tensor>& inputs, const torch::Tensor& label,
+                                          const LossFn& loss_fn, const RunConfig& config) {
+  Impl& m = *impl_;
+  TORCH_CHECK(static_cast<bool>(loss_fn), "forward_backward needs a loss_fn");
+  TORCH_CHECK(!inputs.empty(), "forward_backward needs at least one input tensor");
+  const RunConfig cfg = m.resolve(config);
+  int64_t num_micro = cfg.num_microbatch.value_or(static_cast<int64_t>(m.devices.size()) + 1);
+  TORCH_CHECK(num_micro >= 1, "num_microbatch must be >= 1, got ", num_micro);
+  const int64_t rows = batch_rows(inputs);
+  TORCH_CHECK(rows > 0, "forward_backward: no input has a batch dimension with rows (got ", rows, ")");
+  if (rows < num_micro) {
+    ROUNDPIPE_LOG(*m.log, kWarn, "RoundPipe '", m.options.name(), "': batch of ", rows, " rows is smaller than num_microbatch ",
+                  num_micro, "; using ", rows, " microbatches");
+    num_micro = rows;
+  }
+  const scheduler::ExecutePlan plan = m.plan_for(cfg, RunType::kFused);
+  const auto L = m.num_layers();
+
+  detail::RunContext ctx;
+  ctx.model = &m.layer_set;
+  ctx.model_name = m.options.name();
+  ctx.num_layers = L;
+  ctx.num_microbatch = num_micro;
+  ctx.iteration = m.iteration;
+  ctx.seed = m.seed;
+  ctx.preserve_rng = cfg.preserve_rng_state.value_or(true);
+  ctx.training = true;
+  ctx.grain = cfg.recompute_grain.value_or(RecomputeGrain::kStage);
+  ctx.inputs = m.split(inputs, num_micro, "inputs");
+  if (label.defined() && label.dim() > 0) {
+    TORCH_CHECK(label.size(0) == rows, "label has ", label.size(0), " rows but the inputs have ", rows);
+    auto chunks = label.tensor_split(num_micro, 0);
+    ctx.labels.assign(chunks.begin(), chunks.end());
+  } else {
+    ctx.labels.assign(num_micro, label);
+  }
+  ctx.loss_fn = &loss_fn;
+  auto channels = [&](size_t n) {
+    std::vector<detail::ChannelPtr> v;
+    for (size_t j = 0; j < n; ++j) v.push_back(std::make_shared<detail::Channel>());
+    return v;
+  };
+  const auto& fwd = plan.forward_stages();
+  const auto& bwd = plan.backward_stages();
+  const int64_t fused_begin = bwd.front().begin;
+  for (size_t s = 0; s < fwd.size(); ++s) ctx.fwd_out.push_back(channels(num_micro));
+  ctx.saved.resize(L);
+  ctx.buffer_snapshot.resize(L);
+  for (int64_t l = 0; l < fused_begin; ++l) {
+    ctx.buffer_snapshot[l] = std::make_shared<detail::Channel>();
+    bool keep = ctx.grain == RecomputeGrain::kLayer;
+    for (size_t i = 1; i < bwd.size(); ++i) keep = keep || bwd[i].begin == l;
+    if (keep) ctx.saved[l] = channels(num_micro);
+  }
+  for (size_t i = 0; i < bwd.size(); ++i) ctx.bwd_grad.push_back(channels(num_micro));
+  ctx.losses.resize(num_micro);
+  ctx.grads.resize(L);
+  ctx.buffers.resize(L);
+
+  const auto order = scheduler::dispatch_order(plan, RunType::kFused, static_cast<int64_t>(m.devices.size()),
+                                               m.device_cursor);
+  m.device_cursor = (m.device_cursor + static_cast<int64_t>(order.size())) % static_cast<int64_t>(m.devices.size());
+  ++m.iteration;  // the iteration index is consumed even if the call fails
+  std::vector<std::future<void>> jobs;
+  size_t fwd_index = 0, bwd_index = 0;
+  for (const auto& entry : order) {
+    auto& worker = *m.workers[entry.device];
+    const c10::Device device = worker.device();
+    const auto layers = entry.layers;
+    switch (entry.phase) {
+      case scheduler::StagePhase::kForward: {
+        const size_t s = fwd_index++;
+        jobs.push_back(worker.post([&ctx, s, layers, device] { detail::run_forward_stage(ctx, s, layers, device); }));
+        break;
+      }
+      case scheduler::StagePhase::kFused:
+        ++bwd_index;
+        jobs.push_back(worker.post([&ctx, layers, device] { detail::run_fused_stage(ctx, layers, device); }));
+        break;
+      case scheduler::StagePhase::kBackward: {
+        const size_t s = bwd_index++;
+        jobs.push_back(worker.post([&ctx, s, layers, device] { detail::run_backward_stage(ctx, s, layers, device); }));
+        break;
+      }
+    }
+  }
+  // Wait for every job (ctx lives on this stack frame), then report the root cause: the first
+  // failing job in program order (downstream jobs fail with the same error).
+  std::exception_ptr error;
+  for (auto& job : jobs) {
+    try {
+      job.get();
+    } catch (...) {
+      if (!error) error = std::current_exception();
+    }
+  }
+  if (error) std::rethrow_exception(error);
+
+  // Success: apply gradients (accumulate until step) and buffers to the model.
+  torch::NoGradGuard no_grad;
+  for (int64_t l = 0; l < L; ++l) {
+    for (size_t k = 0; k < ctx.grads[l].size() && k < m.params[l].size(); ++k) {
+      const auto& g = ctx.grads[l][k];
+      auto& p = m.params[l][k];
+      if (!g.defined() || !p.requires_grad()) continue;
+      if (p.grad().defined()) {
+        p.mutable_grad().add_(g.to(p.grad().device(), p.grad().scalar_type()));
+      } else {
+        p.mutable_grad() = g.to(p.device(), p.scalar_type()).clone();
+      }
+    }
+    auto buffers = m.layer_set.layers[l].ptr()->buffers();
+    for (size_t k = 0; k < ctx.buffers[l].size() && k < buffers.size(); ++k) buffers[k].copy_(ctx.buffers[l][k]);
+  }
+  torch::Tensor total = ctx.losses[0].clone();
+  for (int64_t j = 1; j < num_micro; ++j) total.add_(ctx.losses[j]);
+  return total;
+}
+
+torch::Tensor RoundPipe::forward(const std::vector<torch::Tensor>& inputs, const RunConfig& config) {
+  Impl& m = *impl_;
+  TORCH_CHECK(!inputs.empty(), "forward needs at least one input tensor");
+  const RunConfig cfg = m.resolve(config);
+  int64_t num_micro = cfg.num_microbatch.value_or(static_cast<int64_t>(m.devices.size()) + 1);
+  TORCH_CHECK(num_micro >= 1, "num_microbatch must be >= 1, got ", num_micro);
+  const int64_t rows = batch_rows(inputs);
+  TORCH_CHECK(rows > 0, "forward: no input has a batch dimension with rows (got ", rows, ")");
+  num_micro = std::min(num_micro, rows);
+  const scheduler::ExecutePlan plan = m.plan_for(cfg, RunType::kInfer);
+  const auto L = m.num_layers();
+
+  detail::RunContext ctx;
+  ctx.model = &m.layer_set;
+  ctx.model_name = m.options.name();
+  ctx.num_layers = L;
+  ctx.num_microbatch = num_micro;
+  ctx.iteration = m.iteration;
+  ctx.seed = m.seed;
+  ctx.preserve_rng = cfg.preserve_rng_state.value_or(true);
+  ctx.training = false;
+  ctx.output_device = cfg.output_device.value_or(c10::Device(c10::kCPU));
+  ctx.inputs = m.split(inputs, num_micro, "inputs");
+  const auto& fwd = plan.forward_stages();
+  for (size_t s = 0; s + 1 < fwd.size(); ++s) {
+    std::vector<detail::ChannelPtr> v;
+    for (int64_t j = 0; j < num_micro; ++j) v.push_back(std::make_shared<detail::Channel>());
+    ctx.fwd_out.push_back(v);
+  }
+  ctx.saved.resize(L);
+  ctx.buffer_snapshot.resize(L);
+  ctx.outputs.resize(num_micro);
+  ctx.buffers.resize(L);
+  const auto order = scheduler::dispatch_order(plan, RunType::kInfer, static_cast<int64_t>(m.devices.size()),
+                                               m.device_cursor);
+  m.device_cursor = (m.device_cursor + static_cast<int64_t>(order.size())) % static_cast<int64_t>(m.devices.size());
+  std::vector<std::future<void>> jobs;
+  for (size_t s = 0; s < order.size(); ++s) {
+    auto& worker = *m.workers[order[s].device];
+    const c10::Device device = worker.device();
+    const auto layers = order[s].layers;
+    jobs.push_back(worker.post([&ctx, s, layers, device] { detail::run_forward_stage(ctx, s, layers, device); }));
+  }
+  std::exception_ptr error;
+  for (auto& job : jobs) {
+    try {
+      job.get();
+    } catch (...) {
+      if (!error) error = std::current_exception();
+    }
+  }
+  if (error) std::rethrow_exception(error);
+  torch::NoGradGuard no_grad;
+  for (int64_t l = 0; l < L; ++l) {
+    auto buffers = m.layer_set.layers[l].ptr()->buffers();
+    for (size_t k = 0; k < ctx.buffers[l].size() && k < buffers.size(); ++k) buffers[k].copy_(ctx.buffers[l][k]);
+  }
+  std::vector<torch::Tensor> outs;
+  for (auto& acts : ctx.outputs) {
+    TORCH_CHECK(acts.size() == 1, "forward: the last layer returned ", acts.size(), " tensors; forward() merges one");
+    outs.push_back(acts[0]);
+  }
+  return torch::cat(outs, 0);
+}
+
+void RoundPipe::step(std::function<void()> step_fn, StepMode mode) {
+  Impl& m = *impl_;
+  (void)mode;  // kAsync: see the optimizer executor
+  m.ensure_masters();
+  {
+    torch::NoGradGuard no_grad;
+    for (size_t l = 0; l < m.params.size(); ++l) {
+      for (size_t k = 0; k < m.params[l].size(); ++k) {
+        auto& p = m.params[l][k];
+        auto& master = m.masters[l][k];
+        if (!p.grad().defined()) continue;
+        auto g = p.grad().to(master.device(), master.scalar_type());
+        if (master.grad().defined()) {
+          master.mutable_grad().add_(g);
+        } else {
+          master.mutable_grad() = g.clone();
+        }
+        p.mutable_grad().reset();
+      }
+    }
+  }
+  if (step_fn) step_fn();
+  torch::NoGradGuard no_grad;
+  for (size_t l = 0; l < m.params.size(); ++l) {
+    for (size_t k = 0; k < m.params[l].size(); ++k) m.params[l][k].copy_(m.masters[l][k]);
+  }
+}
+
+void RoundPipe::synchronize() {}
+
+std::vector<torch::Tensor> RoundPipe::optim_parameters() {
+  impl_->ensure_masters();
+  std::vector<torch::Tensor> out;
+  for (const auto& layer : impl_->masters) out.insert(out.end(), layer.begin(), layer.end());
+  return out;
+}
+
+std::vector<std::pair<std::string, torch::Tensor>> RoundPipe::optim_named_parameters() {
+  impl_->ensure_masters();
+  std::vector<std::pair<std::string, torch::Tensor>> out;
+  for (size_t l = 0; l < impl_->masters.size(); ++l) {
+    for (size_t k = 0; k < impl_->masters[l].size(); ++k) out.emplace_back(impl_->param_names[l][k], impl_->masters[l][k]);
+  }
+  return out;
+}
+
+std::vector<torch::Tensor> RoundPipe::parameters() {
+  if (OptimizerCtx::active()) return optim_parameters();
+  std::vector<torch::Tensor> out;
+  for (const auto& layer : impl_->params) out.insert(out.end(), layer.begin(), layer.end());
+  return out;
+}
+
+const std::vector<c10::Device>& RoundPipe::devices() const { return impl_->devices; }
+int64_t RoundPipe::num_layers() const { return impl_->num_layers(); }
+scheduler::ExecutePlan RoundPipe::plan(const RunConfig& config) const {
+  return impl_->plan_for(impl_->resolve(config), RunType::kFused);
+}
+torch::nn::Sequential RoundPipe::module() { return impl_->model; }
+int64_t RoundPipe::iteration() const { return impl_->iteration; }
+uint64_t RoundPipe::seed() const { return impl_->seed; }
+
+}  // namespace roundpipe

@@ -1,0 +1,121 @@
+// RoundPipe: wraps a torch::nn::Sequential so that it trains with its state in host memory while
+// stages of layers are streamed round-robin to a pool of devices (CUDA GPUs, or CPU workers).
+// Sits on top of scheduler (plans) and amp/optim (used inside step functions).
+#pragma once
+
+#include <torch/nn/modules/container/sequential.h>
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "roundpipe/run_config.h"
+
+namespace roundpipe {
+
+/// Options of a RoundPipe model. Validated by the RoundPipe constructor.
+struct RoundPipeOptions {
+  /// dtype of the master weights the optimizer updates; default: each parameter's own dtype.
+  TORCH_ARG(std::optional<c10::ScalarType>, optim_dtype) = std::nullopt;
+  /// Devices of the pool; each entry is one worker thread (CPU entries may repeat). Default:
+  /// every visible CUDA device, else one CPU device.
+  TORCH_ARG(std::vector<c10::Device>, devices) = {};
+  /// Model-level defaults for every call.
+  TORCH_ARG(RunConfig, run_config) = {};
+  /// Name used in log lines and error messages.
+  TORCH_ARG(std::string, name) = "model";
+  /// Base seed of the per-layer RNG scheme (Note [Layer RNG]); default: drawn from torch's default
+  /// CPU generator at construction, so torch::manual_seed controls it.
+  TORCH_ARG(std::optional<uint64_t>, seed) = std::nullopt;
+};
+
+/// Computes a microbatch's loss from the model output and that microbatch's rows of the label.
+/// Runs on a device worker thread. Normalize inside it (e.g. sum-reduced loss / full batch size).
+using LossFn = std::function<torch::Tensor(const torch::Tensor& output, const torch::Tensor& label)>;
+
+/// The seed a layer's forward on a microbatch runs with (Note [Layer RNG]). A plain loop that
+/// calls torch::manual_seed(layer_seed(seed, iteration, microbatch, layer)) before each layer
+/// reproduces RoundPipe's dropout masks exactly. `iteration` counts forward_backward calls from 0.
+uint64_t layer_seed(uint64_t base_seed, int64_t iteration, int64_t microbatch, int64_t layer);
+
+/// A pipeline-parallel wrapper of a torch::nn::Sequential.
+///
+/// Thread-safety: one RoundPipe is driven by one caller thread (forward_backward, forward,
+/// step, synchronize). Internally, one worker thread per device runs stage jobs; a run's
+/// channels (futures) are the only state shared between workers, and results are applied to the
+/// model by the caller thread after every job of the call has finished.
+/// Layers must be Cloneable modules (all torch::nn modules are; custom ones derive from
+/// torch::nn::Cloneable): every stage job runs on its own copy of its layers on its device.
+///
+/// Example:
+///   RoundPipe model(net, RoundPipeOptions().devices({torch::kCPU, torch::kCPU}));
+///   auto opt = [&] { OptimizerCtx ctx; return torch::optim::SGD(model.parameters(), 0.1); }();
+///   auto loss = model.forward_backward({x}, y, [&](const torch::Tensor& out, const torch::Tensor& t) {
+///     return torch::mse_loss(out, t, torch::Reduction::Sum) / x.size(0); });
+///   model.step([&] { opt.step(); opt.zero_grad(); });
+class RoundPipe {
+ public:
+  explicit RoundPipe(torch::nn::Sequential model, RoundPipeOptions options = {});
+  ~RoundPipe();
+  RoundPipe(const RoundPipe&) = delete;
+  RoundPipe& operator=(const RoundPipe&) = delete;
+
+  /// Splits `inputs` and `label` along dim 0 into microbatches, runs forward, loss and backward
+  /// through the pipeline, accumulates gradients (until `step`), and returns the sum of the
+  /// per-microbatch losses on the CPU. Errors in any stage (layer, loss_fn) are rethrown here
+  /// naming the layer, phase and microbatch; the model is left unchanged by a failed call.
+  torch::Tensor forward_backward(const std::vector<torch::Tensor>& inputs, const torch::Tensor& label,
+                                 const LossFn& loss_fn, const RunConfig& config = {});
+
+  /// Inference: no autograd, the inference plan, outputs merged along dim 0 (on
+  /// config.output_device, default CPU).
+  torch::Tensor forward(const std::vector<torch::Tensor>& inputs, const RunConfig& config = {});
+
+  /// Moves this iteration's gradients into the master copies (cast to optim_dtype, added to
+  /// their .grad), runs `step_fn` (optimizer step, zero_grad, ...), then writes the master values
+  /// back into the compute copies. kSync: before returning. kAsync: on the optimizer thread
+  /// (see docs/optimizer.md for the staleness-one semantics).
+  void step(std::function<void()> step_fn, StepMode mode = StepMode::kAsync);
+
+  /// Waits for queued optimizer steps; afterwards master and compute copies hold the values after
+  /// the last step. Rethrows an error of a queued step.
+  void synchronize();
+
+  /// Master copies (dtype optim_dtype, CPU) in layer order; created on first call.
+  std::vector<torch::Tensor> optim_parameters();
+  std::vector<std::pair<std::string, torch::Tensor>> optim_named_parameters();
+  /// Inside an OptimizerCtx: optim_parameters(); otherwise the compute copies.
+  std::vector<torch::Tensor> parameters();
+
+  const std::vector<c10::Device>& devices() const;
+  int64_t num_layers() const;
+  /// The plan the next forward_backward call would use (fused plan) with `config`.
+  scheduler::ExecutePlan plan(const RunConfig& config = {}) const;
+  /// The wrapped model (its parameters are the compute copies).
+  torch::nn::Sequential module();
+  /// Number of completed forward_backward calls (the iteration index of Note [Layer RNG]).
+  int64_t iteration() const;
+  /// The base seed of Note [Layer RNG].
+  uint64_t seed() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+/// While alive on a thread, RoundPipe::parameters() returns master copies, so that optimizers
+/// constructed in its scope update the master weights. Thread-local, nestable.
+class OptimizerCtx {
+ public:
+  OptimizerCtx();
+  ~OptimizerCtx();
+  OptimizerCtx(const OptimizerCtx&) = delete;
+  OptimizerCtx& operator=(const OptimizerCtx&) = delete;
+  static bool active();
+};
+
+}  // namespace roundpipe

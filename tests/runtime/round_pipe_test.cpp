@@ -1,0 +1,339 @@
+// RoundPipe engine vs plain LibTorch on CPU devices (the *_CUDA twins run on a GPU machine).
+#include "roundpipe/round_pipe.h"
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include "roundpipe/devices.h"
+#include "tests/common/tensor_compare.h"
+#include "tests/runtime/test_models.h"
+
+namespace roundpipe {
+namespace {
+
+using testing::deep_copy;
+using testing::make_mlp;
+using testing::make_transformer;
+
+enum class Opt { kSGD, kAdam };
+
+std::unique_ptr<torch::optim::Optimizer> make_optimizer(Opt opt, std::vector<torch::Tensor> params) {
+  if (opt == Opt::kSGD) return std::make_unique<torch::optim::SGD>(params, torch::optim::SGDOptions(0.05).momentum(0.9));
+  // eps 1e-4: some transformer parameters (the attention's key bias) have a mathematically zero
+  // gradient, so their gradients are rounding noise (~1e-10) that Adam with a tiny eps would
+  // amplify to full-size steps in either implementation.
+  return std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(1e-2).eps(1e-4));
+}
+
+// Sum-reduced loss over a microbatch divided by the full batch's element count: the sum over
+// microbatches equals the full-batch mean loss.
+LossFn mse_over(int64_t full_numel) {
+  return [full_numel](const torch::Tensor& out, const torch::Tensor& y) {
+    return torch::mse_loss(out, y, torch::Reduction::Sum) / static_cast<double>(full_numel);
+  };
+}
+
+struct Data {
+  torch::Tensor x, y;
+};
+
+Data make_data(bool transformer, int64_t step, int64_t batch = 12) {
+  torch::manual_seed(1000 + step);
+  if (transformer) return {torch::randn({batch, 5, 16}), torch::randn({batch, 5, 4})};
+  return {torch::randn({batch, 8}), torch::randn({batch, 4})};
+}
+
+std::vector<c10::Device> cpu_devices(int n) { return std::vector<c10::Device>(n, c10::Device(c10::kCPU)); }
+
+// Plain full-batch loop vs RoundPipe (kSync): parameters after every step within 1e-6.
+void check_equivalence(bool transformer, int num_devices, int64_t num_micro, RecomputeGrain grain, Opt opt,
+                       std::optional<scheduler::ExecutePlan> plan = std::nullopt,
+                       std::vector<c10::Device> devices = {}) {
+  SCOPED_TRACE(::testing::Message() << (transformer ? "transformer" : "mlp") << " devices=" << num_devices
+                                    << " M=" << num_micro << " grain=" << (grain == RecomputeGrain::kStage ? "stage" : "layer")
+                                    << " opt=" << (opt == Opt::kSGD ? "SGD" : "Adam") << (plan ? " hand plan" : ""));
+  auto model = transformer ? make_transformer(7, 0.0) : make_mlp(7);
+  auto reference = deep_copy(model);
+  if (devices.empty()) devices = cpu_devices(num_devices);
+  RoundPipe rp(model, RoundPipeOptions().devices(devices).seed(99));
+  auto optimizer = [&] {
+    OptimizerCtx ctx;
+    return make_optimizer(opt, rp.parameters());
+  }();
+  auto ref_optimizer = make_optimizer(opt, reference->parameters());
+  RunConfig cfg;
+  cfg.num_microbatch = num_micro;
+  cfg.recompute_grain = grain;
+  cfg.execute_plan = plan;
+  for (int64_t step = 0; step < 5; ++step) {
+    auto data = make_data(transformer, step);
+    auto loss_fn = mse_over(data.y.numel());
+    auto loss = rp.forward_backward({data.x.to(devices[0])}, data.y.to(devices[0]), loss_fn, cfg);
+    rp.step([&] {
+      optimizer->step();
+      optimizer->zero_grad();
+    }, StepMode::kSync);
+
+    ref_optimizer->zero_grad();
+    auto ref_loss = loss_fn(reference->forward(data.x), data.y);
+    ref_loss.backward();
+    ref_optimizer->step();
+
+    ASSERT_TRUE(testing::tensors_close(loss, ref_loss.detach(), 1e-6)) << "loss at step " << step;
+    auto ours = rp.module()->parameters();
+    auto theirs = reference->parameters();
+    ASSERT_TRUE(testing::tensor_lists_close(ours, theirs, 1e-6)) << "parameters after step " << step;
+    ASSERT_TRUE(testing::tensor_lists_close(rp.optim_parameters(), theirs, 1e-6)) << "masters after step " << step;
+  }
+}
+
+TEST(RoundPipeTest, Equivalence_MlpAllCombinations) {
+  for (int devices : {1, 2, 3}) {
+    for (int64_t m : {1, 3, 4}) {
+      for (auto grain : {RecomputeGrain::kStage, RecomputeGrain::kLayer}) {
+        for (auto opt : {Opt::kSGD, Opt::kAdam}) check_equivalence(false, devices, m, grain, opt);
+      }
+    }
+  }
+}
+
+TEST(RoundPipeTest, Equivalence_TransformerAllCombinations) {
+  for (int devices : {1, 2, 3}) {
+    for (int64_t m : {1, 3, 4}) {
+      for (auto grain : {RecomputeGrain::kStage, RecomputeGrain::kLayer}) {
+        check_equivalence(true, devices, m, grain, (devices + m) % 2 ? Opt::kAdam : Opt::kSGD);
+      }
+    }
+  }
+}
+
+TEST(RoundPipeTest, Equivalence_HandWrittenAsymmetricPlan) {
+  scheduler::ExecutePlan mlp_plan({{0, 1}, {1, 3}}, {{3, 5}, {2, 3}, {0, 2}});
+  scheduler::ExecutePlan tf_plan({{0, 2}}, {{2, 4}, {1, 2}, {0, 1}});
+  for (int devices : {1, 2, 3}) {
+    for (auto grain : {RecomputeGrain::kStage, RecomputeGrain::kLayer}) {
+      check_equivalence(false, devices, 3, grain, Opt::kAdam, mlp_plan);
+      check_equivalence(true, devices, 4, grain, Opt::kSGD, tf_plan);
+    }
+  }
+}
+
+TEST(RoundPipeTest, Equivalence_UnevenAndTooFewRows) {
+  // 12 rows in 5 microbatches (3,3,2,2,2); and a batch of 2 rows with 4 microbatches requested.
+  check_equivalence(false, 2, 5, RecomputeGrain::kStage, Opt::kSGD);
+  auto model = make_mlp(3);
+  auto reference = deep_copy(model);
+  RoundPipe rp(model, RoundPipeOptions().devices(cpu_devices(2)));
+  auto x = torch::randn({2, 8}), y = torch::randn({2, 4});
+  RunConfig cfg;
+  cfg.num_microbatch = 4;
+  auto loss = rp.forward_backward({x}, y, mse_over(y.numel()), cfg);
+  EXPECT_TRUE(testing::tensors_close(loss, mse_over(y.numel())(reference->forward(x), y).detach(), 1e-6));
+}
+
+// Plain microbatched loop with the documented RNG scheme (Note [Layer RNG]).
+std::vector<torch::Tensor> dropout_reference(uint64_t seed, int64_t num_micro, int steps) {
+  auto model = make_transformer(11, 0.2);
+  torch::optim::SGD optimizer(model->parameters(), 0.05);
+  int64_t iteration = 0;
+  for (int step = 0; step < steps; ++step) {
+    auto data = make_data(true, step);
+    auto loss_fn = mse_over(data.y.numel());
+    optimizer.zero_grad();
+    auto xs = data.x.tensor_split(num_micro, 0);
+    auto ys = data.y.tensor_split(num_micro, 0);
+    for (int64_t j = 0; j < num_micro; ++j) {
+      torch::Tensor act = xs[j];
+      int64_t l = 0;
+      for (auto& layer : *model) {
+        torch::manual_seed(layer_seed(seed, iteration, j, l++));
+        act = layer.forward(act);
+      }
+      loss_fn(act, ys[j]).backward();
+    }
+    ++iteration;
+    optimizer.step();
+  }
+  return model->parameters();
+}
+
+TEST(RoundPipeTest, Dropout_MatchesSeededMicrobatchLoopOnAnyDeviceCount) {
+  const uint64_t seed = 4242;
+  const int64_t num_micro = 3;
+  auto expected = dropout_reference(seed, num_micro, 3);
+  std::vector<torch::Tensor> first;
+  for (int devices : {1, 2, 3}) {
+    for (auto grain : {RecomputeGrain::kStage, RecomputeGrain::kLayer}) {
+      SCOPED_TRACE(::testing::Message() << "devices=" << devices << " grain=" << static_cast<int>(grain));
+      RoundPipe rp(make_transformer(11, 0.2), RoundPipeOptions().devices(cpu_devices(devices)).seed(seed));
+      auto optimizer = [&] {
+        OptimizerCtx ctx;
+        return torch::optim::SGD(rp.parameters(), 0.05);
+      }();
+      RunConfig cfg;
+      cfg.num_microbatch = num_micro;
+      cfg.recompute_grain = grain;
+      for (int step = 0; step < 3; ++step) {
+        auto data = make_data(true, step);
+        rp.forward_backward({data.x}, data.y, mse_over(data.y.numel()), cfg);
+        rp.step([&] {
+          optimizer.step();
+          optimizer.zero_grad();
+        }, StepMode::kSync);
+      }
+      auto params = rp.module()->parameters();
+      EXPECT_TRUE(testing::tensor_lists_close(params, expected, 1e-6));
+      if (first.empty()) {
+        first = params;
+      } else {
+        for (size_t k = 0; k < params.size(); ++k) EXPECT_TRUE(testing::tensors_equal(params[k], first[k])) << "param " << k;
+      }
+    }
+  }
+}
+
+TEST(RoundPipeTest, Dropout_DoesNotDisturbCallersRandomStream) {
+  RoundPipe rp(make_transformer(11, 0.5), RoundPipeOptions().devices(cpu_devices(2)).seed(1));
+  auto data = make_data(true, 0);
+  torch::manual_seed(5);
+  rp.forward_backward({data.x}, data.y, mse_over(data.y.numel()));
+  auto after = torch::rand({4});
+  torch::manual_seed(5);
+  EXPECT_TRUE(testing::tensors_equal(after, torch::rand({4})));
+}
+
+TEST(RoundPipeTest, BatchNorm_RunningStatsEvolveOnceLikeAPlainMicrobatchedForward) {
+  torch::manual_seed(3);
+  torch::nn::Sequential model(torch::nn::Linear(8, 8), torch::nn::BatchNorm1d(8), torch::nn::Tanh(),
+                              torch::nn::Linear(8, 8), torch::nn::BatchNorm1d(8), torch::nn::Linear(8, 4));
+  auto reference = deep_copy(model);
+  RoundPipe rp(model, RoundPipeOptions().devices(cpu_devices(3)));
+  for (auto grain : {RecomputeGrain::kStage, RecomputeGrain::kLayer}) {
+    RunConfig cfg;
+    cfg.num_microbatch = 3;
+    cfg.recompute_grain = grain;
+    cfg.execute_plan = scheduler::ExecutePlan({{0, 2}, {2, 4}}, {{4, 6}, {3, 4}, {0, 3}});
+    auto data = make_data(false, 1);
+    auto loss_fn = mse_over(data.y.numel());
+    rp.forward_backward({data.x}, data.y, loss_fn, cfg);
+    auto xs = data.x.tensor_split(3, 0), ys = data.y.tensor_split(3, 0);
+    for (int j = 0; j < 3; ++j) loss_fn(reference->forward(xs[j]), ys[j]).backward();
+    EXPECT_TRUE(testing::tensor_lists_close(rp.module()->buffers(), reference->buffers(), 1e-6));
+    for (size_t k = 0; k < reference->parameters().size(); ++k) {
+      EXPECT_TRUE(testing::tensors_close(rp.module()->parameters()[k].grad(), reference->parameters()[k].grad(), 1e-6));
+    }
+  }
+}
+
+TEST(RoundPipeTest, GradientAccumulation_AcrossCallsUntilStep) {
+  auto model = make_mlp(5);
+  auto reference = deep_copy(model);
+  RoundPipe rp(model, RoundPipeOptions().devices(cpu_devices(2)));
+  auto optimizer = [&] {
+    OptimizerCtx ctx;
+    return torch::optim::SGD(rp.parameters(), 0.1);
+  }();
+  torch::optim::SGD ref_opt(reference->parameters(), 0.1);
+  for (int call = 0; call < 2; ++call) {
+    auto data = make_data(false, call);
+    rp.forward_backward({data.x}, data.y, mse_over(data.y.numel()));
+    mse_over(data.y.numel())(reference->forward(data.x), data.y).backward();
+  }
+  rp.step([&] { optimizer.step(); }, StepMode::kSync);
+  ref_opt.step();
+  EXPECT_TRUE(testing::tensor_lists_close(rp.module()->parameters(), reference->parameters(), 1e-6));
+}
+
+TEST(RoundPipeTest, Forward_InferenceMatchesPlainForward) {
+  auto model = make_transformer(8, 0.3);
+  auto reference = deep_copy(model);
+  model->eval();
+  reference->eval();
+  RoundPipe rp(model, RoundPipeOptions().devices(cpu_devices(3)));
+  auto data = make_data(true, 0, 10);
+  RunConfig cfg;
+  cfg.num_microbatch = 4;
+  auto out = rp.forward({data.x}, cfg);
+  torch::NoGradGuard no_grad;
+  EXPECT_TRUE(testing::tensors_close(out, reference->forward(data.x), 1e-6));
+}
+
+TEST(RoundPipeTest, Errors_ReachCallerNamingLayerAndPhase_ModelStaysUsable) {
+  auto fail = std::make_shared<std::atomic<bool>>(true);
+  torch::manual_seed(1);
+  torch::nn::Sequential model(torch::nn::Linear(8, 8), torch::nn::Tanh(), testing::Faulty(fail), torch::nn::Linear(8, 4));
+  auto reference = deep_copy(model);
+  RoundPipe rp(model, RoundPipeOptions().devices(cpu_devices(3)).name("faulty"));
+  auto data = make_data(false, 0);
+  auto loss_fn = mse_over(data.y.numel());
+  RunConfig cfg;
+  cfg.execute_plan = scheduler::ExecutePlan({{0, 1}, {1, 3}}, {{3, 4}, {2, 3}, {0, 2}});
+  try {
+    rp.forward_backward({data.x}, data.y, loss_fn, cfg);
+    FAIL() << "expected an error";
+  } catch (const c10::Error& e) {
+    const std::string msg = e.what_without_backtrace();
+    EXPECT_NE(msg.find("RoundPipe 'faulty': forward stage [1, 3)"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("layer 2 (roundpipe::testing::FaultyImpl)"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("microbatch 0"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("injected failure"), std::string::npos) << msg;
+  }
+  // The failed call left no gradients behind; the next call works and matches plain LibTorch.
+  for (const auto& p : rp.module()->parameters()) EXPECT_FALSE(p.grad().defined());
+  fail->store(false);
+  auto loss = rp.forward_backward({data.x}, data.y, loss_fn, cfg);
+  auto ref_loss = loss_fn(reference->forward(data.x), data.y);
+  ref_loss.backward();
+  EXPECT_TRUE(testing::tensors_close(loss, ref_loss.detach(), 1e-6));
+  for (size_t k = 0; k < reference->parameters().size(); ++k) {
+    EXPECT_TRUE(testing::tensors_close(rp.module()->parameters()[k].grad(), reference->parameters()[k].grad(), 1e-6));
+  }
+}
+
+TEST(RoundPipeTest, Errors_LossFnAndShapeMismatch) {
+  RoundPipe rp(make_mlp(1), RoundPipeOptions().devices(cpu_devices(2)));
+  auto data = make_data(false, 0);
+  try {
+    rp.forward_backward({data.x}, data.y, [](const torch::Tensor&, const torch::Tensor&) -> torch::Tensor {
+      throw std::runtime_error("bad loss");
+    });
+    FAIL() << "expected an error";
+  } catch (const c10::Error& e) {
+    const std::string msg = e.what_without_backtrace();
+    EXPECT_NE(msg.find("fused stage"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("(loss_fn): bad loss"), std::string::npos) << msg;
+  }
+  try {
+    rp.forward_backward({torch::randn({12, 5})}, data.y, mse_over(data.y.numel()));
+    FAIL() << "expected a shape error";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what_without_backtrace()).find("layer 0 (torch::nn::Linear"), std::string::npos)
+        << e.what_without_backtrace();
+  }
+  EXPECT_THROW(rp.forward_backward({data.x}, data.y.narrow(0, 0, 5), mse_over(1)), c10::Error);
+  EXPECT_NO_THROW(rp.forward_backward({data.x}, data.y, mse_over(data.y.numel())));
+}
+
+TEST(RoundPipeTest, Construction_RejectsBadModelsAndOptions) {
+  EXPECT_THROW(RoundPipe(torch::nn::Sequential(), RoundPipeOptions().devices(cpu_devices(1))), c10::Error);
+  // An empty device list means the default devices (here: the CPU).
+  EXPECT_NO_THROW(RoundPipe(make_mlp(1), RoundPipeOptions().devices({})).forward({torch::randn({2, 8})}));
+  torch::nn::Linear shared(4, 4);
+  EXPECT_THROW(RoundPipe(torch::nn::Sequential(shared, shared), RoundPipeOptions().devices(cpu_devices(1))), c10::Error);
+  RunConfig bad;
+  bad.execute_plan = scheduler::ExecutePlan({{0, 2}}, {{2, 3}, {0, 2}});
+  RoundPipe rp(make_mlp(1), RoundPipeOptions().devices(cpu_devices(1)));
+  EXPECT_THROW(rp.plan(bad), c10::Error);
+  EXPECT_NO_THROW(rp.plan().validate(rp.num_layers(), scheduler::RunType::kFused));
+}
+
+TEST(RoundPipeTest, Equivalence_MlpOnGpus_CUDA) {
+  std::vector<c10::Device> gpus;
+  for (int64_t i = 0; i < cuda_device_count(); ++i) gpus.emplace_back(c10::kCUDA, i);
+  for (auto grain : {RecomputeGrain::kStage, RecomputeGrain::kLayer}) {
+    check_equivalence(false, static_cast<int>(gpus.size()), 3, grain, Opt::kAdam, std::nullopt, gpus);
+  }
+}
+
+}  // namespace
+}  // namespace roundpipe

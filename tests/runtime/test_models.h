@@ -1,0 +1,64 @@
+// Small models for engine tests: an MLP and transformer blocks (attention + MLP + LayerNorm).
+#pragma once
+
+#include <torch/torch.h>
+
+#include <atomic>
+#include <memory>
+
+namespace roundpipe::testing {
+
+/// Pre-norm transformer block on [batch, seq, embed] activations, with optional dropout.
+struct BlockImpl : torch::nn::Cloneable<BlockImpl> {
+  BlockImpl(int64_t embed, int64_t heads, double dropout) : embed_(embed), heads_(heads), dropout_(dropout) { reset(); }
+  void reset() override {
+    ln1 = register_module("ln1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({embed_})));
+    attn = register_module("attn", torch::nn::MultiheadAttention(torch::nn::MultiheadAttentionOptions(embed_, heads_)));
+    ln2 = register_module("ln2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({embed_})));
+    fc1 = register_module("fc1", torch::nn::Linear(embed_, 2 * embed_));
+    fc2 = register_module("fc2", torch::nn::Linear(2 * embed_, embed_));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    auto h = ln1(x).transpose(0, 1);  // [seq, batch, embed]
+    auto a = std::get<0>(attn(h, h, h)).transpose(0, 1);
+    auto y = x + torch::dropout(a, dropout_, is_training());
+    auto m = fc2(torch::gelu(fc1(ln2(y))));
+    return y + torch::dropout(m, dropout_, is_training());
+  }
+  int64_t embed_, heads_;
+  double dropout_;
+  torch::nn::LayerNorm ln1{nullptr}, ln2{nullptr};
+  torch::nn::MultiheadAttention attn{nullptr};
+  torch::nn::Linear fc1{nullptr}, fc2{nullptr};
+};
+TORCH_MODULE(Block);
+
+/// A layer that throws from forward while `*fail` is true (shared by clones).
+struct FaultyImpl : torch::nn::Cloneable<FaultyImpl> {
+  explicit FaultyImpl(std::shared_ptr<std::atomic<bool>> fail) : fail_(std::move(fail)) {}
+  void reset() override {}
+  torch::Tensor forward(const torch::Tensor& x) {
+    TORCH_CHECK(!fail_->load(), "injected failure");
+    return x;
+  }
+  std::shared_ptr<std::atomic<bool>> fail_;
+};
+TORCH_MODULE(Faulty);
+
+inline torch::nn::Sequential make_mlp(int64_t seed) {
+  torch::manual_seed(seed);
+  return torch::nn::Sequential(torch::nn::Linear(8, 16), torch::nn::Tanh(), torch::nn::Linear(16, 16),
+                               torch::nn::Tanh(), torch::nn::Linear(16, 4));
+}
+
+inline torch::nn::Sequential make_transformer(int64_t seed, double dropout) {
+  torch::manual_seed(seed);
+  return torch::nn::Sequential(Block(16, 2, dropout), Block(16, 2, dropout), Block(16, 2, dropout),
+                               torch::nn::Linear(16, 4));
+}
+
+inline torch::nn::Sequential deep_copy(const torch::nn::Sequential& model) {
+  return torch::nn::Sequential(std::dynamic_pointer_cast<torch::nn::SequentialImpl>(model->clone()));
+}
+
+}  // namespace roundpipe::testing
