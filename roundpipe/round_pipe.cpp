@@ -5,6 +5,8 @@
 #include <c10/util/Exception.h>
 #include <torch/nn/module.h>
 
+#include <condition_variable>
+#include <mutex>
 #include <unordered_map>
 
 #include "roundpipe/detail/device_worker.h"
@@ -25,6 +27,22 @@ namespace roundpipe {
 // torch::manual_seed(layer_seed(...)) before each layer. The cost on CPU devices: they share one
 // generator, so seeded layer forwards are serialized by a mutex (set preserve_rng_state=false to
 // run CPU workers fully in parallel, without deterministic dropout).
+//
+// Note [Async step protocol]:
+// step(fn, kAsync) number k queues one job on the optimizer thread (FIFO) and returns. The job
+// (1) publishes the master values (after step k-1) into the compute copies, layer by layer,
+// raising published[l] to k; (2) moves iteration k's gradients from the compute copies' .grad
+// into the master .grad (cast to optim_dtype), raising consumed[l] to k; (3) runs fn.
+// The next forward_backward (iteration k+1) runs concurrently with that job: a stage job waits,
+// per layer, for published[l] >= k before it copies the layer (so iteration k+1 computes with
+// the parameters after step k-1: staleness one, as in the Python original), and the caller waits
+// for consumed[l] >= k before it adds iteration k+1's gradients to the layer's .grad. Stage jobs
+// of iteration k+1 only read compute copies after their publish; the optimizer thread writes
+// them only in (1), so no tensor is read and written concurrently. A failed job records its
+// error, raises every counter (nobody waits forever) and the error is rethrown at the next
+// forward_backward, step or synchronize. synchronize() drains the queue and publishes the
+// masters, so afterwards compute copies hold the values after the last step. kSync drains, then
+// does (2), fn and a publish inline: exactly a plain loop.
 //
 // Note [Buffers in recompute]:
 // A forward stage snapshots its layers' buffers before its first microbatch; backward stages
@@ -81,6 +99,69 @@ struct RoundPipe::Impl {
   int64_t iteration = 0;
   uint64_t seed = 0;
   const Logger* log = &Logger::get("runtime");
+
+  // Async optimizer (Note [Async step protocol]). `steps` is caller-thread only; the counters and
+  // the error are guarded by `sync_mutex`.
+  std::unique_ptr<detail::DeviceWorker> optimizer_thread;
+  std::vector<std::future<void>> pending_steps;  // caller thread only
+  int64_t steps = 0;
+  std::mutex sync_mutex;
+  std::condition_variable sync_cv;
+  std::vector<int64_t> published;
+  std::vector<int64_t> consumed;
+  std::exception_ptr async_error;
+
+  void wait_counter(const std::vector<int64_t>& counter, int64_t l, int64_t target) {
+    std::unique_lock<std::mutex> lock(sync_mutex);
+    sync_cv.wait(lock, [&] { return counter[l] >= target; });
+  }
+  void raise_counter(std::vector<int64_t>& counter, int64_t l, int64_t value) {
+    {
+      std::lock_guard<std::mutex> lock(sync_mutex);
+      counter[l] = std::max(counter[l], value);
+    }
+    sync_cv.notify_all();
+  }
+  void raise_all(int64_t value) {
+    {
+      std::lock_guard<std::mutex> lock(sync_mutex);
+      for (auto& c : published) c = std::max(c, value);
+      for (auto& c : consumed) c = std::max(c, value);
+    }
+    sync_cv.notify_all();
+  }
+  void rethrow_async_error() {
+    std::exception_ptr error;
+    {
+      std::lock_guard<std::mutex> lock(sync_mutex);
+      std::swap(error, async_error);
+    }
+    if (error) std::rethrow_exception(error);
+  }
+  void drain() {
+    for (auto& f : pending_steps) f.wait();
+    pending_steps.clear();
+  }
+  // Writes master values into the compute copies of layer l (caller holds no lock).
+  void publish_layer(size_t l) {
+    torch::NoGradGuard no_grad;
+    for (size_t k = 0; k < params[l].size(); ++k) params[l][k].copy_(masters[l][k]);
+  }
+  void consume_grads_layer(size_t l) {
+    torch::NoGradGuard no_grad;
+    for (size_t k = 0; k < params[l].size(); ++k) {
+      auto& p = params[l][k];
+      auto& master = masters[l][k];
+      if (!p.grad().defined()) continue;
+      auto g = p.grad().to(master.device(), master.scalar_type());
+      if (master.grad().defined()) {
+        master.mutable_grad().add_(g);
+      } else {
+        master.mutable_grad() = g.clone();
+      }
+      p.mutable_grad().reset();
+    }
+  }
 
   int64_t num_layers() const { return static_cast<int64_t>(layer_set.layers.size()); }
 
@@ -203,12 +284,17 @@ RoundPipe::RoundPipe(torch::nn::Sequential model, RoundPipeOptions options) : im
     std::lock_guard<std::mutex> lock(gen.mutex());
     m.seed = gen.get<at::CPUGeneratorImpl>()->random64();
   }
+  m.published.assign(m.params.size(), 0);
+  m.consumed.assign(m.params.size(), 0);
   for (const auto& device : m.devices) m.workers.push_back(std::make_unique<detail::DeviceWorker>(device));
   ROUNDPIPE_LOG(*m.log, kInfo, "RoundPipe '", options.name(), "': ", m.num_layers(), " layers on ", m.devices.size(),
                 " device(s)");
 }
 
-RoundPipe::~RoundPipe() = default;
+RoundPipe::~RoundPipe() {
+  // Queued steps reference the Impl: finish them (errors are dropped: a destructor cannot throw).
+  impl_->drain();
+}
 
 namespace {
 
@@ -219,6 +305,7 @@ using scheduler::RunType;
 torch::Tensor RoundPipe::forward_backward(const std::vector<torch::Tensor>& inputs, const torch::Tensor& label,
                                           const LossFn& loss_fn, const RunConfig& config) {
   Impl& m = *impl_;
+  m.rethrow_async_error();
   TORCH_CHECK(static_cast<bool>(loss_fn), "forward_backward needs a loss_fn");
   TORCH_CHECK(!inputs.empty(), "forward_backward needs at least one input tensor");
   const RunConfig cfg = m.resolve(config);
@@ -253,6 +340,8 @@ torch::Tensor RoundPipe::forward_backward(const std::vector<torch::Tensor>& inpu
     ctx.labels.assign(num_micro, label);
   }
   ctx.loss_fn = &loss_fn;
+  const int64_t steps_before = m.steps;
+  ctx.wait_layer_ready = [&m, steps_before](int64_t l) { m.wait_counter(m.published, l, steps_before); };
   auto channels = [&](size_t n) {
     std::vector<detail::ChannelPtr> v;
     for (size_t j = 0; j < n; ++j) v.push_back(std::make_shared<detail::Channel>());
@@ -317,6 +406,7 @@ torch::Tensor RoundPipe::forward_backward(const std::vector<torch::Tensor>& inpu
   // Success: apply gradients (accumulate until step) and buffers to the model.
   torch::NoGradGuard no_grad;
   for (int64_t l = 0; l < L; ++l) {
+    m.wait_counter(m.consumed, l, steps_before);  // step k's job has taken the previous grads
     for (size_t k = 0; k < ctx.grads[l].size() && k < m.params[l].size(); ++k) {
       const auto& g = ctx.grads[l][k];
       auto& p = m.params[l][k];
@@ -337,6 +427,7 @@ torch::Tensor RoundPipe::forward_backward(const std::vector<torch::Tensor>& inpu
 
 torch::Tensor RoundPipe::forward(const std::vector<torch::Tensor>& inputs, const RunConfig& config) {
   Impl& m = *impl_;
+  m.rethrow_async_error();
   TORCH_CHECK(!inputs.empty(), "forward needs at least one input tensor");
   const RunConfig cfg = m.resolve(config);
   int64_t num_micro = cfg.num_microbatch.value_or(static_cast<int64_t>(m.devices.size()) + 1);
@@ -358,6 +449,8 @@ torch::Tensor RoundPipe::forward(const std::vector<torch::Tensor>& inputs, const
   ctx.training = false;
   ctx.output_device = cfg.output_device.value_or(c10::Device(c10::kCPU));
   ctx.inputs = m.split(inputs, num_micro, "inputs");
+  const int64_t steps_before = m.steps;
+  ctx.wait_layer_ready = [&m, steps_before](int64_t l) { m.wait_counter(m.published, l, steps_before); };
   const auto& fwd = plan.forward_stages();
   for (size_t s = 0; s + 1 < fwd.size(); ++s) {
     std::vector<detail::ChannelPtr> v;
@@ -402,33 +495,49 @@ torch::Tensor RoundPipe::forward(const std::vector<torch::Tensor>& inputs, const
 
 void RoundPipe::step(std::function<void()> step_fn, StepMode mode) {
   Impl& m = *impl_;
-  (void)mode;  // kAsync: see the optimizer executor
+  m.rethrow_async_error();
   m.ensure_masters();
-  {
-    torch::NoGradGuard no_grad;
-    for (size_t l = 0; l < m.params.size(); ++l) {
-      for (size_t k = 0; k < m.params[l].size(); ++k) {
-        auto& p = m.params[l][k];
-        auto& master = m.masters[l][k];
-        if (!p.grad().defined()) continue;
-        auto g = p.grad().to(master.device(), master.scalar_type());
-        if (master.grad().defined()) {
-          master.mutable_grad().add_(g);
-        } else {
-          master.mutable_grad() = g.clone();
-        }
-        p.mutable_grad().reset();
+  const int64_t k = ++m.steps;
+  if (mode == StepMode::kSync) {
+    m.drain();
+    m.rethrow_async_error();
+    for (size_t l = 0; l < m.params.size(); ++l) m.consume_grads_layer(l);
+    if (step_fn) step_fn();
+    for (size_t l = 0; l < m.params.size(); ++l) m.publish_layer(l);
+    m.raise_all(k);
+    return;
+  }
+  if (!m.optimizer_thread) m.optimizer_thread = std::make_unique<detail::DeviceWorker>(c10::Device(c10::kCPU));
+  m.pending_steps.push_back(m.optimizer_thread->post([&m, k, fn = std::move(step_fn)] {
+    try {
+      for (size_t l = 0; l < m.params.size(); ++l) {
+        m.publish_layer(l);
+        m.raise_counter(m.published, static_cast<int64_t>(l), k);
       }
+      for (size_t l = m.params.size(); l-- > 0;) {
+        m.consume_grads_layer(l);
+        m.raise_counter(m.consumed, static_cast<int64_t>(l), k);
+      }
+      if (fn) fn();
+    } catch (...) {
+      {
+        std::lock_guard<std::mutex> lock(m.sync_mutex);
+        if (!m.async_error) m.async_error = std::current_exception();
+      }
+      m.raise_all(k);
     }
-  }
-  if (step_fn) step_fn();
-  torch::NoGradGuard no_grad;
-  for (size_t l = 0; l < m.params.size(); ++l) {
-    for (size_t k = 0; k < m.params[l].size(); ++k) m.params[l][k].copy_(m.masters[l][k]);
-  }
+  }));
 }
 
-void RoundPipe::synchronize() {}
+void RoundPipe::synchronize() {
+  Impl& m = *impl_;
+  m.drain();
+  if (!m.masters.empty()) {
+    for (size_t l = 0; l < m.params.size(); ++l) m.publish_layer(l);
+  }
+  m.raise_all(m.steps);
+  m.rethrow_async_error();
+}
 
 std::vector<torch::Tensor> RoundPipe::optim_parameters() {
   impl_->ensure_masters();

@@ -131,6 +131,11 @@ std::vector<torch::nn::AnyModule> clone_layers(const RunContext& ctx, scheduler:
   pos.step = "copying the layer to the device";
   for (int64_t l = r.begin; l < r.end; ++l) {
     pos.layer = l;
+    if (ctx.wait_layer_ready) {
+      pos.step = "waiting for the optimizer";
+      ctx.wait_layer_ready(l);
+      pos.step = "copying the layer to the device";
+    }
     torch::nn::AnyModule clone;
     run_rng_isolated([&] { clone = ctx.model->layers[l].clone(device); });
     for (auto& p : clone.ptr()->parameters()) {

@@ -5,6 +5,7 @@
 
 #include <atomic>
 #include <exception>
+#include <functional>
 #include <future>
 #include <memory>
 #include <string>
@@ -66,6 +67,9 @@ struct RunContext {
   std::vector<at::Tensor> labels;    // [mb]
   const LossFn* loss_fn = nullptr;
   c10::Device output_device = c10::kCPU;
+  /// Called by a stage job before it copies layer `l`: blocks until the layer's compute copy
+  /// holds the parameters this iteration must use (Note [Async step protocol]). May be empty.
+  std::function<void(int64_t)> wait_layer_ready;
 
   std::vector<std::vector<ChannelPtr>> fwd_out;   // [forward stage][mb]
   std::vector<std::vector<ChannelPtr>> saved;     // [layer][mb]; empty when not kept

@@ -1,0 +1,146 @@
+// step(fn, kAsync): staleness-one semantics (Note [Async step protocol]) and a stress test that
+// also runs under ThreadSanitizer (scripts/tsan.sh).
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <random>
+
+#include "roundpipe/round_pipe.h"
+#include "tests/common/tensor_compare.h"
+#include "tests/runtime/test_models.h"
+
+namespace roundpipe {
+namespace {
+
+using testing::deep_copy;
+
+LossFn mse_over(int64_t full_numel) {
+  return [full_numel](const torch::Tensor& out, const torch::Tensor& y) {
+    return torch::mse_loss(out, y, torch::Reduction::Sum) / static_cast<double>(full_numel);
+  };
+}
+
+std::unique_ptr<torch::optim::Optimizer> make_opt(int which, std::vector<torch::Tensor> params) {
+  if (which == 0) return std::make_unique<torch::optim::SGD>(params, torch::optim::SGDOptions(0.05));
+  return std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(1e-2));
+}
+
+// The staleness-one reference of DESIGN.md §3: compute model C (forward/backward) and master
+// model M (optimizer). Step k: C <- M (values after step k-1), M.grad <- grads of iteration k,
+// optimizer step on M. At the end C <- M (synchronize).
+struct StaleReference {
+  torch::nn::Sequential compute, master;
+  std::unique_ptr<torch::optim::Optimizer> opt;
+  StaleReference(const torch::nn::Sequential& initial, int which)
+      : compute(deep_copy(initial)), master(deep_copy(initial)), opt(make_opt(which, master->parameters())) {}
+  torch::Tensor iterate(const torch::Tensor& x, const torch::Tensor& y) {
+    auto loss = mse_over(y.numel())(compute->forward(x), y);
+    loss.backward();
+    torch::NoGradGuard no_grad;
+    auto cp = compute->parameters();
+    auto mp = master->parameters();
+    for (size_t k = 0; k < cp.size(); ++k) {
+      cp[k].copy_(mp[k]);
+      mp[k].mutable_grad() = cp[k].grad().clone();
+      cp[k].mutable_grad().reset();
+    }
+    opt->step();
+    opt->zero_grad();
+    return loss.detach();
+  }
+  void synchronize() {
+    torch::NoGradGuard no_grad;
+    auto cp = compute->parameters();
+    auto mp = master->parameters();
+    for (size_t k = 0; k < cp.size(); ++k) cp[k].copy_(mp[k]);
+  }
+};
+
+TEST(AsyncStepTest, Async_EqualsStalenessOneReference) {
+  for (int devices : {1, 3}) {
+    for (int which : {0, 1}) {
+      SCOPED_TRACE(::testing::Message() << "devices=" << devices << " opt=" << which);
+      auto model = testing::make_mlp(21);
+      StaleReference ref(model, which);
+      RoundPipe rp(model, RoundPipeOptions().devices(std::vector<c10::Device>(devices, c10::kCPU)));
+      auto opt = [&] {
+        OptimizerCtx ctx;
+        return make_opt(which, rp.parameters());
+      }();
+      for (int it = 0; it < 10; ++it) {
+        torch::manual_seed(500 + it);
+        auto x = torch::randn({9, 8}), y = torch::randn({9, 4});
+        auto loss = rp.forward_backward({x}, y, mse_over(y.numel()));
+        rp.step([&] {
+          opt->step();
+          opt->zero_grad();
+        });
+        auto ref_loss = ref.iterate(x, y);
+        ASSERT_TRUE(testing::tensors_close(loss, ref_loss, 1e-6)) << "iteration " << it;
+      }
+      rp.synchronize();
+      ref.synchronize();
+      EXPECT_TRUE(testing::tensor_lists_close(rp.module()->parameters(), ref.compute->parameters(), 1e-6));
+      EXPECT_TRUE(testing::tensor_lists_close(rp.optim_parameters(), ref.master->parameters(), 1e-6));
+    }
+  }
+}
+
+TEST(AsyncStepTest, StepError_IsRethrownAtNextSyncPoint_ModelStaysUsable) {
+  RoundPipe rp(testing::make_mlp(2), RoundPipeOptions().devices({c10::kCPU, c10::kCPU}));
+  auto x = torch::randn({6, 8}), y = torch::randn({6, 4});
+  rp.forward_backward({x}, y, mse_over(y.numel()));
+  rp.step([] { throw std::runtime_error("optimizer exploded"); });
+  try {
+    rp.synchronize();
+    FAIL() << "expected the step's error";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("optimizer exploded"), std::string::npos);
+  }
+  EXPECT_NO_THROW(rp.forward_backward({x}, y, mse_over(y.numel())));
+  EXPECT_NO_THROW(rp.step([] {}));
+  EXPECT_NO_THROW(rp.synchronize());
+}
+
+// Many iterations, random layer sizes, 3 CPU devices, async steps: must finish, match the
+// staleness-one reference, and be clean under ThreadSanitizer.
+TEST(AsyncStepTest, Stress_RandomLayers200Iterations) {
+  std::mt19937 rng(3);
+  std::uniform_int_distribution<int> width(2, 24);
+  torch::manual_seed(9);
+  torch::nn::Sequential model;
+  int in = 6;
+  for (int l = 0; l < 9; ++l) {
+    int out = l == 8 ? 3 : width(rng);
+    model->push_back(torch::nn::Linear(in, out));
+    if (l != 8) model->push_back(torch::nn::Tanh());
+    in = out;
+  }
+  StaleReference ref(model, 0);
+  RoundPipe rp(model, RoundPipeOptions().devices({c10::kCPU, c10::kCPU, c10::kCPU}));
+  auto opt = [&] {
+    OptimizerCtx ctx;
+    return make_opt(0, rp.parameters());
+  }();
+  const int iterations = std::getenv("ROUNDPIPE_STRESS_ITERATIONS") ? std::atoi(std::getenv("ROUNDPIPE_STRESS_ITERATIONS")) : 200;
+  for (int it = 0; it < iterations; ++it) {
+    torch::manual_seed(it);
+    auto x = torch::randn({7, 6}), y = torch::randn({7, 3});
+    RunConfig cfg;
+    cfg.num_microbatch = 1 + it % 5;
+    cfg.recompute_grain = it % 2 ? RecomputeGrain::kLayer : RecomputeGrain::kStage;
+    auto loss = rp.forward_backward({x}, y, mse_over(y.numel()), cfg);
+    rp.step([&] {
+      opt->step();
+      opt->zero_grad();
+    });
+    auto ref_loss = ref.iterate(x, y);
+    ASSERT_TRUE(testing::tensors_close(loss, ref_loss, 1e-5)) << "iteration " << it;
+  }
+  rp.synchronize();
+  ref.synchronize();
+  EXPECT_TRUE(testing::tensor_lists_close(rp.module()->parameters(), ref.compute->parameters(), 1e-5));
+}
+
+}  // namespace
+}  // namespace roundpipe
