@@ -17,6 +17,9 @@ namespace {
 
 // Elements per thread below which splitting a step further does not pay for waking a thread.
 constexpr int64_t kGrainElements = 32 * 1024;
+// With set_streaming_stores(true), parameters from this size on (4 MiB per fp32 buffer) are
+// written with non-temporal stores; see Note [Streaming stores] in detail/adam_kernel_impl.h.
+constexpr int64_t kStreamingMinElements = int64_t{1} << 20;
 
 void check_options(const AdamOptions& o, const std::string& where) {
   TORCH_CHECK(o.lr() >= 0, "roundpipe::optim::Adam: invalid learning rate lr=", o.lr(), " in ",
@@ -154,6 +157,8 @@ void Adam::set_num_threads(int64_t num_threads) {
   num_threads_ = num_threads;
 }
 
+void Adam::set_streaming_stores(bool enabled) { streaming_stores_ = enabled; }
+
 std::string Adam::kernel_isa() const { return detail::isa_name(static_cast<detail::CpuIsa>(isa_)); }
 
 void Adam::set_kernel_isa(const std::string& isa) {
@@ -266,6 +271,7 @@ torch::Tensor Adam::step(LossClosure closure) {
       job.exp_avg_sq = state.exp_avg_sq().data_ptr<float>();
       job.max_exp_avg_sq = options.amsgrad() ? state.max_exp_avg_sq().data_ptr<float>() : nullptr;
       job.numel = p.numel();
+      job.streaming_stores = streaming_stores_ && job.numel >= kStreamingMinElements;
       auto& s = job.scalars;
       s.lerp_weight = static_cast<float>(1 - beta1);
       s.beta2 = static_cast<float>(beta2);

@@ -112,6 +112,12 @@ class Adam : public torch::optim::Optimizer {
   void set_num_threads(int64_t num_threads);
   int64_t num_threads() const { return num_threads_; }
 
+  /// Non-temporal stores for parameters of 2^20 elements or more (skips the write-allocate read
+  /// of p, m, v). Default off: on the AMD EPYC VM we measured it 25% slower; try it on Intel
+  /// servers. Results are bitwise the same either way.
+  void set_streaming_stores(bool enabled);
+  bool streaming_stores() const { return streaming_stores_; }
+
   /// Name of the kernel ISA steps use: "avx512", "avx2" or "scalar".
   std::string kernel_isa() const;
   /// Forces a kernel ISA ("scalar", "avx2", "avx512"; "auto" = best supported), mainly for tests
@@ -124,6 +130,7 @@ class Adam : public torch::optim::Optimizer {
   void check_param(const torch::Tensor& param) const;
 
   int64_t num_threads_ = 0;
+  bool streaming_stores_ = false;
   int isa_ = 0;  // detail::CpuIsa, kept as int so the public header stays free of detail/
   std::unordered_map<const void*, torch::Tensor> compute_copies_;  // TensorImpl* -> copy
 };

@@ -42,6 +42,9 @@ struct AdamTensor {
   void* copy = nullptr;
   CopyDtype copy_dtype = CopyDtype::kNone;
   int64_t numel = 0;
+  /// Write param / exp_avg / exp_avg_sq / max_exp_avg_sq with non-temporal stores where they
+  /// are mutually aligned (see Note [Streaming stores] in adam_kernel_impl.h).
+  bool streaming_stores = false;
   AdamScalars scalars;
 };
 

@@ -11,9 +11,12 @@ namespace {
 
 struct VecAvx2 {
   static constexpr int kWidth = 8;
+  static constexpr uintptr_t kAlignBytes = 32;
   using reg = __m256;
   static reg load(const float* p) { return _mm256_loadu_ps(p); }
   static void store(float* p, reg x) { _mm256_storeu_ps(p, x); }
+  static void stream(float* p, reg x) { _mm256_stream_ps(p, x); }
+  static void fence() { _mm_sfence(); }
   static reg set1(float x) { return _mm256_set1_ps(x); }
   static reg add(reg a, reg b) { return _mm256_add_ps(a, b); }
   static reg sub(reg a, reg b) { return _mm256_sub_ps(a, b); }

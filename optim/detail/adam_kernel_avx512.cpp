@@ -11,9 +11,12 @@ namespace {
 
 struct VecAvx512 {
   static constexpr int kWidth = 16;
+  static constexpr uintptr_t kAlignBytes = 64;
   using reg = __m512;
   static reg load(const float* p) { return _mm512_loadu_ps(p); }
   static void store(float* p, reg x) { _mm512_storeu_ps(p, x); }
+  static void stream(float* p, reg x) { _mm512_stream_ps(p, x); }
+  static void fence() { _mm_sfence(); }
   static reg set1(float x) { return _mm512_set1_ps(x); }
   static reg add(reg a, reg b) { return _mm512_add_ps(a, b); }
   static reg sub(reg a, reg b) { return _mm512_sub_ps(a, b); }

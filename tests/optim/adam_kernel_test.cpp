@@ -21,14 +21,19 @@ struct AdamRun {
   std::vector<torch::Tensor> copies;  // compute copies: float16, bfloat16, float32 in rotation
 };
 
-// Lengths around the AVX2 (8) and AVX-512 (16) widths, plus one big enough to use several threads.
-const std::vector<int64_t> kLengths = {0, 1, 3, 7, 8, 9, 15, 16, 17, 31, 33, 100, 200003};
+// Lengths around the AVX2 (8) and AVX-512 (16) widths, one big enough to use several threads, and
+// two past the streaming-store threshold (2^20): the last one is made misaligned (storage offset
+// 1) so the kernel must peel / fall back to ordinary stores.
+const std::vector<int64_t> kLengths = {0, 1, 3, 7, 8, 9, 15, 16, 17, 31, 33, 100, 200003,
+                                       (1 << 20) + 13, (1 << 20) + 5};
 
-AdamRun run_adam(const AdamOptions& options, const std::string& isa, int64_t threads, bool with_copies) {
+AdamRun run_adam(const AdamOptions& options, const std::string& isa, int64_t threads, bool with_copies,
+             bool streaming = false) {
   torch::manual_seed(11);
   AdamRun run;
-  for (int64_t n : kLengths) {
-    run.params.push_back(torch::randn({n}));
+  for (size_t i = 0; i < kLengths.size(); ++i) {
+    const int64_t n = kLengths[i];
+    run.params.push_back(i + 1 == kLengths.size() ? torch::randn({n + 1}).narrow(0, 1, n) : torch::randn({n}));
   }
   std::vector<std::vector<torch::Tensor>> grads;
   for (int s = 0; s < 5; ++s) {
@@ -41,6 +46,7 @@ AdamRun run_adam(const AdamOptions& options, const std::string& isa, int64_t thr
   Adam opt(run.params, options);
   opt.set_kernel_isa(isa);
   opt.set_num_threads(threads);
+  opt.set_streaming_stores(streaming);
   if (with_copies) {
     const torch::Dtype dtypes[] = {torch::kHalf, torch::kBFloat16, torch::kFloat};
     for (size_t i = 0; i < run.params.size(); ++i) {
@@ -82,7 +88,7 @@ TEST(AdamKernelTest, EveryIsaMatchesScalarBitwise_OddLengths) {
   for (const auto& options : option_sets()) {
     const AdamRun reference = run_adam(options, "scalar", 1, /*with_copies=*/true);
     for (size_t k = 1; k < isas.size(); ++k) {
-      const AdamRun run = run_adam(options, isas[k], 1, /*with_copies=*/true);
+      const AdamRun run = run_adam(options, isas[k], 1, /*with_copies=*/true, /*streaming=*/k % 2 == 0);
       for (size_t i = 0; i < kLengths.size(); ++i) {
         EXPECT_TENSOR_EQ(run.params[i], reference.params[i]) << isas[k] << ", length " << kLengths[i];
         EXPECT_TENSOR_EQ(run.copies[i], reference.copies[i]) << isas[k] << ", length " << kLengths[i];
@@ -98,8 +104,10 @@ TEST(AdamKernelTest, ResultsIndependentOfThreadCount) {
     const auto options = option_sets()[2];
     const AdamRun one = run_adam(options, isa, 1, /*with_copies=*/false);
     const AdamRun two = run_adam(options, isa, 2, /*with_copies=*/false);
+    const AdamRun streamed = run_adam(options, isa, 2, /*with_copies=*/false, /*streaming=*/true);
     for (size_t i = 0; i < kLengths.size(); ++i) {
       EXPECT_TENSOR_EQ(two.params[i], one.params[i]) << isa << ", length " << kLengths[i];
+      EXPECT_TENSOR_EQ(streamed.params[i], one.params[i]) << isa << " streaming, length " << kLengths[i];
     }
   }
   at::set_num_threads(saved);
