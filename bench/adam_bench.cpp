@@ -1,0 +1,153 @@
+// Adam step throughput on the CPU: roundpipe::optim::Adam vs torch::optim::Adam / AdamW, ATen's
+// fused CPU Adam (at::_fused_adam_) and a STREAM-style triad on the same buffers.
+//
+//   build/bench/adam_bench [--sizes 16,128] [--threads 1,2] [--reps N] [--isa auto|avx2|...]
+//
+// Bytes counted (no write-allocate, like STREAM): Adam 28 B/param (read p, g, m, v; write p, m, v);
+// triad a[i] = b[i] + s*c[i] 12 B/element. GB/s = bytes / seconds / 1e9. The time per
+// implementation is the median of --reps steps after one warm-up step.
+#include "optim/adam.h"
+
+#include <ATen/Parallel.h>
+#include <ATen/ops/_fused_adam.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <sstream>
+#include <string>
+#include <vector>
+
+namespace {
+
+std::vector<int64_t> parse_list(const char* text) {
+  std::vector<int64_t> out;
+  std::stringstream in(text);
+  std::string item;
+  while (std::getline(in, item, ',')) {
+    out.push_back(std::stoll(item));
+  }
+  return out;
+}
+
+double median_seconds(int reps, const std::function<void()>& fn) {
+  fn();  // warm-up: first touch, state allocation
+  std::vector<double> times;
+  for (int r = 0; r < reps; ++r) {
+    const auto start = std::chrono::steady_clock::now();
+    fn();
+    times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+  }
+  std::sort(times.begin(), times.end());
+  return times[times.size() / 2];
+}
+
+void triad(float* a, const float* b, const float* c, float s, int64_t n) {
+  at::parallel_for(0, n, 1 << 20, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      a[i] = b[i] + s * c[i];
+    }
+  });
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::vector<int64_t> sizes_m = {16, 128};
+  std::vector<int64_t> threads = {1, 2};
+  int reps = 5;
+  std::string isa = "auto";
+  for (int i = 1; i + 1 < argc; i += 2) {
+    if (!std::strcmp(argv[i], "--sizes")) {
+      sizes_m = parse_list(argv[i + 1]);
+    } else if (!std::strcmp(argv[i], "--threads")) {
+      threads = parse_list(argv[i + 1]);
+    } else if (!std::strcmp(argv[i], "--reps")) {
+      reps = std::atoi(argv[i + 1]);
+    } else if (!std::strcmp(argv[i], "--isa")) {
+      isa = argv[i + 1];
+    } else {
+      std::fprintf(stderr, "unknown argument %s\n", argv[i]);
+      return 2;
+    }
+  }
+  torch::NoGradGuard no_grad;
+  std::printf("%-8s %-7s %-26s %10s %9s %12s\n", "params", "threads", "implementation", "ms/step",
+              "GB/s", "t / t_ours");
+  for (int64_t size_m : sizes_m) {
+    const int64_t n = size_m << 20;
+    torch::manual_seed(0);
+    auto p = torch::randn({n});
+    auto g = torch::randn({n});
+    for (int64_t t : threads) {
+      at::set_num_threads(static_cast<int>(t));
+      struct Row {
+        std::string name;
+        double seconds, bytes;
+      };
+      std::vector<Row> rows;
+      const double adam_bytes = 28.0 * n;
+
+      {
+        auto m = torch::zeros({n}), v = torch::zeros({n});
+        float* a = p.data_ptr<float>();
+        const float* b = m.data_ptr<float>();
+        const float* c = v.data_ptr<float>();
+        rows.push_back({"triad a=b+s*c (12 B/elem)", median_seconds(reps, [&] { triad(a, b, c, 1e-9f, n); }),
+                        12.0 * n});
+      }
+      {
+        auto param = p.clone();
+        param.mutable_grad() = g;
+        roundpipe::optim::Adam opt({param}, roundpipe::optim::AdamOptions(1e-3));
+        opt.set_kernel_isa(isa);
+        rows.push_back({"roundpipe Adam (" + opt.kernel_isa() + ")", median_seconds(reps, [&] { opt.step(); }),
+                        adam_bytes});
+      }
+      {
+        auto param = p.clone();
+        param.mutable_grad() = g;
+        roundpipe::optim::Adam opt(
+            {param}, roundpipe::optim::AdamOptions(1e-3).weight_decay(0.01).decoupled_weight_decay(true));
+        opt.set_kernel_isa(isa);
+        rows.push_back({"roundpipe AdamW", median_seconds(reps, [&] { opt.step(); }), adam_bytes});
+      }
+      {
+        auto param = p.clone();
+        auto m = torch::zeros({n}), v = torch::zeros({n});
+        auto step = torch::zeros({}, torch::kFloat);
+        rows.push_back({"at::_fused_adam_", median_seconds(reps, [&] {
+                          at::_fused_adam_({param}, {g}, {m}, {v}, {}, {step}, 1e-3, 0.9, 0.999, 0, 1e-8,
+                                           false, false);
+                        }),
+                        adam_bytes});
+      }
+      {
+        auto param = p.clone();
+        param.mutable_grad() = g;
+        torch::optim::Adam opt({param}, torch::optim::AdamOptions(1e-3));
+        rows.push_back({"torch::optim::Adam", median_seconds(reps, [&] { opt.step(); }), adam_bytes});
+      }
+      {
+        auto param = p.clone();
+        param.mutable_grad() = g;
+        torch::optim::AdamW opt({param}, torch::optim::AdamWOptions(1e-3));
+        rows.push_back({"torch::optim::AdamW", median_seconds(reps, [&] { opt.step(); }), adam_bytes});
+      }
+      const double ours = rows[1].seconds;
+      for (const auto& row : rows) {
+        std::printf("%-8s %-7lld %-26s %10.2f %9.2f %11.2fx\n", (std::to_string(size_m) + "M").c_str(),
+                    static_cast<long long>(t), row.name.c_str(), row.seconds * 1e3,
+                    row.bytes / row.seconds / 1e9, row.seconds / ours);
+      }
+      std::printf("%-8s %-7lld ours / triad bandwidth: %.0f%%\n", "", static_cast<long long>(t),
+                  100.0 * (adam_bytes / ours) / (rows[0].bytes / rows[0].seconds));
+      std::fflush(stdout);
+    }
+  }
+  return 0;
+}

@@ -1,0 +1,350 @@
+#include "optim/adam.h"
+
+#include "optim/detail/adam_kernel.h"
+#include "roundpipe/logging.h"
+
+#include <ATen/Parallel.h>
+#include <c10/util/irange.h>
+#include <torch/optim/serialize.h>
+#include <torch/serialize/archive.h>
+
+#include <algorithm>
+#include <cmath>
+
+namespace roundpipe::optim {
+
+namespace {
+
+// Elements per thread below which splitting a step further does not pay for waking a thread.
+constexpr int64_t kGrainElements = 32 * 1024;
+// With set_streaming_stores(true), parameters from this size on (4 MiB per fp32 buffer) are
+// written with non-temporal stores; see Note [Streaming stores] in detail/adam_kernel_impl.h.
+constexpr int64_t kStreamingMinElements = int64_t{1} << 20;
+
+void check_options(const AdamOptions& o, const std::string& where) {
+  TORCH_CHECK(o.lr() >= 0, "roundpipe::optim::Adam: invalid learning rate lr=", o.lr(), " in ",
+              where, "; use lr >= 0");
+  TORCH_CHECK(o.eps() >= 0, "roundpipe::optim::Adam: invalid epsilon eps=", o.eps(), " in ",
+              where, "; use eps >= 0");
+  const auto [beta1, beta2] = o.betas();
+  TORCH_CHECK(0 <= beta1 && beta1 < 1.0, "roundpipe::optim::Adam: invalid beta parameter at index 0: ",
+              beta1, " in ", where, "; betas must lie in [0, 1)");
+  TORCH_CHECK(0 <= beta2 && beta2 < 1.0, "roundpipe::optim::Adam: invalid beta parameter at index 1: ",
+              beta2, " in ", where, "; betas must lie in [0, 1)");
+  TORCH_CHECK(o.weight_decay() >= 0, "roundpipe::optim::Adam: invalid weight_decay=", o.weight_decay(),
+              " in ", where, "; use weight_decay >= 0");
+}
+
+// A state buffer usable by the kernel: fp32, contiguous, param's shape (states loaded from an
+// archive may come in another layout).
+torch::Tensor kernel_ready(torch::Tensor buffer, const torch::Tensor& param, const char* name) {
+  TORCH_CHECK(buffer.defined(), "roundpipe::optim::Adam: state '", name,
+              "' is missing for a parameter of shape ", param.sizes(),
+              "; the loaded state dict does not match this optimizer");
+  TORCH_CHECK(buffer.sizes() == param.sizes(), "roundpipe::optim::Adam: state '", name, "' has shape ",
+              buffer.sizes(), " but its parameter has shape ", param.sizes(),
+              "; the loaded state dict does not match the parameters");
+  if (buffer.scalar_type() != torch::kFloat || !buffer.is_contiguous() || !buffer.device().is_cpu()) {
+    buffer = buffer.to(torch::kCPU, torch::kFloat).contiguous();
+  }
+  return buffer;
+}
+
+}  // namespace
+
+// ---- AdamOptions ---------------------------------------------------------------------------------
+
+AdamOptions::AdamOptions(double lr) : lr_(lr) {}
+
+bool operator==(const AdamOptions& lhs, const AdamOptions& rhs) {
+  return lhs.lr() == rhs.lr() && lhs.betas() == rhs.betas() && lhs.eps() == rhs.eps() &&
+         lhs.weight_decay() == rhs.weight_decay() && lhs.amsgrad() == rhs.amsgrad() &&
+         lhs.maximize() == rhs.maximize() &&
+         lhs.decoupled_weight_decay() == rhs.decoupled_weight_decay();
+}
+
+void AdamOptions::serialize(torch::serialize::OutputArchive& archive) const {
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(lr);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(betas);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(eps);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(weight_decay);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(amsgrad);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(maximize);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(decoupled_weight_decay);
+}
+
+void AdamOptions::serialize(torch::serialize::InputArchive& archive) {
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(double, lr);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(betas_t, betas);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(double, eps);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(double, weight_decay);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(bool, amsgrad);
+  // Absent in torch::optim::Adam archives: keep the defaults so those load too.
+  c10::IValue ivalue;
+  if (archive.try_read("maximize", ivalue)) {
+    maximize(ivalue.toBool());
+  }
+  if (archive.try_read("decoupled_weight_decay", ivalue)) {
+    decoupled_weight_decay(ivalue.toBool());
+  }
+}
+
+double AdamOptions::get_lr() const { return lr(); }
+
+void AdamOptions::set_lr(const double lr) { this->lr(lr); }
+
+// ---- AdamParamState ------------------------------------------------------------------------------
+
+bool operator==(const AdamParamState& lhs, const AdamParamState& rhs) {
+  auto same = [](const torch::Tensor& a, const torch::Tensor& b) {
+    return a.defined() == b.defined() && (!a.defined() || torch::equal(a, b));
+  };
+  return lhs.step() == rhs.step() && same(lhs.exp_avg(), rhs.exp_avg()) &&
+         same(lhs.exp_avg_sq(), rhs.exp_avg_sq()) && same(lhs.max_exp_avg_sq(), rhs.max_exp_avg_sq());
+}
+
+void AdamParamState::serialize(torch::serialize::OutputArchive& archive) const {
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(step);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(exp_avg);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(exp_avg_sq);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(max_exp_avg_sq);
+}
+
+void AdamParamState::serialize(torch::serialize::InputArchive& archive) {
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(int64_t, step);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(torch::Tensor, exp_avg);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(torch::Tensor, exp_avg_sq);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(torch::Tensor, max_exp_avg_sq);
+}
+
+// ---- Adam ----------------------------------------------------------------------------------------
+
+Adam::Adam(const std::vector<torch::optim::OptimizerParamGroup>& param_groups, AdamOptions defaults)
+    : Optimizer(param_groups, std::make_unique<AdamOptions>(defaults)),
+      isa_(static_cast<int>(detail::best_cpu_isa())) {
+  check_options(defaults, "the default options");
+  for (const auto g : c10::irange(param_groups_.size())) {
+    check_options(static_cast<const AdamOptions&>(param_groups_[g].options()),
+                  "param group " + std::to_string(g));
+    for (const auto& p : param_groups_[g].params()) {
+      check_param(p);
+    }
+  }
+  ROUNDPIPE_LOG(Logger::get("optim"), kDebug, "Adam: ", param_groups_.size(),
+                " param group(s), kernel ", kernel_isa());
+}
+
+Adam::Adam(std::vector<torch::Tensor> params, AdamOptions defaults)
+    : Adam(std::vector<torch::optim::OptimizerParamGroup>{
+               torch::optim::OptimizerParamGroup(std::move(params))},
+           std::move(defaults)) {}
+
+void Adam::check_param(const torch::Tensor& p) const {
+  TORCH_CHECK(p.defined(), "roundpipe::optim::Adam: got an undefined parameter tensor");
+  TORCH_CHECK(p.device().is_cpu() && p.scalar_type() == torch::kFloat && p.layout() == torch::kStrided,
+              "roundpipe::optim::Adam: parameters must be dense float32 CPU tensors, got ",
+              p.toString(), " of shape ", p.sizes(), " on ", p.device(),
+              "; keep fp32 master weights on the CPU (RoundPipeOptions().optim_dtype(torch::kFloat)) "
+              "or use torch::optim::Adam");
+  TORCH_CHECK(p.is_contiguous(), "roundpipe::optim::Adam: parameter of shape ", p.sizes(),
+              " is not contiguous; pass contiguous parameters (e.g. leaf tensors made with "
+              ".contiguous())");
+}
+
+void Adam::set_num_threads(int64_t num_threads) {
+  TORCH_CHECK(num_threads >= 0, "roundpipe::optim::Adam::set_num_threads: got ", num_threads,
+              "; use 0 (all intra-op threads) or a positive count");
+  num_threads_ = num_threads;
+}
+
+void Adam::set_streaming_stores(bool enabled) { streaming_stores_ = enabled; }
+
+std::string Adam::kernel_isa() const { return detail::isa_name(static_cast<detail::CpuIsa>(isa_)); }
+
+void Adam::set_kernel_isa(const std::string& isa) {
+  detail::CpuIsa chosen;
+  if (isa == "auto") {
+    chosen = detail::best_cpu_isa();
+  } else if (isa == "scalar") {
+    chosen = detail::CpuIsa::kScalar;
+  } else if (isa == "avx2") {
+    chosen = detail::CpuIsa::kAvx2;
+  } else if (isa == "avx512") {
+    chosen = detail::CpuIsa::kAvx512;
+  } else {
+    TORCH_CHECK(false, "roundpipe::optim::Adam::set_kernel_isa: unknown ISA '", isa,
+                "'; use auto, scalar, avx2 or avx512");
+  }
+  TORCH_CHECK(detail::cpu_supports(chosen), "roundpipe::optim::Adam::set_kernel_isa: this CPU (or "
+              "build) does not support '", isa, "'; use auto");
+  isa_ = static_cast<int>(chosen);
+}
+
+void Adam::set_compute_copy(const torch::Tensor& param, torch::Tensor copy) {
+  TORCH_CHECK(param.defined(), "roundpipe::optim::Adam::set_compute_copy: param is undefined");
+  bool found = false;
+  for (const auto& group : param_groups_) {
+    for (const auto& p : group.params()) {
+      found = found || p.unsafeGetTensorImpl() == param.unsafeGetTensorImpl();
+    }
+  }
+  TORCH_CHECK(found, "roundpipe::optim::Adam::set_compute_copy: the parameter of shape ",
+              param.sizes(), " is not one of this optimizer's parameters");
+  if (!copy.defined()) {
+    compute_copies_.erase(param.unsafeGetTensorImpl());
+    return;
+  }
+  const auto dtype = copy.scalar_type();
+  TORCH_CHECK(copy.device().is_cpu() && copy.is_contiguous() && copy.layout() == torch::kStrided &&
+                  (dtype == torch::kFloat || dtype == torch::kHalf || dtype == torch::kBFloat16),
+              "roundpipe::optim::Adam::set_compute_copy: the copy must be a contiguous CPU tensor of "
+              "dtype float32, float16 or bfloat16, got ", copy.toString(), " on ", copy.device());
+  TORCH_CHECK(copy.sizes() == param.sizes(), "roundpipe::optim::Adam::set_compute_copy: copy has shape ",
+              copy.sizes(), " but the parameter has shape ", param.sizes());
+  compute_copies_[param.unsafeGetTensorImpl()] = std::move(copy);
+}
+
+torch::Tensor Adam::step(LossClosure closure) {
+  torch::NoGradGuard no_grad;
+  torch::Tensor loss = {};
+  if (closure != nullptr) {
+    at::AutoGradMode enable_grad(true);
+    loss = closure();
+  }
+
+  std::vector<detail::AdamTensor> jobs;
+  std::vector<torch::Tensor> keep_alive;  // contiguous copies of non-contiguous grads
+  for (const auto g : c10::irange(param_groups_.size())) {
+    auto& group = param_groups_[g];
+    const auto& options = static_cast<const AdamOptions&>(group.options());
+    check_options(options, "param group " + std::to_string(g));
+    const double lr = options.lr();
+    const double beta1 = std::get<0>(options.betas());
+    const double beta2 = std::get<1>(options.betas());
+    const double weight_decay = options.weight_decay();
+    for (auto& p : group.params()) {
+      if (!p.grad().defined()) {
+        continue;
+      }
+      check_param(p);
+      torch::Tensor grad = p.grad();
+      TORCH_CHECK(!grad.is_sparse(), "roundpipe::optim::Adam does not support sparse gradients; "
+                  "use torch::optim::SparseAdam");
+      TORCH_CHECK(grad.device().is_cpu() && grad.scalar_type() == torch::kFloat &&
+                      grad.sizes() == p.sizes(),
+                  "roundpipe::optim::Adam: the gradient of a parameter of shape ", p.sizes(),
+                  " must be a float32 CPU tensor of the same shape, got ", grad.toString(),
+                  " of shape ", grad.sizes(), " on ", grad.device(),
+                  "; convert gradients to the master dtype before step()");
+      if (!grad.is_contiguous()) {
+        grad = grad.contiguous();
+        keep_alive.push_back(grad);
+      }
+
+      auto& slot = state_[p.unsafeGetTensorImpl()];
+      if (!slot) {
+        auto fresh = std::make_unique<AdamParamState>();
+        fresh->exp_avg(torch::zeros_like(p, torch::MemoryFormat::Contiguous));
+        fresh->exp_avg_sq(torch::zeros_like(p, torch::MemoryFormat::Contiguous));
+        slot = std::move(fresh);
+      }
+      auto& state = static_cast<AdamParamState&>(*slot);
+      state.exp_avg(kernel_ready(state.exp_avg(), p, "exp_avg"));
+      state.exp_avg_sq(kernel_ready(state.exp_avg_sq(), p, "exp_avg_sq"));
+      if (options.amsgrad()) {
+        if (!state.max_exp_avg_sq().defined()) {
+          state.max_exp_avg_sq(torch::zeros_like(p, torch::MemoryFormat::Contiguous));
+        }
+        state.max_exp_avg_sq(kernel_ready(state.max_exp_avg_sq(), p, "max_exp_avg_sq"));
+      }
+      state.step(state.step() + 1);
+
+      // Bias corrections in double, like _single_tensor_adam's Python floats; the kernel gets
+      // them rounded to float exactly where ATen rounds its Scalar arguments.
+      const double step = static_cast<double>(state.step());
+      const double bias_correction1 = 1 - std::pow(beta1, step);
+      const double bias_correction2 = 1 - std::pow(beta2, step);
+      detail::AdamTensor job;
+      job.param = p.data_ptr<float>();
+      job.grad = grad.const_data_ptr<float>();
+      job.exp_avg = state.exp_avg().data_ptr<float>();
+      job.exp_avg_sq = state.exp_avg_sq().data_ptr<float>();
+      job.max_exp_avg_sq = options.amsgrad() ? state.max_exp_avg_sq().data_ptr<float>() : nullptr;
+      job.numel = p.numel();
+      job.streaming_stores = streaming_stores_ && job.numel >= kStreamingMinElements;
+      auto& s = job.scalars;
+      s.lerp_weight = static_cast<float>(1 - beta1);
+      s.beta2 = static_cast<float>(beta2);
+      s.one_minus_beta2 = static_cast<float>(1 - beta2);
+      s.neg_step_size = static_cast<float>(-(lr / bias_correction1));
+      s.bias_correction2_sqrt = static_cast<float>(std::sqrt(bias_correction2));
+      s.eps = static_cast<float>(options.eps());
+      s.weight_decay = static_cast<float>(weight_decay);
+      s.decay_factor = static_cast<float>(1 - lr * weight_decay);
+      s.has_weight_decay = weight_decay != 0;
+      s.decoupled = options.decoupled_weight_decay();
+      s.amsgrad = options.amsgrad();
+      s.maximize = options.maximize();
+      auto copy = compute_copies_.find(p.unsafeGetTensorImpl());
+      if (copy != compute_copies_.end()) {
+        const torch::Tensor& c = copy->second;
+        TORCH_CHECK(c.sizes() == p.sizes() && c.is_contiguous(), "roundpipe::optim::Adam: the "
+                    "compute copy of a parameter of shape ", p.sizes(), " changed shape or layout to ",
+                    c.sizes(), "; register it again with set_compute_copy");
+        job.copy = c.data_ptr();
+        job.copy_dtype = c.scalar_type() == torch::kFloat  ? detail::CopyDtype::kFloat
+                         : c.scalar_type() == torch::kHalf ? detail::CopyDtype::kHalf
+                                                           : detail::CopyDtype::kBFloat16;
+      }
+      if (job.numel > 0) {
+        jobs.push_back(job);
+      }
+    }
+  }
+  if (jobs.empty()) {
+    return loss;
+  }
+
+  // Split the concatenation of all parameters into `tasks` equal contiguous element ranges;
+  // at::parallel_for with grain 1 runs them on min(tasks, intra-op threads) threads.
+  std::vector<int64_t> offsets(jobs.size() + 1, 0);
+  for (const auto i : c10::irange(jobs.size())) {
+    offsets[i + 1] = offsets[i] + jobs[i].numel;
+  }
+  const int64_t total = offsets.back();
+  const int64_t max_threads = num_threads_ > 0 ? num_threads_ : at::get_num_threads();
+  const int64_t tasks = std::max<int64_t>(
+      1, std::min<int64_t>(max_threads, (total + kGrainElements - 1) / kGrainElements));
+  const detail::AdamUpdateFn update = detail::adam_update_fn(static_cast<detail::CpuIsa>(isa_));
+  auto run_task = [&](int64_t task) {
+    const int64_t begin = total * task / tasks;
+    const int64_t end = total * (task + 1) / tasks;
+    auto it = std::upper_bound(offsets.begin(), offsets.end(), begin) - 1;
+    for (size_t j = static_cast<size_t>(it - offsets.begin()); j < jobs.size() && offsets[j] < end; ++j) {
+      const int64_t lo = std::max(begin, offsets[j]) - offsets[j];
+      const int64_t hi = std::min(end, offsets[j + 1]) - offsets[j];
+      update(jobs[j], lo, hi);
+    }
+  };
+  if (tasks == 1) {
+    run_task(0);
+  } else {
+    at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t task = begin; task < end; ++task) {
+        run_task(task);
+      }
+    });
+  }
+  return loss;
+}
+
+template <typename Self, typename Archive>
+void Adam::serialize(Self& self, Archive& archive) {
+  torch::optim::serialize<AdamParamState, AdamOptions>(archive, self);
+}
+
+void Adam::save(torch::serialize::OutputArchive& archive) const { serialize(*this, archive); }
+
+void Adam::load(torch::serialize::InputArchive& archive) { serialize(*this, archive); }
+
+}  // namespace roundpipe::optim

@@ -1,0 +1,67 @@
+// The fused CPU Adam/AdamW element kernel: plain-pointer interface shared by the scalar, AVX2 and
+// AVX-512 translation units and by optim::Adam, which dispatches to one of them at run time.
+// Deliberately free of LibTorch headers: the ISA-specific TUs are compiled with their own flags
+// and must not reuse the shared precompiled header.
+#pragma once
+
+#include <cstdint>
+
+namespace roundpipe::optim::detail {
+
+/// The instruction sets the kernel is compiled for, best last.
+enum class CpuIsa { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
+
+/// Element type of an optional compute copy written in the same pass.
+enum class CopyDtype { kNone, kFloat, kHalf, kBFloat16 };
+
+/// Per-tensor scalars, precomputed in double and rounded to float the way PyTorch's
+/// `_single_tensor_adam` hands Python floats to its float kernels.
+struct AdamScalars {
+  float lerp_weight = 0;     ///< (float)(1 - beta1), torch's lerp_ weight.
+  float beta2 = 0;           ///< exp_avg_sq *= beta2
+  float one_minus_beta2 = 0; ///< exp_avg_sq += (1 - beta2) * g * g
+  float neg_step_size = 0;   ///< -(lr / (1 - beta1^step))
+  float bias_correction2_sqrt = 1;  ///< sqrt(1 - beta2^step)
+  float eps = 0;
+  float weight_decay = 0;    ///< L2 term added to the gradient (used when !decoupled)
+  float decay_factor = 1;    ///< 1 - lr * weight_decay (used when decoupled)
+  bool has_weight_decay = false;
+  bool decoupled = false;
+  bool amsgrad = false;
+  bool maximize = false;
+};
+
+/// One parameter's buffers (all contiguous, `numel` elements). `max_exp_avg_sq` is null unless
+/// amsgrad; `copy` is null unless a compute copy of dtype `copy_dtype` is to be written.
+struct AdamTensor {
+  float* param = nullptr;
+  const float* grad = nullptr;
+  float* exp_avg = nullptr;
+  float* exp_avg_sq = nullptr;
+  float* max_exp_avg_sq = nullptr;
+  void* copy = nullptr;
+  CopyDtype copy_dtype = CopyDtype::kNone;
+  int64_t numel = 0;
+  /// Write param / exp_avg / exp_avg_sq / max_exp_avg_sq with non-temporal stores where they
+  /// are mutually aligned (see Note [Streaming stores] in adam_kernel_impl.h).
+  bool streaming_stores = false;
+  AdamScalars scalars;
+};
+
+/// Updates elements [begin, end) of `t` in one pass. All ISAs give bitwise-identical results.
+void adam_update_scalar(const AdamTensor& t, int64_t begin, int64_t end);
+void adam_update_avx2(const AdamTensor& t, int64_t begin, int64_t end);
+void adam_update_avx512(const AdamTensor& t, int64_t begin, int64_t end);
+
+/// True when the running CPU supports `isa` (and the library was built with it).
+bool cpu_supports(CpuIsa isa);
+/// The best ISA the running CPU supports.
+CpuIsa best_cpu_isa();
+/// "scalar", "avx2", "avx512".
+const char* isa_name(CpuIsa isa);
+
+using AdamUpdateFn = void (*)(const AdamTensor&, int64_t, int64_t);
+/// The kernel for `isa` (which must be supported).
+AdamUpdateFn adam_update_fn(CpuIsa isa);
+
+}  // namespace roundpipe::optim::detail

@@ -1,0 +1,59 @@
+// AVX2 + FMA + F16C build of the fused Adam kernel (compiled with -mavx2 -mfma -mf16c only here;
+// called only after a runtime CPU check, see adam_dispatch.cpp).
+#define ROUNDPIPE_ADAM_ISA avx2_isa
+#include "optim/detail/adam_kernel_impl.h"
+
+#include <immintrin.h>
+
+namespace roundpipe::optim::detail {
+namespace avx2_isa {
+namespace {
+
+struct VecAvx2 {
+  static constexpr int kWidth = 8;
+  static constexpr uintptr_t kAlignBytes = 32;
+  using reg = __m256;
+  static reg load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, reg x) { _mm256_storeu_ps(p, x); }
+  static void stream(float* p, reg x) { _mm256_stream_ps(p, x); }
+  static void fence() { _mm_sfence(); }
+  static reg set1(float x) { return _mm256_set1_ps(x); }
+  static reg add(reg a, reg b) { return _mm256_add_ps(a, b); }
+  static reg sub(reg a, reg b) { return _mm256_sub_ps(a, b); }
+  static reg mul(reg a, reg b) { return _mm256_mul_ps(a, b); }
+  static reg div(reg a, reg b) { return _mm256_div_ps(a, b); }
+  static reg sqrt(reg a) { return _mm256_sqrt_ps(a); }
+  // NaN-propagating like torch.maximum (and the scalar path): a NaN in either operand wins.
+  static reg max(reg a, reg b) {
+    const reg m = _mm256_max_ps(a, b);  // b when either is NaN
+    return _mm256_blendv_ps(m, a, _mm256_cmp_ps(a, a, _CMP_UNORD_Q));
+  }
+  static reg neg(reg a) { return _mm256_xor_ps(a, _mm256_set1_ps(-0.0f)); }
+  static reg fmadd(reg a, reg b, reg c) { return _mm256_fmadd_ps(a, b, c); }
+  static void store_half(uint16_t* dst, reg x) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
+  }
+  static void store_bf16(uint16_t* dst, reg x) {
+    const __m256i u = _mm256_castps_si256(x);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
+    // Pack 8 x 32-bit (values < 2^16) into 8 x 16-bit.
+    const __m256i packed = _mm256_packus_epi32(r, r);  // per 128-bit lane: r0..r3 r0..r3
+    const __m256i ordered = _mm256_permute4x64_epi64(packed, 0x08);  // lanes 0 and 2 to the low half
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm256_castsi256_si128(ordered));
+  }
+  static uint16_t half_from_float(float f) {
+    return static_cast<uint16_t>(_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT));
+  }
+};
+
+}  // namespace
+}  // namespace avx2_isa
+
+void adam_update_avx2(const AdamTensor& t, int64_t begin, int64_t end) {
+  avx2_isa::adam_update<avx2_isa::VecAvx2>(t, begin, end);
+}
+
+}  // namespace roundpipe::optim::detail

@@ -1,0 +1,209 @@
+// The body of the fused Adam kernel, included once per ISA translation unit (adam_kernel_*.cpp)
+// after that TU defines ROUNDPIPE_ADAM_ISA (a namespace name) and a vector traits type. Everything
+// here lives in that per-ISA namespace so the linker can never merge an AVX-512 copy of an inline
+// function into the scalar path (see Note [Per-ISA namespaces]).
+//
+// Note [Per-ISA namespaces]: inline functions compiled with different -m flags in several TUs are
+// one entity to the linker, which keeps an arbitrary copy; if it kept the AVX-512 one, a CPU
+// without AVX-512 would fault in the "scalar" path. ATen avoids this with its CPU_CAPABILITY
+// namespace; we do the same with ROUNDPIPE_ADAM_ISA.
+//
+// Note [Adam element order]: the operations mirror PyTorch's `_single_tensor_adam` kernel by
+// kernel so the results agree to float rounding: lerp_ (ATen's lerp_vec: fma with weight or
+// weight-1), mul_ + addcmul_, sqrt / bias_correction2_sqrt + eps, addcdiv_ (value*m/denom).
+// Every ISA performs the same IEEE operations in the same order (fma where ATen's vector code
+// fuses, explicit std::fma in scalar code, -ffp-contract=off everywhere), so all ISAs produce
+// bitwise-identical results.
+//
+// Note [Streaming stores]: for parameters much larger than the last-level cache, ordinary stores
+// make the core read every written line first (write-allocate): 12 extra bytes per parameter on
+// top of the 28 the update needs. Non-temporal stores skip that read. They need vector-aligned
+// addresses, so the kernel peels scalar elements until `param` is aligned and streams only when
+// exp_avg, exp_avg_sq (and max_exp_avg_sq) are then aligned too; the compute copy and small
+// tensors (whose lines we want to keep in cache) use ordinary stores. Results are bitwise the same.
+#pragma once
+
+#ifndef ROUNDPIPE_ADAM_ISA
+#error "define ROUNDPIPE_ADAM_ISA before including adam_kernel_impl.h"
+#endif
+
+#include "optim/detail/adam_kernel.h"
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace roundpipe::optim::detail::ROUNDPIPE_ADAM_ISA {
+
+inline uint32_t float_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  return u;
+}
+
+/// c10::BFloat16's round-to-nearest-even (NaN -> 0x7FC0).
+inline uint16_t bf16_from_float(float f) {
+  if (std::isnan(f)) {
+    return UINT16_C(0x7FC0);
+  }
+  const uint32_t u = float_bits(f);
+  return static_cast<uint16_t>((u + ((u >> 16) & 1u) + UINT32_C(0x7FFF)) >> 16);
+}
+
+struct ElementOut {
+  float param, exp_avg, exp_avg_sq;
+};
+
+/// One element of Note [Adam element order], scalar. `lerp_coeff`/`lerp_from_grad` come from
+/// ATen's lerp: weight < 0.5 ? m + w*(g-m) : g + (w-1)*(g-m).
+template <typename HalfFromFloat>
+inline void adam_element(const AdamTensor& t, int64_t i, float lerp_coeff, bool lerp_from_grad,
+                         float beta2, float one_minus_beta2, float neg_step, float bc2_sqrt,
+                         float eps, HalfFromFloat half_from_float) {
+  const AdamScalars& s = t.scalars;
+  float g = t.grad[i];
+  if (s.maximize) {
+    g = -g;
+  }
+  float p = t.param[i];
+  if (s.has_weight_decay) {
+    if (s.decoupled) {
+      p = p * s.decay_factor;
+    } else {
+      g = std::fma(p, s.weight_decay, g);
+    }
+  }
+  float m = t.exp_avg[i];
+  m = std::fma(lerp_coeff, g - m, lerp_from_grad ? g : m);
+  float v = t.exp_avg_sq[i] * beta2;
+  v = v + (one_minus_beta2 * g) * g;
+  float vd = v;
+  if (s.amsgrad) {
+    const float old = t.max_exp_avg_sq[i];
+    vd = std::isnan(old) ? old : (old > v ? old : v);  // torch.maximum: NaN propagates
+    t.max_exp_avg_sq[i] = vd;
+  }
+  const float denom = std::sqrt(vd) / bc2_sqrt + eps;
+  p = p + (neg_step * m) / denom;
+  t.param[i] = p;
+  t.exp_avg[i] = m;
+  t.exp_avg_sq[i] = v;
+  switch (t.copy_dtype) {
+    case CopyDtype::kNone:
+      break;
+    case CopyDtype::kFloat:
+      static_cast<float*>(t.copy)[i] = p;
+      break;
+    case CopyDtype::kHalf:
+      static_cast<uint16_t*>(t.copy)[i] = half_from_float(p);
+      break;
+    case CopyDtype::kBFloat16:
+      static_cast<uint16_t*>(t.copy)[i] = bf16_from_float(p);
+      break;
+  }
+}
+
+/// The vector part of `adam_update`: whole vectors from `i` on; returns where it stopped.
+template <typename V, bool kStream>
+int64_t adam_vector_loop(const AdamTensor& t, int64_t i, int64_t end, float lerp_coeff,
+                         bool lerp_from_grad) {
+  const AdamScalars& s = t.scalars;
+  using reg = typename V::reg;
+  const auto put = [](float* dst, reg x) {
+    if constexpr (kStream) {
+      V::stream(dst, x);
+    } else {
+      V::store(dst, x);
+    }
+  };
+  const reg coeff = V::set1(lerp_coeff);
+  const reg beta2 = V::set1(s.beta2);
+  const reg omb2 = V::set1(s.one_minus_beta2);
+  const reg neg_step = V::set1(s.neg_step_size);
+  const reg bc2s = V::set1(s.bias_correction2_sqrt);
+  const reg eps = V::set1(s.eps);
+  const reg wd = V::set1(s.weight_decay);
+  const reg decay = V::set1(s.decay_factor);
+  for (; i + V::kWidth <= end; i += V::kWidth) {
+    reg g = V::load(t.grad + i);
+    if (s.maximize) {
+      g = V::neg(g);
+    }
+    reg p = V::load(t.param + i);
+    if (s.has_weight_decay) {
+      if (s.decoupled) {
+        p = V::mul(p, decay);
+      } else {
+        g = V::fmadd(p, wd, g);
+      }
+    }
+    reg m = V::load(t.exp_avg + i);
+    m = V::fmadd(coeff, V::sub(g, m), lerp_from_grad ? g : m);
+    reg v = V::mul(V::load(t.exp_avg_sq + i), beta2);
+    v = V::add(v, V::mul(V::mul(omb2, g), g));
+    reg vd = v;
+    if (s.amsgrad) {
+      vd = V::max(V::load(t.max_exp_avg_sq + i), v);
+      put(t.max_exp_avg_sq + i, vd);
+    }
+    const reg denom = V::add(V::div(V::sqrt(vd), bc2s), eps);
+    p = V::add(p, V::div(V::mul(neg_step, m), denom));
+    put(t.param + i, p);
+    put(t.exp_avg + i, m);
+    put(t.exp_avg_sq + i, v);
+    switch (t.copy_dtype) {
+      case CopyDtype::kNone:
+        break;
+      case CopyDtype::kFloat:
+        V::store(static_cast<float*>(t.copy) + i, p);
+        break;
+      case CopyDtype::kHalf:
+        V::store_half(static_cast<uint16_t*>(t.copy) + i, p);
+        break;
+      case CopyDtype::kBFloat16:
+        V::store_bf16(static_cast<uint16_t*>(t.copy) + i, p);
+        break;
+    }
+  }
+  return i;
+}
+
+/// The kernel. `V` provides: kWidth (0 = no vector loop), kAlignBytes, reg, load, store, stream
+/// (non-temporal store), fence, set1, add, sub, mul, div, sqrt, max (NaN-propagating, b on
+/// ties), neg, fmadd(a, b, c) = a*b + c, store_half, store_bf16; and a static half_from_float
+/// for scalar tails.
+template <typename V>
+void adam_update(const AdamTensor& t, int64_t begin, int64_t end) {
+  const AdamScalars& s = t.scalars;
+  const float w = s.lerp_weight;
+  const bool lerp_from_grad = !(std::fabs(w) < 0.5f);
+  const float lerp_coeff = lerp_from_grad ? w - 1.0f : w;
+  int64_t i = begin;
+  if constexpr (V::kWidth > 0) {
+    bool stream = false;
+    if (t.streaming_stores) {
+      const auto apart = [&](const float* other) {
+        return other == nullptr ||
+               (reinterpret_cast<uintptr_t>(other) - reinterpret_cast<uintptr_t>(t.param)) % V::kAlignBytes == 0;
+      };
+      stream = reinterpret_cast<uintptr_t>(t.param) % sizeof(float) == 0 && apart(t.exp_avg) &&
+               apart(t.exp_avg_sq) && apart(t.max_exp_avg_sq);
+      for (; stream && i < end && reinterpret_cast<uintptr_t>(t.param + i) % V::kAlignBytes != 0; ++i) {
+        adam_element(t, i, lerp_coeff, lerp_from_grad, s.beta2, s.one_minus_beta2, s.neg_step_size,
+                     s.bias_correction2_sqrt, s.eps, &V::half_from_float);
+      }
+    }
+    if (stream) {
+      i = adam_vector_loop<V, true>(t, i, end, lerp_coeff, lerp_from_grad);
+      V::fence();
+    } else {
+      i = adam_vector_loop<V, false>(t, i, end, lerp_coeff, lerp_from_grad);
+    }
+  }
+  for (; i < end; ++i) {
+    adam_element(t, i, lerp_coeff, lerp_from_grad, s.beta2, s.one_minus_beta2, s.neg_step_size,
+                 s.bias_correction2_sqrt, s.eps, &V::half_from_float);
+  }
+}
+
+}  // namespace roundpipe::optim::detail::ROUNDPIPE_ADAM_ISA

@@ -1,0 +1,157 @@
+// The Adam kernel paths: every ISA the CPU supports gives bitwise the same results as the scalar
+// path (odd lengths exercise the vector tails), the thread count does not change results, and the
+// compute copy written in the same pass equals PyTorch's own dtype conversion.
+#include "optim/adam.h"
+#include "optim/detail/adam_kernel.h"
+
+#include "tests/common/tensor_compare.h"
+
+#include <ATen/Parallel.h>
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <string>
+#include <vector>
+
+namespace roundpipe::optim {
+namespace {
+
+struct AdamRun {
+  std::vector<torch::Tensor> params;
+  std::vector<torch::Tensor> copies;  // compute copies: float16, bfloat16, float32 in rotation
+};
+
+// Lengths around the AVX2 (8) and AVX-512 (16) widths, one big enough to use several threads, and
+// two past the streaming-store threshold (2^20): the last one is made misaligned (storage offset
+// 1) so the kernel must peel / fall back to ordinary stores.
+const std::vector<int64_t> kLengths = {0, 1, 3, 7, 8, 9, 15, 16, 17, 31, 33, 100, 200003,
+                                       (1 << 20) + 13, (1 << 20) + 5};
+
+AdamRun run_adam(const AdamOptions& options, const std::string& isa, int64_t threads, bool with_copies,
+             bool streaming = false) {
+  torch::manual_seed(11);
+  AdamRun run;
+  for (size_t i = 0; i < kLengths.size(); ++i) {
+    const int64_t n = kLengths[i];
+    run.params.push_back(i + 1 == kLengths.size() ? torch::randn({n + 1}).narrow(0, 1, n) : torch::randn({n}));
+  }
+  std::vector<std::vector<torch::Tensor>> grads;
+  for (int s = 0; s < 5; ++s) {
+    grads.emplace_back();
+    for (int64_t n : kLengths) {
+      // Some large and tiny values so fp16 rounding covers overflow and subnormals.
+      grads.back().push_back(torch::randn({n}) * (s == 2 ? 1e4 : 1.0));
+    }
+  }
+  Adam opt(run.params, options);
+  opt.set_kernel_isa(isa);
+  opt.set_num_threads(threads);
+  opt.set_streaming_stores(streaming);
+  if (with_copies) {
+    const torch::Dtype dtypes[] = {torch::kHalf, torch::kBFloat16, torch::kFloat};
+    for (size_t i = 0; i < run.params.size(); ++i) {
+      run.copies.push_back(torch::zeros({kLengths[i]}, dtypes[i % 3]));
+      opt.set_compute_copy(run.params[i], run.copies.back());
+    }
+  }
+  for (const auto& step_grads : grads) {
+    for (size_t i = 0; i < run.params.size(); ++i) {
+      run.params[i].mutable_grad() = step_grads[i];
+    }
+    opt.step();
+  }
+  return run;
+}
+
+std::vector<AdamOptions> option_sets() {
+  return {AdamOptions(1e-2),
+          AdamOptions(1e-3).betas({0.4, 0.95}).weight_decay(0.01).amsgrad(true).maximize(true),
+          AdamOptions(1e-2).weight_decay(0.1).decoupled_weight_decay(true).amsgrad(true).eps(1e-6)};
+}
+
+std::vector<std::string> supported_isas() {
+  std::vector<std::string> isas;
+  for (auto isa : {detail::CpuIsa::kScalar, detail::CpuIsa::kAvx2, detail::CpuIsa::kAvx512}) {
+    if (detail::cpu_supports(isa)) {
+      isas.emplace_back(detail::isa_name(isa));
+    }
+  }
+  return isas;
+}
+
+TEST(AdamKernelTest, EveryIsaMatchesScalarBitwise_OddLengths) {
+  const auto isas = supported_isas();
+  ASSERT_GE(isas.size(), 1u);
+  if (isas.size() == 1) {
+    GTEST_SKIP() << "only the scalar kernel is available on this CPU";
+  }
+  for (const auto& options : option_sets()) {
+    const AdamRun reference = run_adam(options, "scalar", 1, /*with_copies=*/true);
+    for (size_t k = 1; k < isas.size(); ++k) {
+      const AdamRun run = run_adam(options, isas[k], 1, /*with_copies=*/true, /*streaming=*/k % 2 == 0);
+      for (size_t i = 0; i < kLengths.size(); ++i) {
+        EXPECT_TENSOR_EQ(run.params[i], reference.params[i]) << isas[k] << ", length " << kLengths[i];
+        EXPECT_TENSOR_EQ(run.copies[i], reference.copies[i]) << isas[k] << ", length " << kLengths[i];
+      }
+    }
+  }
+}
+
+TEST(AdamKernelTest, ResultsIndependentOfThreadCount) {
+  const int saved = at::get_num_threads();
+  at::set_num_threads(2);
+  for (const auto& isa : supported_isas()) {
+    const auto options = option_sets()[2];
+    const AdamRun one = run_adam(options, isa, 1, /*with_copies=*/false);
+    const AdamRun two = run_adam(options, isa, 2, /*with_copies=*/false);
+    const AdamRun streamed = run_adam(options, isa, 2, /*with_copies=*/false, /*streaming=*/true);
+    for (size_t i = 0; i < kLengths.size(); ++i) {
+      EXPECT_TENSOR_EQ(two.params[i], one.params[i]) << isa << ", length " << kLengths[i];
+      EXPECT_TENSOR_EQ(streamed.params[i], one.params[i]) << isa << " streaming, length " << kLengths[i];
+    }
+  }
+  at::set_num_threads(saved);
+}
+
+TEST(AdamKernelTest, ComputeCopyEqualsTorchConversion_EveryIsa) {
+  for (const auto& isa : supported_isas()) {
+    const AdamRun run = run_adam(option_sets()[1], isa, 2, /*with_copies=*/true);
+    for (size_t i = 0; i < kLengths.size(); ++i) {
+      EXPECT_TENSOR_EQ(run.copies[i], run.params[i].to(run.copies[i].scalar_type()))
+          << isa << ", length " << kLengths[i] << ", dtype " << run.copies[i].scalar_type();
+    }
+  }
+}
+
+TEST(AdamKernelTest, ComputeCopyRoundsSpecialValuesLikeTorch) {
+  // Values that hit fp16 overflow, subnormals, ties and bf16 rounding; written by a zero-lr step.
+  auto p = torch::tensor({0.0f, -0.0f, 1.0f, 65504.0f, 65520.0f, 1e6f, -1e6f, 6e-8f, 3e-5f,
+                          1.00048828125f, 1.0009765625f, 3.14159265f, 1.00390625f, 1.005859375f,
+                          -2.7182818f, 1e-40f, 3.4e38f});
+  for (const auto& isa : supported_isas()) {
+    for (auto dtype : {torch::kHalf, torch::kBFloat16}) {
+      auto param = p.clone();
+      auto copy = torch::zeros(p.sizes(), dtype);
+      Adam opt({param}, AdamOptions(0.0));
+      opt.set_kernel_isa(isa);
+      opt.set_compute_copy(param, copy);
+      param.mutable_grad() = torch::ones_like(param);
+      opt.step();
+      EXPECT_TENSOR_EQ(param, p) << isa;  // lr 0 leaves p unchanged
+      EXPECT_TENSOR_EQ(copy, p.to(dtype)) << isa << ", " << dtype;
+    }
+  }
+}
+
+TEST(AdamKernelTest, KernelIsaSelection_DefaultsToBestSupported) {
+  auto p = torch::zeros({2});
+  Adam opt({p});
+  EXPECT_EQ(opt.kernel_isa(), detail::isa_name(detail::best_cpu_isa()));
+  opt.set_kernel_isa("scalar");
+  EXPECT_EQ(opt.kernel_isa(), "scalar");
+  opt.set_kernel_isa("auto");
+  EXPECT_EQ(opt.kernel_isa(), detail::isa_name(detail::best_cpu_isa()));
+}
+
+}  // namespace
+}  // namespace roundpipe::optim
