@@ -3,6 +3,7 @@
 #pragma once
 
 #include "comm/launch_env.h"
+#include "optim/adam.h"
 #include "roundpipe/config.h"
 #include "roundpipe/devices.h"
 #include "roundpipe/logging.h"

@@ -5,6 +5,7 @@
 
 #include <random>
 
+#include "optim/adam.h"
 #include "roundpipe/round_pipe.h"
 #include "tests/common/tensor_compare.h"
 #include "tests/runtime/test_models.h"
@@ -22,6 +23,7 @@ LossFn mse_over(int64_t full_numel) {
 
 std::unique_ptr<torch::optim::Optimizer> make_opt(int which, std::vector<torch::Tensor> params) {
   if (which == 0) return std::make_unique<torch::optim::SGD>(params, torch::optim::SGDOptions(0.05));
+  if (which == 2) return std::make_unique<optim::Adam>(params, optim::AdamOptions(1e-2));
   return std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(1e-2));
 }
 
@@ -58,7 +60,7 @@ struct StaleReference {
 
 TEST(AsyncStepTest, Async_EqualsStalenessOneReference) {
   for (int devices : {1, 3}) {
-    for (int which : {0, 1}) {
+    for (int which : {0, 1, 2}) {  // SGD, torch::optim::Adam, roundpipe::optim::Adam
       SCOPED_TRACE(::testing::Message() << "devices=" << devices << " opt=" << which);
       auto model = testing::make_mlp(21);
       StaleReference ref(model, which);
