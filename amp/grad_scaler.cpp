@@ -3,6 +3,8 @@
 #include <ATen/ATen.h>
 #include <torch/serialize/archive.h>
 
+#include <algorithm>
+#include <iterator>
 #include <string>
 
 #include "roundpipe/logging.h"

@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <optional>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 namespace torch::serialize {
@@ -108,6 +109,12 @@ class GradScaler {
   /// Throws c10::Error when enabled and growth_factor <= 1, backoff_factor not in (0, 1) or
   /// growth_interval <= 0.
   explicit GradScaler(GradScalerOptions options = {});
+
+  // Not copyable: a copy would share (and update in place) the same scale tensor. Movable.
+  GradScaler(const GradScaler&) = delete;
+  GradScaler& operator=(const GradScaler&) = delete;
+  GradScaler(GradScaler&&) = default;
+  GradScaler& operator=(GradScaler&&) = default;
 
   /// `outputs * scale` (the scale copied to `outputs`' device). The first call creates the scale
   /// and growth tracker on `outputs`' device. Disabled: returns `outputs` itself.

@@ -280,6 +280,20 @@ void archive_case(const c10::Device& device) {
   EXPECT_EQ(loaded.growth_interval, 2);
   EXPECT_EQ(loaded.growth_tracker, 1);
   EXPECT_FALSE(loaded.empty);
+  // torch::save / torch::load find the archive operators by ADL.
+  std::stringstream saved;
+  torch::save(s0.state_dict(), saved);
+  GradScalerState via_torch_load;
+  torch::load(via_torch_load, saved);
+  EXPECT_EQ(via_torch_load.scale, 3072.0);
+  EXPECT_EQ(via_torch_load.growth_tracker, 1);
+  GradScaler disabled(GradScalerOptions().enabled(false));
+  std::stringstream saved_empty;
+  torch::save(disabled.state_dict(), saved_empty);
+  GradScalerState empty_loaded;
+  torch::load(empty_loaded, saved_empty);
+  EXPECT_TRUE(empty_loaded.empty);
+
   GradScaler s1;
   s1.load_state_dict(loaded);
   iterate(s1, s, device, false);  // tracker 1 -> 2 == interval: grows
