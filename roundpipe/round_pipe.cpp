@@ -340,6 +340,7 @@ torch::Tensor RoundPipe::forward_backward(const std::vector<torch::Tensor>& inpu
     ctx.labels.assign(num_micro, label);
   }
   ctx.loss_fn = &loss_fn;
+  ctx.autocast = amp::AutocastState::capture();
   const int64_t steps_before = m.steps;
   ctx.wait_layer_ready = [&m, steps_before](int64_t l) { m.wait_counter(m.published, l, steps_before); };
   auto channels = [&](size_t n) {
@@ -448,6 +449,7 @@ torch::Tensor RoundPipe::forward(const std::vector<torch::Tensor>& inputs, const
   ctx.preserve_rng = cfg.preserve_rng_state.value_or(true);
   ctx.training = false;
   ctx.output_device = cfg.output_device.value_or(c10::Device(c10::kCPU));
+  ctx.autocast = amp::AutocastState::capture();
   ctx.inputs = m.split(inputs, num_micro, "inputs");
   const int64_t steps_before = m.steps;
   ctx.wait_layer_ready = [&m, steps_before](int64_t l) { m.wait_counter(m.published, l, steps_before); };

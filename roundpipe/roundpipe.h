@@ -2,6 +2,8 @@
 // The umbrella header: include this one to use every public part of the library.
 #pragma once
 
+#include "amp/autocast_guard.h"
+#include "amp/grad_scaler.h"
 #include "comm/launch_env.h"
 #include "optim/adam.h"
 #include "roundpipe/config.h"

@@ -40,6 +40,7 @@ void guarded(RunContext& ctx, const c10::Device& device, Position& pos, const st
              Body&& body) {
   std::exception_ptr error;
   try {
+    amp::AutocastState::Guard autocast(ctx.autocast);
     body();
     return;
   } catch (const UpstreamError& upstream) {

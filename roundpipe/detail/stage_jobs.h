@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "amp/autocast_guard.h"
 #include "roundpipe/detail/layer_call.h"
 #include "roundpipe/round_pipe.h"
 #include "scheduler/execute_plan.h"
@@ -67,6 +68,8 @@ struct RunContext {
   std::vector<at::Tensor> labels;    // [mb]
   const LossFn* loss_fn = nullptr;
   c10::Device output_device = c10::kCPU;
+  /// The caller's autocast state (CPU and CUDA), applied on the worker threads for every job.
+  amp::AutocastState autocast;
   /// Called by a stage job before it copies layer `l`: blocks until the layer's compute copy
   /// holds the parameters this iteration must use (Note [Async step protocol]). May be empty.
   std::function<void(int64_t)> wait_layer_ready;

@@ -1,6 +1,10 @@
 // RoundPipe engine vs plain LibTorch on CPU devices (the *_CUDA twins run on a GPU machine).
 #include "roundpipe/round_pipe.h"
 
+#include <fstream>
+
+#include "amp/autocast_guard.h"
+
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -225,23 +229,76 @@ TEST(RoundPipeTest, BatchNorm_RunningStatsEvolveOnceLikeAPlainMicrobatchedForwar
   }
 }
 
-TEST(RoundPipeTest, GradientAccumulation_AcrossCallsUntilStep) {
+TEST(RoundPipeTest, GradientAccumulation_TwoCallsEqualOneCallOnConcatenatedBatch) {
   auto model = make_mlp(5);
-  auto reference = deep_copy(model);
-  RoundPipe rp(model, RoundPipeOptions().devices(cpu_devices(2)));
-  auto optimizer = [&] {
-    OptimizerCtx ctx;
-    return torch::optim::SGD(rp.parameters(), 0.1);
-  }();
-  torch::optim::SGD ref_opt(reference->parameters(), 0.1);
-  for (int call = 0; call < 2; ++call) {
-    auto data = make_data(false, call);
-    rp.forward_backward({data.x}, data.y, mse_over(data.y.numel()));
-    mse_over(data.y.numel())(reference->forward(data.x), data.y).backward();
+  auto twin = deep_copy(model);
+  RoundPipe two_calls(model, RoundPipeOptions().devices(cpu_devices(2)));
+  RoundPipe one_call(twin, RoundPipeOptions().devices(cpu_devices(3)));
+  auto a = make_data(false, 0), b = make_data(false, 1);
+  auto x = torch::cat({a.x, b.x}), y = torch::cat({a.y, b.y});
+  auto loss_fn = mse_over(y.numel());  // normalized by the concatenated batch
+  RunConfig cfg;
+  cfg.num_microbatch = 3;
+  auto l1 = two_calls.forward_backward({a.x}, a.y, loss_fn, cfg);
+  auto l2 = two_calls.forward_backward({b.x}, b.y, loss_fn, cfg);
+  RunConfig cfg6;
+  cfg6.num_microbatch = 6;
+  auto l = one_call.forward_backward({x}, y, loss_fn, cfg6);
+  EXPECT_TRUE(testing::tensors_close(l1 + l2, l, 1e-6));
+  auto p2 = two_calls.module()->parameters(), p1 = one_call.module()->parameters();
+  for (size_t k = 0; k < p1.size(); ++k) EXPECT_TRUE(testing::tensors_close(p2[k].grad(), p1[k].grad(), 1e-6)) << k;
+  // And the step applies the accumulated gradient once.
+  auto o2 = [&] { OptimizerCtx ctx; return torch::optim::SGD(two_calls.parameters(), 0.1); }();
+  auto o1 = [&] { OptimizerCtx ctx; return torch::optim::SGD(one_call.parameters(), 0.1); }();
+  two_calls.step([&] { o2.step(); }, StepMode::kSync);
+  one_call.step([&] { o1.step(); }, StepMode::kSync);
+  EXPECT_TRUE(testing::tensor_lists_close(two_calls.module()->parameters(), one_call.module()->parameters(), 1e-6));
+}
+
+TEST(RoundPipeTest, DeviceCountInvariance_BitwiseForFixedMicrobatches) {
+  std::vector<torch::Tensor> first;
+  for (int devices : {1, 2, 3}) {
+    RoundPipe rp(make_transformer(4, 0.0), RoundPipeOptions().devices(cpu_devices(devices)).seed(5));
+    auto opt = [&] { OptimizerCtx ctx; return torch::optim::Adam(rp.parameters(), 1e-2); }();
+    RunConfig cfg;
+    cfg.num_microbatch = 4;
+    for (int step = 0; step < 3; ++step) {
+      auto data = make_data(true, step);
+      rp.forward_backward({data.x}, data.y, mse_over(data.y.numel()), cfg);
+      rp.step([&] { opt.step(); opt.zero_grad(); }, StepMode::kSync);
+    }
+    auto params = rp.module()->parameters();
+    if (first.empty()) {
+      first = params;
+      continue;
+    }
+    for (size_t k = 0; k < params.size(); ++k) {
+      EXPECT_TRUE(testing::tensors_equal(params[k], first[k])) << "devices=" << devices << " param " << k;
+    }
   }
-  rp.step([&] { optimizer.step(); }, StepMode::kSync);
-  ref_opt.step();
-  EXPECT_TRUE(testing::tensor_lists_close(rp.module()->parameters(), reference->parameters(), 1e-6));
+}
+
+TEST(RoundPipeTest, Autocast_CallersStateAppliesOnWorkers) {
+  auto model = make_mlp(6);
+  auto reference = deep_copy(model);
+  RoundPipe rp(model, RoundPipeOptions().devices(cpu_devices(3)));
+  auto data = make_data(false, 0);
+  auto loss_fn = [n = data.y.numel()](const torch::Tensor& out, const torch::Tensor& y) {
+    return torch::mse_loss(out.to(torch::kFloat), y, torch::Reduction::Sum) / static_cast<double>(n);
+  };
+  RunConfig cfg;
+  cfg.num_microbatch = 3;
+  torch::Tensor loss, expected;
+  {
+    amp::AutocastGuard autocast(c10::DeviceType::CPU, torch::kBFloat16);
+    loss = rp.forward_backward({data.x}, data.y, loss_fn, cfg);
+    auto xs = data.x.tensor_split(3), ys = data.y.tensor_split(3);
+    expected = torch::zeros({});
+    for (int j = 0; j < 3; ++j) expected = expected + loss_fn(reference->forward(xs[j]), ys[j]).detach();
+  }
+  auto fp32 = loss_fn(reference->forward(data.x), data.y).detach();
+  EXPECT_TRUE(testing::tensors_close(loss, expected, 1e-6));
+  EXPECT_FALSE(testing::tensors_close(loss, fp32, 1e-6)) << "bf16 autocast had no effect on the workers";
 }
 
 TEST(RoundPipeTest, Forward_InferenceMatchesPlainForward) {
@@ -258,28 +315,49 @@ TEST(RoundPipeTest, Forward_InferenceMatchesPlainForward) {
   EXPECT_TRUE(testing::tensors_close(out, reference->forward(data.x), 1e-6));
 }
 
+int64_t process_threads() {
+  std::ifstream status("/proc/self/status");
+  std::string key;
+  while (status >> key) {
+    if (key == "Threads:") {
+      int64_t n = 0;
+      status >> n;
+      return n;
+    }
+  }
+  return -1;
+}
+
 TEST(RoundPipeTest, Errors_ReachCallerNamingLayerAndPhase_ModelStaysUsable) {
   auto fail = std::make_shared<std::atomic<bool>>(true);
   torch::manual_seed(1);
-  torch::nn::Sequential model(torch::nn::Linear(8, 8), torch::nn::Tanh(), testing::Faulty(fail), torch::nn::Linear(8, 4));
+  // Layer 2 sits in forward stage 1 and throws on microbatch 2 of 3.
+  torch::nn::Sequential model(torch::nn::Linear(8, 8), torch::nn::Tanh(), testing::Faulty(fail, 3, 2), torch::nn::Linear(8, 4));
   auto reference = deep_copy(model);
   RoundPipe rp(model, RoundPipeOptions().devices(cpu_devices(3)).name("faulty"));
   auto data = make_data(false, 0);
   auto loss_fn = mse_over(data.y.numel());
   RunConfig cfg;
+  cfg.num_microbatch = 3;
   cfg.execute_plan = scheduler::ExecutePlan({{0, 1}, {1, 3}}, {{3, 4}, {2, 3}, {0, 2}});
-  try {
-    rp.forward_backward({data.x}, data.y, loss_fn, cfg);
-    FAIL() << "expected an error";
-  } catch (const c10::Error& e) {
-    const std::string msg = e.what_without_backtrace();
-    EXPECT_NE(msg.find("RoundPipe 'faulty': forward stage [1, 3)"), std::string::npos) << msg;
-    EXPECT_NE(msg.find("layer 2 (roundpipe::testing::FaultyImpl)"), std::string::npos) << msg;
-    EXPECT_NE(msg.find("microbatch 0"), std::string::npos) << msg;
-    EXPECT_NE(msg.find("injected failure"), std::string::npos) << msg;
+  int64_t threads_after_first = -1;
+  for (int rep = 0; rep < 100; ++rep) {
+    try {
+      rp.forward_backward({data.x}, data.y, loss_fn, cfg);
+      FAIL() << "expected an error at repetition " << rep;
+    } catch (const c10::Error& e) {
+      const std::string msg = e.what_without_backtrace();
+      ASSERT_NE(msg.find("RoundPipe 'faulty': forward stage [1, 3)"), std::string::npos) << msg;
+      ASSERT_NE(msg.find("layer 2 (roundpipe::testing::FaultyImpl)"), std::string::npos) << msg;
+      ASSERT_NE(msg.find("microbatch 2"), std::string::npos) << msg;
+      ASSERT_NE(msg.find("injected failure"), std::string::npos) << msg;
+    }
+    if (rep == 0) threads_after_first = process_threads();
   }
-  // The failed call left no gradients behind; the next call works and matches plain LibTorch.
+  // No thread leaked, no gradient left behind by the failed calls.
+  EXPECT_EQ(process_threads(), threads_after_first);
   for (const auto& p : rp.module()->parameters()) EXPECT_FALSE(p.grad().defined());
+  // The next call works and matches plain LibTorch.
   fail->store(false);
   auto loss = rp.forward_backward({data.x}, data.y, loss_fn, cfg);
   auto ref_loss = loss_fn(reference->forward(data.x), data.y);

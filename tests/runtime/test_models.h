@@ -33,15 +33,22 @@ struct BlockImpl : torch::nn::Cloneable<BlockImpl> {
 };
 TORCH_MODULE(Block);
 
-/// A layer that throws from forward while `*fail` is true (shared by clones).
+/// A layer that, while `*fail` is true, throws in forward stages (no-grad forwards) on every `period`-th call starting with call
+/// `fail_at` (0-based; e.g. period 3, fail_at 2: the third microbatch of each call). Clones share
+/// the flag and the counter.
 struct FaultyImpl : torch::nn::Cloneable<FaultyImpl> {
-  explicit FaultyImpl(std::shared_ptr<std::atomic<bool>> fail) : fail_(std::move(fail)) {}
+  explicit FaultyImpl(std::shared_ptr<std::atomic<bool>> fail, int64_t period = 1, int64_t fail_at = 0)
+      : fail_(std::move(fail)), calls_(std::make_shared<std::atomic<int64_t>>(0)), period_(period), fail_at_(fail_at) {}
   void reset() override {}
   torch::Tensor forward(const torch::Tensor& x) {
-    TORCH_CHECK(!fail_->load(), "injected failure");
+    if (torch::GradMode::is_enabled()) return x;  // recompute / fused: never fails, not counted
+    const int64_t call = calls_->fetch_add(1);
+    TORCH_CHECK(!(fail_->load() && call % period_ == fail_at_), "injected failure");
     return x;
   }
   std::shared_ptr<std::atomic<bool>> fail_;
+  std::shared_ptr<std::atomic<int64_t>> calls_;
+  int64_t period_, fail_at_;
 };
 TORCH_MODULE(Faulty);
 
