@@ -436,7 +436,10 @@ torch::Tensor RoundPipe::forward(const std::vector<torch::Tensor>& inputs, const
   const int64_t rows = batch_rows(inputs);
   TORCH_CHECK(rows > 0, "forward: no input has a batch dimension with rows (got ", rows, ")");
   num_micro = std::min(num_micro, rows);
-  const scheduler::ExecutePlan plan = m.plan_for(cfg, RunType::kInfer);
+  // A model-level execute_plan is a training plan; inference uses a call-level plan or its own.
+  RunConfig infer_cfg = cfg;
+  infer_cfg.execute_plan = config.execute_plan;
+  const scheduler::ExecutePlan plan = m.plan_for(infer_cfg, RunType::kInfer);
   const auto L = m.num_layers();
 
   detail::RunContext ctx;

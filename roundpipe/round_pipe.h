@@ -71,14 +71,15 @@ class RoundPipe {
   torch::Tensor forward_backward(const std::vector<torch::Tensor>& inputs, const torch::Tensor& label,
                                  const LossFn& loss_fn, const RunConfig& config = {});
 
-  /// Inference: no autograd, the inference plan, outputs merged along dim 0 (on
-  /// config.output_device, default CPU).
+  /// Inference: no autograd, the inference plan (config.execute_plan of this call, else automatic;
+  /// a model-level plan is a training plan and is not used here), outputs merged along dim 0 (on
+  /// config.output_device, default CPU). Runs in the module's current train/eval mode.
   torch::Tensor forward(const std::vector<torch::Tensor>& inputs, const RunConfig& config = {});
 
   /// Moves this iteration's gradients into the master copies (cast to optim_dtype, added to
   /// their .grad), runs `step_fn` (optimizer step, zero_grad, ...), then writes the master values
   /// back into the compute copies. kSync: before returning. kAsync: on the optimizer thread
-  /// (see docs/optimizer.md for the staleness-one semantics).
+  /// (docs/user-guide.md, "Async vs sync step": staleness one).
   void step(std::function<void()> step_fn, StepMode mode = StepMode::kAsync);
 
   /// Waits for queued optimizer steps; afterwards master and compute copies hold the values after

@@ -29,8 +29,9 @@ struct PartitionOptions {
   /// Stages fewer than this do not make the pipeline faster: cost = max(stages, min_stages) x
   /// stage time. Usually the number of devices.
   int64_t min_stages = 1;
-  /// Bytes one stage may hold on a device (the runtime passes half the usable device memory,
-  /// since the next stage's upload is prefetched while one runs). Default: unlimited.
+  /// Bytes one stage may hold on a device (pass half the usable device memory when the next
+  /// stage's upload is prefetched while one runs). Default: unlimited. The runtime does not set
+  /// it yet (CPU devices have no budget; a GPU budget comes with the GPU issue).
   int64_t memory_budget_bytes = std::numeric_limits<int64_t>::max();
 
   PartitionOptions& set_min_stages(int64_t v) { min_stages = v; return *this; }

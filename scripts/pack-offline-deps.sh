@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Packs the project's Debian build dependencies as .deb files into a folder (default .debs/), for a
+# machine without network that has CUDA PyTorch (e.g. a GPU cluster node): copy the repo with this
+# folder there and run scripts/build-offline.sh. Needs apt-get (no root needed for download).
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+out="${1:-$root/.debs}"
+mkdir -p "$out"
+# Headers-only or static -dev packages plus the shared libraries they link against.
+packages=(
+  libspdlog-dev libspdlog1.10 libfmt-dev libfmt9
+  libboost1.74-dev libboost-dev
+  libgtest-dev libgmock-dev googletest
+  libbenchmark-dev libbenchmark1debian
+  libyaml-cpp-dev libyaml-cpp0.7
+  libcli11-dev nlohmann-json3-dev
+)
+cd "$out"
+apt-get download "${packages[@]}"
+du -sh "$out"
+ls -1 "$out"
