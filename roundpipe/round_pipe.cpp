@@ -167,7 +167,17 @@ struct RoundPipe::Impl {
 
   RunConfig resolve(const RunConfig& call) const { return call.merged_over(options.run_config()); }
 
+  // Automatic plans depend only on layer sizes and the device count: computed once per run type
+  // (caller thread only).
+  mutable std::optional<scheduler::ExecutePlan> auto_fused_plan, auto_infer_plan;
+
   scheduler::ExecutePlan auto_plan(scheduler::RunType type) const {
+    auto& cached = type == scheduler::RunType::kInfer ? auto_infer_plan : auto_fused_plan;
+    if (!cached) cached = compute_auto_plan(type);
+    return *cached;
+  }
+
+  scheduler::ExecutePlan compute_auto_plan(scheduler::RunType type) const {
     std::vector<int64_t> bytes, grad_bytes;
     for (int64_t l = 0; l < num_layers(); ++l) {
       int64_t b = 0, g = 0;
