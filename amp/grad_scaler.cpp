@@ -4,9 +4,13 @@
 #include <torch/serialize/archive.h>
 
 #include <algorithm>
+#include <chrono>
 #include <iterator>
+#include <map>
+#include <mutex>
 #include <string>
 
+#include "amp/detail/found_inf_inbox.h"
 #include "roundpipe/logging.h"
 
 namespace roundpipe::amp {
@@ -19,6 +23,12 @@ const Logger& logger() {
 
 const char* kNoInfChecksForOptimizer = "No inf checks were recorded for this optimizer.";
 const char* kNoInfChecksPriorToUpdate = "No inf checks were recorded prior to update.";
+
+std::string scale_is_none_message(const char* funcname) {
+  return std::string("Attempted ") + funcname +
+         " but _scale is None.  This may indicate your script did not use scaler.scale(loss or outputs) "
+         "earlier in the iteration.";
+}
 
 }  // namespace
 
@@ -127,12 +137,36 @@ std::vector<std::pair<c10::Device, at::Tensor>> non_finite_check_and_unscale(
 
 // ---- GradScaler ---------------------------------------------------------------------------------
 
+struct GradScaler::Iteration {
+  at::Tensor scale;  // copy of the scale the iteration was scaled with (undefined: never scaled)
+  OptimizerStates states;
+};
+
+struct GradScaler::CrossThread {
+  // Guards scale_, growth_tracker_ and every member below except `inbox` (which is lock-free for
+  // posters and drained under this mutex) .
+  mutable std::mutex mutex;
+  detail::FoundInfInbox inbox;
+  int64_t generation = 0;  // update() calls so far
+  std::map<int64_t, std::map<uint64_t, int64_t>> expected;                  // [generation][run] -> flags
+  std::map<int64_t, std::map<uint64_t, std::vector<at::Tensor>>> received;  // [generation][run]
+  struct Deferred {
+    int64_t generation;
+    std::vector<at::Tensor> found_infs;  // the per-optimizer ones, taken at update()
+    double growth_factor, backoff_factor;
+    int64_t growth_interval;
+  };
+  std::optional<Deferred> deferred;
+  std::weak_ptr<const Executor> executor;
+};
+
 GradScaler::GradScaler(GradScalerOptions options)
     : enabled_(options.enabled()),
       init_scale_(options.init_scale()),
       growth_factor_(options.growth_factor()),
       backoff_factor_(options.backoff_factor()),
-      growth_interval_(options.growth_interval()) {
+      growth_interval_(options.growth_interval()),
+      xt_(std::make_unique<CrossThread>()) {
   if (enabled_) {
     TORCH_CHECK(growth_factor_ > 1.0, "The growth factor must be > 1.0. (GradScalerOptions::growth_factor is ",
                 growth_factor_, ")");
@@ -144,6 +178,10 @@ GradScaler::GradScaler(GradScalerOptions options)
   }
 }
 
+GradScaler::GradScaler(GradScaler&&) noexcept = default;
+GradScaler& GradScaler::operator=(GradScaler&&) noexcept = default;
+GradScaler::~GradScaler() = default;
+
 void GradScaler::lazy_init(const c10::Device& device) {
   TORCH_INTERNAL_ASSERT(!growth_tracker_.defined(), "_growth_tracker initialized before _scale");
   scale_ = at::full({}, init_scale_, at::TensorOptions().dtype(at::kFloat).device(device));
@@ -151,32 +189,195 @@ void GradScaler::lazy_init(const c10::Device& device) {
 }
 
 const at::Tensor& GradScaler::checked_scale(const char* funcname) const {
-  TORCH_CHECK(scale_.defined(), "Attempted ", funcname,
-              " but _scale is None.  This may indicate your script did not use scaler.scale(loss or outputs) "
-              "earlier in the iteration.");
+  TORCH_CHECK(scale_.defined(), scale_is_none_message(funcname));
   return scale_;
+}
+
+// Note [Cross-thread GradScaler]:
+// Inside RoundPipe, scale() runs in loss_fn on a device worker, unscale_/step in the step
+// function on the optimizer thread, update() on the caller's thread. Three mechanisms make that
+// exact (the next iteration's scale is torch.amp.GradScaler's, no lag) without making update()
+// wait for the optimizer thread:
+//  1. Flags from the workers. A ScaleObserver installed around loss_fn tells the runtime which
+//     scaler the run used and its update generation g (number of update() calls so far). Right
+//     after each backward stage, the worker checks that stage's parameter gradients for inf/NaN
+//     on its device and posts the flag, tagged (g, run), into the lock-free FoundInfInbox (with
+//     a CUDA event, no host sync). When the run succeeds, the runtime announces how many flags
+//     it posted (expect_found_inf); flags of a run that failed are never announced and are
+//     dropped, like its gradients.
+//  2. update() combines the announced flags of generation g and applies _amp_update_scale_. If
+//     some are still in flight it records a deferred update and returns at once; the update
+//     completes, in order, in the first later call that reads or writes the scale (scale() on a
+//     worker, get_scale, state_dict, update, ...), which waits for those flags only. Settings
+//     (factors, interval) are those in force at the update() call.
+//  3. The optimizer job of iteration k runs the step function inside an IterationScope holding
+//     a copy of the scale iteration k was scaled with and per-optimizer states private to the
+//     iteration: unscale_/step there never touch the live scale or states. unscale_/step called
+//     outside a scope (e.g. on the caller's thread, to clip gradients) are marshalled through the
+//     runtime's Executor onto the optimizer thread, into the pending iteration's scope.
+// The optimizer thread decides to skip from the master gradients it unscales (as torch does),
+// the scale update from the workers' flags: both see the same gradients, so they agree.
+
+namespace {
+
+constexpr auto kFlagTimeout = std::chrono::minutes(10);
+thread_local GradScaler::ScaleObserver* current_observer = nullptr;
+thread_local GradScaler::IterationScope* current_scope = nullptr;
+
+}  // namespace
+
+GradScaler::ScopedScaleObserver::ScopedScaleObserver(ScaleObserver* observer) : previous_(current_observer) {
+  current_observer = observer;
+}
+GradScaler::ScopedScaleObserver::~ScopedScaleObserver() { current_observer = previous_; }
+
+GradScaler::IterationScope::IterationScope(const GradScaler& scaler, std::shared_ptr<Iteration> iteration)
+    : scaler_(&scaler), iteration_(std::move(iteration)), previous_(current_scope) {
+  TORCH_INTERNAL_ASSERT(iteration_ != nullptr, "IterationScope needs an Iteration");
+  current_scope = this;
+}
+GradScaler::IterationScope::~IterationScope() { current_scope = previous_; }
+
+GradScaler::Iteration* GradScaler::scope_iteration() const {
+  for (IterationScope* s = current_scope; s != nullptr; s = s->previous_) {
+    if (s->scaler_ == this) return s->iteration_.get();
+  }
+  return nullptr;
+}
+
+void GradScaler::collect_posted_flags_locked() const {
+  for (auto& flag : xt_->inbox.drain()) {
+    const bool open = flag.generation >= xt_->generation ||
+                      (xt_->deferred && xt_->deferred->generation == flag.generation);
+    if (open) xt_->received[flag.generation][flag.batch].push_back(std::move(flag.found_inf));
+  }
+}
+
+bool GradScaler::flags_complete_locked(int64_t generation) const {
+  auto expected = xt_->expected.find(generation);
+  if (expected == xt_->expected.end()) return true;
+  auto received = xt_->received.find(generation);
+  for (const auto& [run, count] : expected->second) {
+    if (count == 0) continue;
+    if (received == xt_->received.end()) return false;
+    auto flags = received->second.find(run);
+    if (flags == received->second.end() || static_cast<int64_t>(flags->second.size()) < count) return false;
+  }
+  return true;
+}
+
+std::vector<at::Tensor> GradScaler::take_flags_locked(int64_t generation) const {
+  std::vector<at::Tensor> out;
+  auto expected = xt_->expected.find(generation);
+  auto received = xt_->received.find(generation);
+  if (expected != xt_->expected.end() && received != xt_->received.end()) {
+    for (const auto& entry : expected->second) {
+      auto flags = received->second.find(entry.first);
+      if (flags != received->second.end()) out.insert(out.end(), flags->second.begin(), flags->second.end());
+    }
+  }
+  // Everything of this generation and older is settled; flags of unannounced runs are dropped.
+  xt_->expected.erase(xt_->expected.begin(), xt_->expected.upper_bound(generation));
+  xt_->received.erase(xt_->received.begin(), xt_->received.upper_bound(generation));
+  return out;
+}
+
+void GradScaler::complete_deferred_update_locked() const {
+  if (!xt_->deferred) return;
+  const auto deadline = std::chrono::steady_clock::now() + kFlagTimeout;
+  for (;;) {
+    collect_posted_flags_locked();
+    if (flags_complete_locked(xt_->deferred->generation)) break;
+    const auto now = std::chrono::steady_clock::now();
+    TORCH_CHECK(now < deadline, "GradScaler: waited ",
+                std::chrono::duration_cast<std::chrono::seconds>(kFlagTimeout).count(),
+                " s for the found_inf flags of update ", xt_->deferred->generation,
+                " that the runtime announced; a device worker stopped without posting them. The scale was not "
+                "updated; call update(new_scale) to set it explicitly.");
+    // Slices bound the cost of any missed wakeup; a post normally wakes the wait at once.
+    xt_->inbox.wait_for_post(std::min(deadline, now + std::chrono::milliseconds(50)));
+  }
+  CrossThread::Deferred deferred = std::move(*xt_->deferred);
+  xt_->deferred.reset();
+  auto flags = take_flags_locked(deferred.generation);
+  deferred.found_infs.insert(deferred.found_infs.end(), flags.begin(), flags.end());
+  apply_update(std::move(deferred.found_infs), deferred.growth_factor, deferred.backoff_factor,
+               deferred.growth_interval);
+}
+
+void GradScaler::post_found_inf(int64_t generation, uint64_t batch, const at::Tensor& found_inf) {
+  if (!enabled_) return;
+  TORCH_CHECK(found_inf.defined() && found_inf.numel() == 1,
+              "GradScaler::post_found_inf: found_inf must be a 1-element tensor");
+  xt_->inbox.post(detail::FoundInfFlag{generation, batch, found_inf});
+}
+
+void GradScaler::expect_found_inf(int64_t generation, uint64_t batch, int64_t count) {
+  if (!enabled_) return;
+  TORCH_CHECK(count >= 0, "GradScaler::expect_found_inf: count must be >= 0, got ", count);
+  std::lock_guard<std::mutex> lock(xt_->mutex);
+  TORCH_CHECK(generation >= xt_->generation, "GradScaler::expect_found_inf: update ", generation,
+              " already ran; a run's flags must be announced before the update() that follows its scale()");
+  xt_->expected[generation][batch] += count;
+}
+
+std::shared_ptr<GradScaler::Iteration> GradScaler::capture_iteration() {
+  auto iteration = std::make_shared<Iteration>();
+  std::lock_guard<std::mutex> lock(xt_->mutex);
+  complete_deferred_update_locked();
+  if (scale_.defined()) iteration->scale = scale_.clone();
+  return iteration;
+}
+
+void GradScaler::set_executor(std::weak_ptr<const Executor> executor) {
+  std::lock_guard<std::mutex> lock(xt_->mutex);
+  xt_->executor = std::move(executor);
+}
+
+std::shared_ptr<const GradScaler::Executor> GradScaler::executor() const {
+  std::lock_guard<std::mutex> lock(xt_->mutex);
+  return xt_->executor.lock();
 }
 
 at::Tensor GradScaler::scale(const at::Tensor& outputs) {
   if (!enabled_) return outputs;
-  if (!scale_.defined()) lazy_init(outputs.device());
-  return outputs * scale_.to(at::TensorOptions().device(outputs.device()), /*non_blocking=*/true);
+  at::Tensor device_scale;
+  int64_t generation = 0;
+  {
+    std::lock_guard<std::mutex> lock(xt_->mutex);
+    complete_deferred_update_locked();
+    if (!scale_.defined()) lazy_init(outputs.device());
+    device_scale = scale_.to(at::TensorOptions().device(outputs.device()), /*non_blocking=*/true, /*copy=*/true);
+    generation = xt_->generation;
+  }
+  if (current_observer != nullptr) current_observer->on_scale(*this, generation);
+  return outputs * device_scale;
 }
 
 std::vector<at::Tensor> GradScaler::scale(const std::vector<at::Tensor>& outputs) {
   if (!enabled_) return outputs;
+  std::vector<std::pair<c10::Device, at::Tensor>> per_device_scale;  // torch's _MultiDeviceReplicator
+  int64_t generation = 0;
+  {
+    std::lock_guard<std::mutex> lock(xt_->mutex);
+    complete_deferred_update_locked();
+    for (const auto& output : outputs) {
+      if (!scale_.defined()) lazy_init(output.device());
+      auto it = std::find_if(per_device_scale.begin(), per_device_scale.end(),
+                             [&](const auto& entry) { return entry.first == output.device(); });
+      if (it == per_device_scale.end()) {
+        per_device_scale.emplace_back(output.device(), scale_.to(at::TensorOptions().device(output.device()),
+                                                                 /*non_blocking=*/true, /*copy=*/true));
+      }
+    }
+    generation = xt_->generation;
+  }
+  if (current_observer != nullptr && !outputs.empty()) current_observer->on_scale(*this, generation);
   std::vector<at::Tensor> scaled;
   scaled.reserve(outputs.size());
-  std::vector<std::pair<c10::Device, at::Tensor>> per_device_scale;  // torch's _MultiDeviceReplicator
   for (const auto& output : outputs) {
-    if (!scale_.defined()) lazy_init(output.device());
     auto it = std::find_if(per_device_scale.begin(), per_device_scale.end(),
                            [&](const auto& entry) { return entry.first == output.device(); });
-    if (it == per_device_scale.end()) {
-      per_device_scale.emplace_back(output.device(),
-                                    scale_.to(at::TensorOptions().device(output.device()), /*non_blocking=*/true));
-      it = std::prev(per_device_scale.end());
-    }
     scaled.push_back(output * it->second);
   }
   return scaled;
@@ -184,20 +385,22 @@ std::vector<at::Tensor> GradScaler::scale(const std::vector<at::Tensor>& outputs
 
 void GradScaler::unscale_(torch::optim::Optimizer& optimizer) {
   if (!enabled_) return;
-  unscale_with(optimizer, checked_scale("unscale_"));
+  if (Iteration* iteration = scope_iteration()) {
+    TORCH_CHECK(iteration->scale.defined(), scale_is_none_message("unscale_"));
+    unscale_in(iteration->states, iteration->scale, optimizer);
+    return;
+  }
+  if (auto run = executor()) {
+    (*run)([&] { unscale_(optimizer); });
+    return;
+  }
+  std::lock_guard<std::mutex> lock(xt_->mutex);
+  complete_deferred_update_locked();
+  unscale_in(per_optimizer_states_, checked_scale("unscale_"), optimizer);
 }
 
-void GradScaler::unscale_(torch::optim::Optimizer& optimizer, const at::Tensor& scale) {
-  if (!enabled_) return;
-  checked_scale("unscale_");
-  unscale_with(optimizer, scale);
-}
-
-void GradScaler::unscale_with(torch::optim::Optimizer& optimizer, const at::Tensor& scale) {
-  TORCH_CHECK(scale.defined() && scale.numel() == 1 && scale.scalar_type() == at::kFloat,
-              "GradScaler::unscale_: the scale must be a 1-element float32 tensor, got ",
-              scale.defined() ? scale.toString() : std::string("an undefined tensor"));
-  auto& state = per_optimizer_states_[&optimizer];
+void GradScaler::unscale_in(OptimizerStates& states, const at::Tensor& scale, torch::optim::Optimizer& optimizer) {
+  auto& state = states[&optimizer];
   TORCH_CHECK(state.stage != OptState::kUnscaled,
               "unscale_() has already been called on this optimizer since the last update().");
   TORCH_CHECK(state.stage != OptState::kStepped, "unscale_() is being called after step().");
@@ -213,21 +416,29 @@ void GradScaler::unscale_with(torch::optim::Optimizer& optimizer, const at::Tens
   state.stage = OptState::kUnscaled;
 }
 
-bool GradScaler::step(torch::optim::Optimizer& optimizer) { return step_with(optimizer, nullptr); }
-
-bool GradScaler::step(torch::optim::Optimizer& optimizer, const at::Tensor& scale) {
-  return step_with(optimizer, &scale);
-}
-
-bool GradScaler::step_with(torch::optim::Optimizer& optimizer, const at::Tensor* scale) {
+bool GradScaler::step(torch::optim::Optimizer& optimizer) {
   if (!enabled_) {
     optimizer.step();
     return true;
   }
-  checked_scale("step");
-  auto& state = per_optimizer_states_[&optimizer];
+  if (Iteration* iteration = scope_iteration()) {
+    TORCH_CHECK(iteration->scale.defined(), scale_is_none_message("step"));
+    return step_in(iteration->states, iteration->scale, optimizer);
+  }
+  if (auto run = executor()) {
+    bool stepped = false;
+    (*run)([&] { stepped = step(optimizer); });
+    return stepped;
+  }
+  std::lock_guard<std::mutex> lock(xt_->mutex);
+  complete_deferred_update_locked();
+  return step_in(per_optimizer_states_, checked_scale("step"), optimizer);
+}
+
+bool GradScaler::step_in(OptimizerStates& states, const at::Tensor& scale, torch::optim::Optimizer& optimizer) {
+  auto& state = states[&optimizer];
   TORCH_CHECK(state.stage != OptState::kStepped, "step() has already been called since the last update().");
-  if (state.stage == OptState::kReady) unscale_with(optimizer, scale != nullptr ? *scale : scale_);
+  if (state.stage == OptState::kReady) unscale_in(states, scale, optimizer);
   TORCH_CHECK(!state.found_inf_per_device.empty(), kNoInfChecksForOptimizer);
 
   double found_inf = 0.0;
@@ -237,7 +448,7 @@ bool GradScaler::step_with(torch::optim::Optimizer& optimizer, const at::Tensor*
     optimizer.step();
   } else {
     ROUNDPIPE_LOG(logger(), kDebug, "GradScaler: inf/NaN gradients, optimizer step skipped (scale ",
-                  (scale != nullptr ? *scale : scale_).item<double>(), ")");
+                  scale.item<double>(), ")");
   }
   state.stage = OptState::kStepped;
   return run;
@@ -245,9 +456,14 @@ bool GradScaler::step_with(torch::optim::Optimizer& optimizer, const at::Tensor*
 
 void GradScaler::update(std::optional<double> new_scale) {
   if (!enabled_) return;
+  std::lock_guard<std::mutex> lock(xt_->mutex);
+  complete_deferred_update_locked();
   checked_scale("update");
+  const int64_t generation = xt_->generation;
+  collect_posted_flags_locked();
   if (new_scale.has_value()) {
     scale_.fill_(*new_scale);
+    take_flags_locked(generation);  // an explicit scale ignores this iteration's flags, like torch
   } else {
     std::vector<at::Tensor> found_infs;
     for (const auto& entry : per_optimizer_states_) {
@@ -255,23 +471,21 @@ void GradScaler::update(std::optional<double> new_scale) {
         found_infs.push_back(device_found_inf.second);
       }
     }
-    apply_update(std::move(found_infs));
+    if (flags_complete_locked(generation)) {
+      auto flags = take_flags_locked(generation);
+      found_infs.insert(found_infs.end(), flags.begin(), flags.end());
+      apply_update(std::move(found_infs), growth_factor_, backoff_factor_, growth_interval_);
+    } else {
+      xt_->deferred = CrossThread::Deferred{generation, std::move(found_infs), growth_factor_, backoff_factor_,
+                                            growth_interval_};
+    }
   }
+  ++xt_->generation;
   per_optimizer_states_.clear();
 }
 
-void GradScaler::update_from_found_inf(const std::vector<at::Tensor>& found_infs) {
-  if (!enabled_) return;
-  checked_scale("update");
-  for (const auto& found_inf : found_infs) {
-    TORCH_CHECK(found_inf.defined() && found_inf.numel() == 1,
-                "GradScaler::update_from_found_inf: every found_inf must be a 1-element tensor");
-  }
-  apply_update(found_infs);
-  per_optimizer_states_.clear();
-}
-
-void GradScaler::apply_update(std::vector<at::Tensor> found_infs) {
+void GradScaler::apply_update(std::vector<at::Tensor> found_infs, double growth_factor, double backoff_factor,
+                              int64_t growth_interval) const {
   TORCH_CHECK(!found_infs.empty(), kNoInfChecksPriorToUpdate);
   const auto options = at::TensorOptions().dtype(at::kFloat).device(scale_.device());
   // A fresh tensor: summing in place must not alter the caller's (or an optimizer's) found_inf.
@@ -279,15 +493,21 @@ void GradScaler::apply_update(std::vector<at::Tensor> found_infs) {
   for (size_t i = 1; i < found_infs.size(); ++i) {
     combined.add_(found_infs[i].reshape({}).to(options, /*non_blocking=*/true));
   }
-  at::_amp_update_scale_(scale_, growth_tracker_, combined, growth_factor_, backoff_factor_, growth_interval_);
+  at::_amp_update_scale_(scale_, growth_tracker_, combined, growth_factor, backoff_factor, growth_interval);
 }
 
 double GradScaler::get_scale() const {
   if (!enabled_) return 1.0;
+  std::lock_guard<std::mutex> lock(xt_->mutex);
+  complete_deferred_update_locked();
   return scale_.defined() ? static_cast<double>(scale_.item<float>()) : init_scale_;
 }
 
-at::Tensor GradScaler::scale_tensor() const { return scale_.defined() ? scale_.clone() : at::Tensor(); }
+at::Tensor GradScaler::scale_tensor() const {
+  std::lock_guard<std::mutex> lock(xt_->mutex);
+  complete_deferred_update_locked();
+  return scale_.defined() ? scale_.clone() : at::Tensor();
+}
 
 GradScalerState GradScaler::state_dict() const {
   GradScalerState state;
@@ -295,7 +515,9 @@ GradScalerState GradScaler::state_dict() const {
     state.empty = true;
     return state;
   }
-  state.scale = get_scale();
+  std::lock_guard<std::mutex> lock(xt_->mutex);
+  complete_deferred_update_locked();
+  state.scale = scale_.defined() ? static_cast<double>(scale_.item<float>()) : init_scale_;
   state.growth_factor = growth_factor_;
   state.backoff_factor = backoff_factor_;
   state.growth_interval = growth_interval_;
@@ -308,6 +530,8 @@ void GradScaler::load_state_dict(const GradScalerState& state) {
   TORCH_CHECK(!state.empty,
               "The source state dict is empty, possibly because it was saved from a disabled instance of "
               "GradScaler.");
+  std::lock_guard<std::mutex> lock(xt_->mutex);
+  complete_deferred_update_locked();
   init_scale_ = state.scale;
   if (scale_.defined()) scale_.fill_(state.scale);
   growth_factor_ = state.growth_factor;

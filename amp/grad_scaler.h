@@ -11,6 +11,8 @@
 #include <torch/optim/optimizer.h>
 
 #include <cstdint>
+#include <functional>
+#include <memory>
 #include <optional>
 #include <unordered_map>
 #include <utility>
@@ -99,11 +101,14 @@ std::vector<std::pair<c10::Device, at::Tensor>> non_finite_check_and_unscale(
 /// optimizer's address, so an optimizer must stay alive (and at one address) between its
 /// `unscale_`/`step` and the next `update()`.
 ///
-/// Thread-safety: none. A scaler is used from one thread at a time; callers that share one
-/// across threads synchronize externally. The runtime's cross-thread protocol (DESIGN §3) is
-/// built on the explicit-scale hooks below (`scale_tensor`, the `unscale_`/`step` overloads that
-/// take the scale an iteration was scaled with, and `update_from_found_inf`), with the
-/// synchronization owned by the runtime.
+/// Thread-safety: the scale and growth tracker are guarded by an internal mutex, so `scale()` may
+/// run on worker threads while another thread calls `update()`, `get_scale()` or `state_dict()`.
+/// Per-optimizer state has one owner: the thread running an IterationScope for its iteration
+/// (the runtime's optimizer thread), or else the caller, who must not race `unscale_`/`step`
+/// with `update()`. Setters are for the thread that calls `update()`. Inside RoundPipe
+/// (Note [Cross-thread GradScaler]): `scale()` in loss_fn on device workers, `unscale_`/`step`
+/// in step functions on the optimizer thread (calls from the caller's thread are marshalled
+/// there), `update()` on the caller's thread, which never waits for the optimizer thread.
 class GradScaler {
  public:
   /// Throws c10::Error when enabled and growth_factor <= 1, backoff_factor not in (0, 1) or
@@ -113,8 +118,9 @@ class GradScaler {
   // Not copyable: a copy would share (and update in place) the same scale tensor. Movable.
   GradScaler(const GradScaler&) = delete;
   GradScaler& operator=(const GradScaler&) = delete;
-  GradScaler(GradScaler&&) = default;
-  GradScaler& operator=(GradScaler&&) = default;
+  GradScaler(GradScaler&&) noexcept;
+  GradScaler& operator=(GradScaler&&) noexcept;
+  ~GradScaler();
 
   /// `outputs * scale` (the scale copied to `outputs`' device). The first call creates the scale
   /// and growth tracker on `outputs`' device. Disabled: returns `outputs` itself.
@@ -163,20 +169,71 @@ class GradScaler {
   /// Throws "The source state dict is empty, ..." for an empty state.
   void load_state_dict(const GradScalerState& state);
 
-  // ---- Hooks for the runtime's cross-thread protocol (see class comment) ----------------------
-
   /// A copy of the current scale tensor (0-dim float32 on the scale's device), undefined before
-  /// the first `scale()`. The runtime snapshots it with each iteration's optimizer job.
+  /// the first `scale()`.
   at::Tensor scale_tensor() const;
-  /// `unscale_(optimizer)` with an explicit scale (1-element float32): the one the gradients were
-  /// scaled with. Same state machine and errors.
-  void unscale_(torch::optim::Optimizer& optimizer, const at::Tensor& scale);
-  /// `step(optimizer)` whose implicit unscale uses `scale`.
-  bool step(torch::optim::Optimizer& optimizer, const at::Tensor& scale);
-  /// `update()` from externally gathered found_inf tensors (any devices, summed on the scale's
-  /// device) instead of the per-optimizer records; also resets every optimizer to READY.
-  /// Throws "No inf checks were recorded prior to update." for an empty list.
-  void update_from_found_inf(const std::vector<at::Tensor>& found_infs);
+
+  // ---- Cross-thread protocol (Note [Cross-thread GradScaler] in grad_scaler.cpp) -------------
+  // Used by the runtime; a plain training loop never needs these.
+
+  /// Notified by every `scale()` call made on the thread where it is installed (see
+  /// `ScopedScaleObserver`), with the scaler and its update generation (the number of `update()`
+  /// calls so far): the runtime learns which scaler a loss_fn used and tags that run's flags.
+  class ScaleObserver {
+   public:
+    virtual ~ScaleObserver() = default;
+    virtual void on_scale(GradScaler& scaler, int64_t generation) = 0;
+  };
+  /// Installs `observer` on the calling thread for its lifetime (restores the previous one).
+  class ScopedScaleObserver {
+   public:
+    explicit ScopedScaleObserver(ScaleObserver* observer);
+    ~ScopedScaleObserver();
+    ScopedScaleObserver(const ScopedScaleObserver&) = delete;
+    ScopedScaleObserver& operator=(const ScopedScaleObserver&) = delete;
+
+   private:
+    ScaleObserver* previous_;
+  };
+
+  /// Any thread, lock-free: posts the found_inf (1 element, any device; non-zero = inf/NaN) of
+  /// one backward stage of run `batch`, scaled in update generation `generation`. Flags count
+  /// only once their run is announced with `expect_found_inf`; flags of runs never announced
+  /// (a failed run) are dropped.
+  void post_found_inf(int64_t generation, uint64_t batch, const at::Tensor& found_inf);
+  /// Any thread: run `batch` of generation `generation` posts `count` flags. The update() of that
+  /// generation combines them; if some are still in flight it returns at once and the update
+  /// completes when the last arrives, at the latest in the next `scale()`, `get_scale()`,
+  /// `state_dict()`, `load_state_dict()` or `update()` (which wait for it, up to 10 minutes).
+  void expect_found_inf(int64_t generation, uint64_t batch, int64_t count);
+
+  /// The scale snapshot and per-optimizer states of one iteration, for its optimizer step job.
+  class Iteration;
+  /// A new Iteration holding a copy of the current scale (completes a pending update first).
+  std::shared_ptr<Iteration> capture_iteration();
+  /// While alive on a thread, `unscale_`/`step` of `scaler` called on that thread use the
+  /// iteration's scale and per-optimizer states instead of the live ones, so they may run on an
+  /// optimizer thread while another thread runs `update()` and the next `scale()`. Nestable.
+  class IterationScope {
+   public:
+    IterationScope(const GradScaler& scaler, std::shared_ptr<Iteration> iteration);
+    ~IterationScope();
+    IterationScope(const IterationScope&) = delete;
+    IterationScope& operator=(const IterationScope&) = delete;
+
+   private:
+    friend class GradScaler;
+    const GradScaler* scaler_;
+    std::shared_ptr<Iteration> iteration_;
+    IterationScope* previous_;
+  };
+
+  /// Runs a call on the optimizer thread, inside the right IterationScope, and returns when it
+  /// has run (rethrowing its error).
+  using Executor = std::function<void(const std::function<void()>& call)>;
+  /// `unscale_`/`step` called outside any IterationScope of this scaler are marshalled through
+  /// `executor` while it is alive (the runtime owns it; a weak reference is kept).
+  void set_executor(std::weak_ptr<const Executor> executor);
 
  private:
   enum class OptState { kReady, kUnscaled, kStepped };
@@ -187,9 +244,18 @@ class GradScaler {
 
   void lazy_init(const c10::Device& device);
   const at::Tensor& checked_scale(const char* funcname) const;
-  void unscale_with(torch::optim::Optimizer& optimizer, const at::Tensor& scale);
-  bool step_with(torch::optim::Optimizer& optimizer, const at::Tensor* scale);
-  void apply_update(std::vector<at::Tensor> found_infs);
+  using OptimizerStates = std::unordered_map<const void*, PerOptimizerState>;
+  static void unscale_in(OptimizerStates& states, const at::Tensor& scale, torch::optim::Optimizer& optimizer);
+  static bool step_in(OptimizerStates& states, const at::Tensor& scale, torch::optim::Optimizer& optimizer);
+  void apply_update(std::vector<at::Tensor> found_infs, double growth_factor, double backoff_factor,
+                    int64_t growth_interval) const;
+  void update_locked(std::optional<double> new_scale);
+  void complete_deferred_update_locked() const;
+  void collect_posted_flags_locked() const;
+  bool flags_complete_locked(int64_t generation) const;
+  std::vector<at::Tensor> take_flags_locked(int64_t generation) const;
+  std::shared_ptr<const Executor> executor() const;
+  Iteration* scope_iteration() const;  // the innermost IterationScope of this scaler on this thread
 
   bool enabled_;
   double init_scale_;
@@ -197,9 +263,13 @@ class GradScaler {
   double backoff_factor_;
   int64_t growth_interval_;
   int64_t init_growth_tracker_ = 0;
-  at::Tensor scale_;           // 0-dim float32, undefined until the first scale()
-  at::Tensor growth_tracker_;  // 0-dim int32, created with scale_
-  std::unordered_map<const void*, PerOptimizerState> per_optimizer_states_;
+  // Guarded by xt_->mutex. Mutable: a const reader completes a deferred update first.
+  mutable at::Tensor scale_;           // 0-dim float32, undefined until the first scale()
+  mutable at::Tensor growth_tracker_;  // 0-dim int32, created with scale_
+  OptimizerStates per_optimizer_states_;  // used outside IterationScopes
+  // Cross-thread state, behind a pointer so the scaler stays movable.
+  struct CrossThread;
+  std::unique_ptr<CrossThread> xt_;
 };
 
 }  // namespace roundpipe::amp

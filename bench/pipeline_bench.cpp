@@ -5,15 +5,22 @@
 //     bubble fraction GPipe and 1F1B have for the same layers ((p-1)/(m+p-1), p = devices).
 //  2. Dispatch overhead: parameter-free empty layers, one stage per layer; time per (stage, mb).
 //  3. Async vs sync step: the sleeping model with 64M fp32 parameters and roundpipe::optim::Adam.
+//  4. Per-job layer copy on a CPU device: Cloneable::clone(device) (what stage jobs did before
+//     Note [Layer shells]: reset() re-initializes every parameter, then the values are copied)
+//     vs leasing a reused shell and uploading the values; the floor is one plain copy (clone()) of
+//     the same parameters.
 // Usage: pipeline_bench [sleep_ms=2] [layers=12]
 #include <torch/torch.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <functional>
 #include <thread>
 
 #include "optim/adam.h"
+#include "roundpipe/detail/device_io.h"
+#include "roundpipe/detail/layer_shells.h"
 #include "roundpipe/round_pipe.h"
 #include "scheduler/dispatch.h"
 
@@ -176,6 +183,36 @@ int main(int argc, char** argv) {
     if (mode == StepMode::kSync) sync_ms = it;
     std::printf("%-7s %-16.1f %-14.1f%s\n", mode == StepMode::kSync ? "sync" : "async", it, median(steps),
                 mode == StepMode::kAsync ? (" (" + std::to_string(sync_ms / it).substr(0, 4) + "x faster)").c_str() : "");
+  }
+
+  std::printf("\n== 4. per-job layer copy on a CPU device: Linear(2048, 2048), 4.2M fp32 parameters\n");
+  std::printf("%-34s %-10s %-10s\n", "method", "ms", "vs floor");
+  {
+    torch::set_num_threads(1);
+    std::vector<torch::nn::AnyModule> layers{torch::nn::AnyModule(torch::nn::Linear(2048, 2048))};
+    roundpipe::detail::LayerShells shells(&layers);
+    const auto& weight = layers[0].ptr()->parameters();
+    auto time_ms = [](const std::function<void()>& fn) {
+      std::vector<double> v;
+      for (int rep = 0; rep < 7; ++rep) {
+        auto t0 = Clock::now();
+        fn();
+        v.push_back(ms_since(t0));
+      }
+      return median(v);
+    };
+    const double floor_ms = time_ms([&] {
+      for (const auto& p : weight) p.clone();
+    });
+    const double clone_ms = time_ms([&] { layers[0].clone(c10::Device(c10::kCPU)); });
+    const double shell_ms = time_ms([&] {
+      roundpipe::detail::DeviceIo io(c10::Device(c10::kCPU));
+      roundpipe::detail::ShellLease lease(shells, 0);
+      io.upload_layer(*lease.module().ptr(), *layers[0].ptr());
+    });
+    std::printf("%-34s %-10.2f %-10.2f\n", "plain copy of the values (floor)", floor_ms, 1.0);
+    std::printf("%-34s %-10.2f %-10.2f\n", "clone(device) per job (before)", clone_ms, clone_ms / floor_ms);
+    std::printf("%-34s %-10.2f %-10.2f\n", "shell lease + upload (now)", shell_ms, shell_ms / floor_ms);
   }
   return 0;
 }

@@ -5,10 +5,13 @@
 #include <c10/util/Exception.h>
 #include <torch/nn/module.h>
 
+#include <algorithm>
+#include <atomic>
 #include <condition_variable>
 #include <mutex>
 #include <unordered_map>
 
+#include "amp/grad_scaler.h"
 #include "roundpipe/detail/device_worker.h"
 #include "roundpipe/detail/stage_jobs.h"
 #include "roundpipe/devices.h"
@@ -60,6 +63,7 @@ uint64_t splitmix64(uint64_t x) {
 }
 
 thread_local int optimizer_ctx_depth = 0;
+std::atomic<uint64_t> next_flag_batch{1};  // run ids for GradScaler flags, unique in the process
 
 }  // namespace
 
@@ -110,6 +114,15 @@ struct RoundPipe::Impl {
   std::vector<int64_t> published;
   std::vector<int64_t> consumed;
   std::exception_ptr async_error;
+
+  // Cross-thread GradScaler (Note [Cross-thread GradScaler] in amp/grad_scaler.cpp). Caller
+  // thread only. `scaler`: the one the last run's loss_fn used; `pending_iteration`: the scale
+  // and per-optimizer states of the gradients awaiting step(); `scaler_executor`: marshals the
+  // scaler's unscale_/step calls made outside step functions onto the optimizer thread (the
+  // scaler holds a weak reference, which expires with this Impl).
+  amp::GradScaler* scaler = nullptr;
+  std::shared_ptr<amp::GradScaler::Iteration> pending_iteration;
+  std::shared_ptr<const amp::GradScaler::Executor> scaler_executor;
 
   void wait_counter(const std::vector<int64_t>& counter, int64_t l, int64_t target) {
     std::unique_lock<std::mutex> lock(sync_mutex);
@@ -216,6 +229,42 @@ struct RoundPipe::Impl {
     }
   }
 
+  // After a successful run whose loss_fn used `scaler`: announces the flags its jobs posted,
+  // snapshots the iteration's scale for its step, and (re)installs the executor.
+  void attach_scaler(amp::GradScaler& s, const detail::RunContext& ctx) {
+    s.expect_found_inf(ctx.scaler_generation.load(), ctx.flag_batch, ctx.flags_posted.load());
+    if (&s != scaler || !scaler_executor) {
+      scaler = &s;
+      scaler_executor = std::make_shared<const amp::GradScaler::Executor>(
+          [this, &s](const std::function<void()>& call) { run_marshalled(s, call); });
+    }
+    s.set_executor(scaler_executor);
+    if (!pending_iteration) pending_iteration = s.capture_iteration();
+  }
+
+  // The scaler's unscale_/step called outside a step function: run on the optimizer thread, after
+  // queued steps, on this iteration's gradients (moved into the master copies first) and inside
+  // its IterationScope; a later step function continues the same per-optimizer state.
+  void run_marshalled(amp::GradScaler& s, const std::function<void()>& call) {
+    if (optimizer_thread && optimizer_thread->is_current()) {
+      // A step function queued without a scaled iteration (no forward_backward since the last step).
+      amp::GradScaler::IterationScope scope(s, s.capture_iteration());
+      call();
+      return;
+    }
+    rethrow_async_error();
+    ensure_masters();
+    if (!pending_iteration) pending_iteration = s.capture_iteration();
+    if (!optimizer_thread) optimizer_thread = std::make_unique<detail::DeviceWorker>(c10::Device(c10::kCPU));
+    optimizer_thread
+        ->post([this, &s, &call, iteration = pending_iteration] {
+          for (size_t l = params.size(); l-- > 0;) consume_grads_layer(l);
+          amp::GradScaler::IterationScope scope(s, iteration);
+          call();
+        })
+        .get();
+  }
+
   std::vector<std::vector<torch::Tensor>> split(const std::vector<torch::Tensor>& tensors, int64_t& num_micro,
                                                 const char* what) const;
 };
@@ -285,6 +334,15 @@ RoundPipe::RoundPipe(torch::nn::Sequential model, RoundPipeOptions options) : im
     m.params.push_back(ps);
     m.param_names.push_back(names);
   }
+  if (std::any_of(m.devices.begin(), m.devices.end(), [](const c10::Device& d) { return d.is_cuda(); })) {
+    // Host copies in pinned memory, so uploads are asynchronous (Note [Stage streams]).
+    torch::NoGradGuard no_grad;
+    auto pin = [](torch::Tensor t) {
+      if (t.defined() && t.is_cpu() && !t.is_pinned()) t.set_data(t.detach().pin_memory());
+    };
+    for (auto& p : model->parameters()) pin(p);
+    for (auto& b : model->buffers()) pin(b);
+  }
   m.layer_set.call_modes = std::make_unique<std::atomic<int>[]>(m.layer_set.layers.size());
   for (size_t l = 0; l < m.layer_set.layers.size(); ++l) m.layer_set.call_modes[l] = 0;
   if (options.seed()) {
@@ -351,6 +409,7 @@ torch::Tensor RoundPipe::forward_backward(const std::vector<torch::Tensor>& inpu
   }
   ctx.loss_fn = &loss_fn;
   ctx.autocast = amp::AutocastState::capture();
+  ctx.flag_batch = next_flag_batch.fetch_add(1);
   const int64_t steps_before = m.steps;
   ctx.wait_layer_ready = [&m, steps_before](int64_t l) { m.wait_counter(m.published, l, steps_before); };
   auto channels = [&](size_t n) {
@@ -431,6 +490,7 @@ torch::Tensor RoundPipe::forward_backward(const std::vector<torch::Tensor>& inpu
     auto buffers = m.layer_set.layers[l].ptr()->buffers();
     for (size_t k = 0; k < ctx.buffers[l].size() && k < buffers.size(); ++k) buffers[k].copy_(ctx.buffers[l][k]);
   }
+  if (amp::GradScaler* scaler = ctx.scaler.load()) m.attach_scaler(*scaler, ctx);
   torch::Tensor total = ctx.losses[0].clone();
   for (int64_t j = 1; j < num_micro; ++j) total.add_(ctx.losses[j]);
   return total;
@@ -513,6 +573,14 @@ void RoundPipe::step(std::function<void()> step_fn, StepMode mode) {
   m.rethrow_async_error();
   m.ensure_masters();
   const int64_t k = ++m.steps;
+  if (m.pending_iteration) {
+    // The step function runs inside the scope of the iteration its gradients come from.
+    step_fn = [scaler = m.scaler, iteration = std::move(m.pending_iteration), fn = std::move(step_fn)] {
+      amp::GradScaler::IterationScope scope(*scaler, iteration);
+      if (fn) fn();
+    };
+    m.pending_iteration.reset();
+  }
   if (mode == StepMode::kSync) {
     m.drain();
     m.rethrow_async_error();

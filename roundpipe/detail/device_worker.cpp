@@ -9,17 +9,23 @@
 #endif
 
 namespace roundpipe::detail {
+namespace {
+thread_local const DeviceWorker* current_worker = nullptr;
+}  // namespace
 
 DeviceWorker::DeviceWorker(c10::Device device)
     : device_(device), pool_(std::make_unique<boost::asio::thread_pool>(1)) {}
 
 DeviceWorker::~DeviceWorker() { pool_->join(); }
 
+bool DeviceWorker::is_current() const { return current_worker == this; }
+
 std::future<void> DeviceWorker::post(std::function<void()> job) {
   auto task = std::make_shared<std::packaged_task<void()>>([this, job = std::move(job)] {
 #if ROUNDPIPE_WITH_CUDA
     if (device_.is_cuda()) c10::cuda::set_device(device_.index());
 #endif
+    current_worker = this;  // the pool's one thread serves only this worker
     job();
   });
   auto future = task->get_future();

@@ -25,6 +25,8 @@ class DeviceWorker {
 
   const c10::Device& device() const { return device_; }
   std::future<void> post(std::function<void()> job);
+  /// True on this worker's thread (while it runs a job).
+  bool is_current() const;
 
  private:
   c10::Device device_;

@@ -6,6 +6,8 @@
 
 #include <sstream>
 
+#include "amp/grad_scaler.h"
+#include "roundpipe/detail/device_io.h"
 #include "roundpipe/detail/layer_rng.h"
 
 namespace roundpipe::detail {
@@ -64,41 +66,15 @@ void guarded(RunContext& ctx, const c10::Device& device, Position& pos, const st
 
 bool is_float(const at::Tensor& t) { return t.defined() && at::isFloatingType(t.scalar_type()); }
 
-Activations to_device(const Activations& acts, const c10::Device& device) {
-  Activations out;
-  out.reserve(acts.size());
-  for (const auto& t : acts) out.push_back(t.defined() ? t.to(device, /*non_blocking=*/false) : t);
-  return out;
-}
-
-// A host copy that later in-place writes cannot alter.
-Activations host_copy(const Activations& acts) {
-  Activations out;
-  out.reserve(acts.size());
-  for (const auto& t : acts) out.push_back(t.defined() ? (t.is_cpu() ? t.detach().clone() : t.detach().cpu()) : t);
-  return out;
-}
-
-Activations detached_host(const Activations& acts) {
-  Activations out;
-  out.reserve(acts.size());
-  for (const auto& t : acts) out.push_back(t.defined() ? t.detach().to(c10::kCPU) : t);
-  return out;
-}
-
-// Fresh leaves for recompute/backward: floating tensors require grad when `need_grad`.
-Activations make_leaves(const Activations& acts, const c10::Device& device, bool need_grad) {
-  Activations out;
-  out.reserve(acts.size());
-  for (const auto& t : acts) {
-    if (!t.defined()) {
-      out.push_back(t);
-      continue;
-    }
-    auto leaf = t.detach().to(device);
-    if (leaf.data_ptr() == t.data_ptr()) leaf = leaf.clone();  // never share storage with a saved input
-    if (need_grad && is_float(leaf)) leaf.requires_grad_(true);
-    out.push_back(leaf);
+// Fresh leaves for recompute/backward on the device: floating tensors require grad when `need_grad`.
+Activations make_leaves(DeviceIo& io, const Activations& host, bool need_grad) {
+  Activations out = io.upload(host);
+  for (size_t k = 0; k < out.size(); ++k) {
+    auto& t = out[k];
+    if (!t.defined()) continue;
+    t = t.detach();
+    if (t.data_ptr() == host[k].data_ptr()) t = t.clone();  // never share storage with a saved input
+    if (need_grad && is_float(t)) t.requires_grad_(true);
   }
   return out;
 }
@@ -110,9 +86,9 @@ Activations leaf_grads(const Activations& leaves) {
   return grads;
 }
 
-// Backward through `outputs` with `grads`, pairing by position and skipping outputs that need no
+// Backward through `outputs` with `grads` (on the outputs' device), pairing by position and skipping outputs that need no
 // gradient or received none.
-void backward_paired(const Activations& outputs, const Activations& grads, const c10::Device& device) {
+void backward_paired(const Activations& outputs, const Activations& grads) {
   TORCH_CHECK(outputs.size() == grads.size(), "recompute produced ", outputs.size(),
               " output tensors but the next stage sent gradients for ", grads.size(),
               ": a layer's output structure must not depend on whether it is recomputed");
@@ -120,15 +96,16 @@ void backward_paired(const Activations& outputs, const Activations& grads, const
   for (size_t k = 0; k < outputs.size(); ++k) {
     if (outputs[k].defined() && outputs[k].requires_grad() && grads[k].defined()) {
       outs.push_back(outputs[k]);
-      gs.push_back(grads[k].to(device));
+      gs.push_back(grads[k]);
     }
   }
   if (!outs.empty()) torch::autograd::backward(outs, gs);
 }
 
-std::vector<torch::nn::AnyModule> clone_layers(const RunContext& ctx, scheduler::LayerRange r,
-                                               const c10::Device& device, Position& pos) {
-  std::vector<torch::nn::AnyModule> clones;
+// Leases a shell per layer of `r` and fills it with the layer's current values on the device,
+// each after the optimizer has published the values this iteration must use.
+std::vector<ShellLease> lease_layers(const RunContext& ctx, scheduler::LayerRange r, DeviceIo& io, Position& pos) {
+  std::vector<ShellLease> shells;
   pos.step = "copying the layer to the device";
   for (int64_t l = r.begin; l < r.end; ++l) {
     pos.layer = l;
@@ -137,37 +114,73 @@ std::vector<torch::nn::AnyModule> clone_layers(const RunContext& ctx, scheduler:
       ctx.wait_layer_ready(l);
       pos.step = "copying the layer to the device";
     }
-    torch::nn::AnyModule clone;
-    run_rng_isolated([&] { clone = ctx.model->layers[l].clone(device); });
-    for (auto& p : clone.ptr()->parameters()) {
-      if (p.grad().defined()) p.mutable_grad().reset();
-    }
-    clones.push_back(std::move(clone));
+    shells.emplace_back(ctx.model->shells, l);
+    io.upload_layer(*shells.back().module().ptr(), *ctx.model->layers[l].ptr());
   }
   pos.layer = -1;
   pos.step = "";
-  return clones;
+  return shells;
 }
 
-Activations run_layer(RunContext& ctx, torch::nn::AnyModule& layer, int64_t l, int64_t j, const Activations& acts,
-                      const c10::Device& device) {
+Activations run_layer(RunContext& ctx, ShellLease& shell, int64_t l, int64_t j, const Activations& acts, DeviceIo& io) {
+  auto& layer = shell.module();
+  io.before_compute(*layer.ptr());
   if (!ctx.preserve_rng) return call_layer(layer, acts, ctx.model->call_modes[l]);
   Activations out;
-  run_seeded(device, layer_seed(ctx.seed, ctx.iteration, j, l),
+  run_seeded(io.device(), layer_seed(ctx.seed, ctx.iteration, j, l),
              [&] { out = call_layer(layer, acts, ctx.model->call_modes[l]); });
   return out;
 }
 
-std::vector<at::Tensor> buffer_copies(torch::nn::AnyModule& layer) {
-  std::vector<at::Tensor> out;
-  for (const auto& b : layer.ptr()->buffers()) out.push_back(b.detach().to(c10::kCPU).clone());
-  return out;
+std::vector<at::Tensor> buffer_copies(ShellLease& shell, DeviceIo& io) { return io.download_copy(shell.module().ptr()->buffers()); }
+
+// The shell's gradients in host memory. No copy on CPU: release only drops the shell's reference.
+std::vector<at::Tensor> param_grads(ShellLease& shell, DeviceIo& io) {
+  std::vector<at::Tensor> grads;
+  for (const auto& p : shell.module().ptr()->parameters()) grads.push_back(p.grad());
+  return io.download(grads);
 }
 
-std::vector<at::Tensor> param_grads(torch::nn::AnyModule& layer) {
-  std::vector<at::Tensor> out;
-  for (const auto& p : layer.ptr()->parameters()) out.push_back(p.grad().defined() ? p.grad().to(c10::kCPU) : at::Tensor());
-  return out;
+// Records which GradScaler the loss_fn used (Note [Cross-thread GradScaler]). Runs on the fused
+// job's thread, the only one that calls loss_fn.
+class RunScaleObserver final : public amp::GradScaler::ScaleObserver {
+ public:
+  explicit RunScaleObserver(RunContext& ctx) : ctx_(ctx) {}
+  void on_scale(amp::GradScaler& scaler, int64_t generation) override {
+    amp::GradScaler* seen = ctx_.scaler.load();
+    if (seen == nullptr) {
+      ctx_.scaler_generation.store(generation);
+      ctx_.scaler.store(&scaler);
+      return;
+    }
+    TORCH_CHECK(seen == &scaler, "loss_fn scaled losses with two different GradScalers in one forward_backward; ",
+                "use one GradScaler per RoundPipe");
+    TORCH_CHECK(ctx_.scaler_generation.load() == generation,
+                "GradScaler::update() ran while forward_backward was scaling losses; call update() after ",
+                "forward_backward returns");
+  }
+
+ private:
+  RunContext& ctx_;
+};
+
+// After a backward or fused job's last microbatch: checks its layers' parameter gradients for
+// inf/NaN on the device (no host sync) and posts the flag to the run's GradScaler, if any.
+void post_found_inf(RunContext& ctx, std::vector<ShellLease>& shells, const c10::Device& device) {
+  amp::GradScaler* scaler = ctx.scaler.load();
+  if (scaler == nullptr || !scaler->is_enabled()) return;
+  std::vector<at::Tensor> grads;
+  for (auto& shell : shells) {
+    for (const auto& p : shell.module().ptr()->parameters()) {
+      if (p.grad().defined()) grads.push_back(p.grad());
+    }
+  }
+  const auto one = at::ones({}, at::TensorOptions().dtype(at::kFloat).device(device));
+  auto per_device = amp::non_finite_check_and_unscale(grads, one, /*allow_fp16=*/true);
+  at::Tensor found_inf = at::zeros({}, at::TensorOptions().dtype(at::kFloat).device(device));
+  for (const auto& entry : per_device) found_inf.add_(entry.second.to(device));
+  scaler->post_found_inf(ctx.scaler_generation.load(), ctx.flag_batch, found_inf);
+  ctx.flags_posted.fetch_add(1);
 }
 
 }  // namespace
@@ -181,27 +194,33 @@ void run_forward_stage(RunContext& ctx, size_t stage, scheduler::LayerRange r, c
     outputs.push_back(ctx.buffer_snapshot[l]);
   }
   guarded(ctx, device, pos, outputs, [&] {
-    auto clones = clone_layers(ctx, r, device, pos);
+    DeviceIo io(device);
+    auto shells = lease_layers(ctx, r, io, pos);
     for (int64_t l = r.begin; l < r.end; ++l) {
-      if (ctx.buffer_snapshot[l]) ctx.buffer_snapshot[l]->set(buffer_copies(clones[l - r.begin]));
+      auto& shell = shells[l - r.begin];
+      if (!ctx.buffer_snapshot[l]) continue;
+      io.before_compute(*shell.module().ptr());
+      ctx.buffer_snapshot[l]->set(buffer_copies(shell, io));
     }
     at::NoGradGuard no_grad;
     for (int64_t j = 0; j < ctx.num_microbatch; ++j) {
       pos.microbatch = j;
-      Activations acts = to_device(stage == 0 ? ctx.inputs[j] : await(ctx.fwd_out[stage - 1][j]), device);
+      Activations acts = io.upload(stage == 0 ? ctx.inputs[j] : await(ctx.fwd_out[stage - 1][j]));
       for (int64_t l = r.begin; l < r.end; ++l) {
         pos.layer = l;
-        if (!ctx.saved[l].empty()) ctx.saved[l][j]->set(host_copy(acts));
-        acts = run_layer(ctx, clones[l - r.begin], l, j, acts, device);
+        if (!ctx.saved[l].empty()) ctx.saved[l][j]->set(io.download_copy(acts));
+        acts = run_layer(ctx, shells[l - r.begin], l, j, acts, io);
       }
       pos.layer = -1;
       if (stage < ctx.fwd_out.size()) {
-        ctx.fwd_out[stage][j]->set(detached_host(acts));
+        ctx.fwd_out[stage][j]->set(io.download(acts));
+      } else if (ctx.output_device.is_cpu()) {
+        ctx.outputs[j] = io.download(acts);
       } else {
-        ctx.outputs[j] = to_device(acts, ctx.output_device);
+        for (const auto& t : acts) ctx.outputs[j].push_back(t.defined() ? t.to(ctx.output_device) : t);
       }
     }
-    for (int64_t l = r.begin; l < r.end; ++l) ctx.buffers[l] = buffer_copies(clones[l - r.begin]);
+    for (int64_t l = r.begin; l < r.end; ++l) ctx.buffers[l] = buffer_copies(shells[l - r.begin], io);
   });
 }
 
@@ -209,35 +228,44 @@ void run_fused_stage(RunContext& ctx, scheduler::LayerRange r, c10::Device devic
   Position pos{"fused", r};
   std::vector<ChannelPtr> outputs(ctx.bwd_grad[0].begin(), ctx.bwd_grad[0].end());
   guarded(ctx, device, pos, outputs, [&] {
-    auto clones = clone_layers(ctx, r, device, pos);
+    DeviceIo io(device);
+    auto shells = lease_layers(ctx, r, io, pos);
+    RunScaleObserver observer(ctx);
     const size_t fwd_stages = ctx.fwd_out.size();
     for (int64_t j = 0; j < ctx.num_microbatch; ++j) {
       pos.microbatch = j;
       Activations leaves =
-          r.begin == 0 ? to_device(ctx.inputs[j], device) : make_leaves(await(ctx.fwd_out[fwd_stages - 1][j]), device, true);
+          r.begin == 0 ? io.upload(ctx.inputs[j]) : make_leaves(io, await(ctx.fwd_out[fwd_stages - 1][j]), true);
       Activations acts = leaves;
       for (int64_t l = r.begin; l < r.end; ++l) {
         pos.layer = l;
-        acts = run_layer(ctx, clones[l - r.begin], l, j, acts, device);
+        acts = run_layer(ctx, shells[l - r.begin], l, j, acts, io);
       }
       pos.layer = -1;
       pos.step = "loss_fn";
       TORCH_CHECK(acts.size() == 1, "the last layer returned ", acts.size(),
                   " tensors; loss_fn takes one output tensor");
       at::Tensor label = ctx.labels[j].defined() ? ctx.labels[j].to(device) : ctx.labels[j];
-      at::Tensor loss = (*ctx.loss_fn)(acts[0], label);
+      at::Tensor loss;
+      {
+        amp::GradScaler::ScopedScaleObserver observe(&observer);
+        loss = (*ctx.loss_fn)(acts[0], label);
+      }
       TORCH_CHECK(loss.defined() && loss.numel() == 1, "loss_fn must return a one-element tensor, got ",
                   loss.defined() ? c10::str(loss.sizes()) : "an undefined tensor");
       pos.step = "backward";
       loss.backward();
       pos.step = "";
       ctx.losses[j] = loss.detach().to(c10::kCPU).reshape({});
-      if (r.begin > 0) ctx.bwd_grad[0][j]->set(detached_host(leaf_grads(leaves)));
+      if (r.begin > 0) ctx.bwd_grad[0][j]->set(io.download(leaf_grads(leaves)));
     }
     pos.microbatch = -1;
+    pos.step = "checking gradients for inf/NaN";
+    post_found_inf(ctx, shells, device);
+    pos.step = "";
     for (int64_t l = r.begin; l < r.end; ++l) {
-      ctx.grads[l] = param_grads(clones[l - r.begin]);
-      ctx.buffers[l] = buffer_copies(clones[l - r.begin]);
+      ctx.grads[l] = param_grads(shells[l - r.begin], io);
+      ctx.buffers[l] = buffer_copies(shells[l - r.begin], io);
     }
   });
 }
@@ -247,49 +275,55 @@ void run_backward_stage(RunContext& ctx, size_t stage, scheduler::LayerRange r, 
   std::vector<ChannelPtr> outputs;
   if (r.begin > 0) outputs.assign(ctx.bwd_grad[stage].begin(), ctx.bwd_grad[stage].end());
   guarded(ctx, device, pos, outputs, [&] {
-    auto clones = clone_layers(ctx, r, device, pos);
+    DeviceIo io(device);
+    auto shells = lease_layers(ctx, r, io, pos);
     {
       // Recompute starts from the buffers the forward started from, and evolves them in the same
       // microbatch order; the results are discarded (Note [Buffers in recompute]).
       at::NoGradGuard no_grad;
       for (int64_t l = r.begin; l < r.end; ++l) {
         const Activations& snapshot = await(ctx.buffer_snapshot[l]);
-        auto buffers = clones[l - r.begin].ptr()->buffers();
+        auto& shell = *shells[l - r.begin].module().ptr();
+        io.before_compute(shell);
+        auto buffers = shell.buffers();
         for (size_t k = 0; k < buffers.size(); ++k) buffers[k].copy_(snapshot[k]);
       }
     }
     for (int64_t j = 0; j < ctx.num_microbatch; ++j) {
       pos.microbatch = j;
-      Activations grads = await(ctx.bwd_grad[stage - 1][j]);
+      Activations grads = io.upload(await(ctx.bwd_grad[stage - 1][j]));
       if (ctx.grain == RecomputeGrain::kStage) {
-        Activations leaves = make_leaves(await(ctx.saved[r.begin][j]), device, r.begin > 0);
+        Activations leaves = make_leaves(io, await(ctx.saved[r.begin][j]), r.begin > 0);
         Activations acts = leaves;
         pos.step = "recompute";
         for (int64_t l = r.begin; l < r.end; ++l) {
           pos.layer = l;
-          acts = run_layer(ctx, clones[l - r.begin], l, j, acts, device);
+          acts = run_layer(ctx, shells[l - r.begin], l, j, acts, io);
         }
         pos.layer = -1;
         pos.step = "backward";
-        backward_paired(acts, grads, device);
+        backward_paired(acts, grads);
         grads = leaf_grads(leaves);
       } else {
         for (int64_t l = r.end - 1; l >= r.begin; --l) {
           pos.layer = l;
-          Activations leaves = make_leaves(await(ctx.saved[l][j]), device, l > 0);
+          Activations leaves = make_leaves(io, await(ctx.saved[l][j]), l > 0);
           pos.step = "recompute";
-          Activations acts = run_layer(ctx, clones[l - r.begin], l, j, leaves, device);
+          Activations acts = run_layer(ctx, shells[l - r.begin], l, j, leaves, io);
           pos.step = "backward";
-          backward_paired(acts, grads, device);
+          backward_paired(acts, grads);
           grads = leaf_grads(leaves);
         }
         pos.layer = -1;
       }
       pos.step = "";
-      if (r.begin > 0) ctx.bwd_grad[stage][j]->set(detached_host(grads));
+      if (r.begin > 0) ctx.bwd_grad[stage][j]->set(io.download(grads));
     }
     pos.microbatch = -1;
-    for (int64_t l = r.begin; l < r.end; ++l) ctx.grads[l] = param_grads(clones[l - r.begin]);
+    pos.step = "checking gradients for inf/NaN";
+    post_found_inf(ctx, shells, device);
+    pos.step = "";
+    for (int64_t l = r.begin; l < r.end; ++l) ctx.grads[l] = param_grads(shells[l - r.begin], io);
   });
 }
 

@@ -13,8 +13,13 @@
 
 #include "amp/autocast_guard.h"
 #include "roundpipe/detail/layer_call.h"
+#include "roundpipe/detail/layer_shells.h"
 #include "roundpipe/round_pipe.h"
 #include "scheduler/execute_plan.h"
+
+namespace roundpipe::amp {
+class GradScaler;
+}  // namespace roundpipe::amp
 
 namespace roundpipe::detail {
 
@@ -45,11 +50,12 @@ using ChannelPtr = std::shared_ptr<Channel>;
 
 /// The model's layers as the engine runs them. Immutable after construction, except
 /// `call_modes` (atomics) and the tensors' data (written only by the caller thread between
-/// calls, or by the optimizer through the per-layer protocol).
+/// calls, or by the optimizer through the per-layer protocol) and `shells` (its own mutex).
 struct LayerSet {
   std::vector<torch::nn::AnyModule> layers;
   std::vector<std::string> names;  // "3 (Linear)"
   std::unique_ptr<std::atomic<int>[]> call_modes;
+  mutable LayerShells shells{&layers};  // the stage jobs' module copies (Note [Layer shells])
 };
 
 /// State of one forward_backward / forward call. Channels synchronize the jobs; each result slot
@@ -73,6 +79,15 @@ struct RunContext {
   /// Called by a stage job before it copies layer `l`: blocks until the layer's compute copy
   /// holds the parameters this iteration must use (Note [Async step protocol]). May be empty.
   std::function<void(int64_t)> wait_layer_ready;
+  /// The GradScaler the loss_fn scaled with, if any (Note [Cross-thread GradScaler]): set by the
+  /// fused job at the first scale() call, with the scaler's update generation; read by every
+  /// backward job after it received gradients that depend on that call. Each backward or fused
+  /// job then posts one found_inf flag tagged (scaler_generation, flag_batch), counted in
+  /// `flags_posted`.
+  std::atomic<amp::GradScaler*> scaler{nullptr};
+  std::atomic<int64_t> scaler_generation{0};
+  std::atomic<int64_t> flags_posted{0};
+  uint64_t flag_batch = 0;
 
   std::vector<std::vector<ChannelPtr>> fwd_out;   // [forward stage][mb]
   std::vector<std::vector<ChannelPtr>> saved;     // [layer][mb]; empty when not kept

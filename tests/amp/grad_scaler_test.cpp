@@ -12,24 +12,10 @@
 #include <string>
 
 #include "tests/common/tensor_compare.h"
+#include "tests/common/test_macros.h"
 
 namespace roundpipe::amp {
 namespace {
-
-#define ROUNDPIPE_DEVICE_TEST(Suite, Name, fn)                  \
-  TEST(Suite, Name) { fn(c10::Device(c10::kCPU)); }             \
-  TEST(Suite, Name##_CUDA) { fn(c10::Device(c10::kCUDA, 0)); }
-
-// Expects `statement` to throw c10::Error whose message contains `text`.
-#define EXPECT_THROW_WITH(statement, text)                                              \
-  do {                                                                                  \
-    try {                                                                               \
-      statement;                                                                        \
-      ADD_FAILURE() << "expected an exception containing: " << (text);                  \
-    } catch (const c10::Error& e) {                                                     \
-      EXPECT_NE(std::string(e.what()).find(text), std::string::npos) << e.what();       \
-    }                                                                                   \
-  } while (false)
 
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
@@ -600,35 +586,6 @@ void disabled_case(const c10::Device& device) {
   EXPECT_EQ(scaler.get_scale(), 1.0);
 }
 ROUNDPIPE_DEVICE_TEST(GradScalerTest, Disabled_IsPassThrough, disabled_case)
-
-// ---- Hooks for the runtime ------------------------------------------------------------------
-
-void explicit_scale_case(const c10::Device& device) {
-  GradScaler scaler(GradScalerOptions().init_scale(8.0).growth_interval(1));
-  auto s = make_setup({torch::zeros({2}, f32(device))}, 1.0);
-  s.params[0].mutable_grad() = scaler.scale(torch::ones({2}, f32(device)));
-  auto used = scaler.scale_tensor();   // the scale this iteration was scaled with
-  scaler.update(64.0);                 // the "next" scale already moved on
-  EXPECT_EQ(used.item<float>(), 8.0f);
-  EXPECT_TRUE(scaler.step(*s.opt, used));
-  EXPECT_TRUE(torch::equal(s.params[0].detach().cpu(), torch::full({2}, -1.0)));
-
-  // Externally gathered flags drive the update, and reset the per-optimizer states.
-  scaler.update_from_found_inf({torch::ones({1}, f32(device)), torch::zeros({}, torch::kFloat)});
-  EXPECT_EQ(scaler.get_scale(), 32.0);
-  scaler.update_from_found_inf({torch::zeros({}, f32(device))});
-  EXPECT_EQ(scaler.get_scale(), 64.0);
-  EXPECT_THROW_WITH(scaler.update_from_found_inf({}), "No inf checks were recorded prior to update.");
-  s.params[0].mutable_grad() = scaler.scale(torch::ones({2}, f32(device)));
-  scaler.unscale_(*s.opt, torch::full({}, 16.0, f32(device)));
-  EXPECT_TRUE(torch::equal(s.params[0].grad().cpu(), torch::full({2}, 4.0)));
-  EXPECT_THROW_WITH(scaler.unscale_(*s.opt, used), "unscale_() has already been called");
-  EXPECT_TRUE(scaler.step(*s.opt, torch::ones({2}, f32(device))));  // already UNSCALED: scale unused
-  scaler.update();
-  s.params[0].mutable_grad() = scaler.scale(torch::ones({2}, f32(device)));
-  EXPECT_THROW_WITH(scaler.step(*s.opt, torch::ones({2}, f32(device))), "must be a 1-element float32 tensor");
-}
-ROUNDPIPE_DEVICE_TEST(GradScalerTest, Hooks_ExplicitScaleAndFoundInf, explicit_scale_case)
 
 }  // namespace
 }  // namespace roundpipe::amp

@@ -4,10 +4,12 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <limits>
 
 #include "amp/grad_scaler.h"
 #include "roundpipe/round_pipe.h"
+#include "tests/common/python_oracle.h"
 #include "tests/common/tensor_compare.h"
 #include "tests/runtime/test_models.h"
 
@@ -33,6 +35,13 @@ struct PoisonImpl : torch::nn::Cloneable<PoisonImpl> {
 };
 TORCH_MODULE(Poison);
 
+// loss_fn: the scaled sum-reduced MSE over a microbatch divided by the batch's element count `n`.
+LossFn scaled_mse(amp::GradScaler& scaler, double n) {
+  return [&scaler, n](const torch::Tensor& out, const torch::Tensor& t) {
+    return scaler.scale(torch::mse_loss(out, t, torch::Reduction::Sum) / n);
+  };
+}
+
 TEST(GradScalerEngineTest, SyncStep_ScaleTrajectoryAndParamsMatchPlainLoop) {
   auto poison = std::make_shared<std::atomic<double>>(1.0);
   torch::manual_seed(2);
@@ -56,9 +65,7 @@ TEST(GradScalerEngineTest, SyncStep_ScaleTrajectoryAndParamsMatchPlainLoop) {
     const double n = static_cast<double>(y.numel());
     RunConfig cfg;
     cfg.num_microbatch = 4;
-    rp.forward_backward({x}, y, [&](const torch::Tensor& out, const torch::Tensor& t) {
-      return scaler.scale(torch::mse_loss(out, t, torch::Reduction::Sum) / n);
-    }, cfg);
+    rp.forward_backward({x}, y, scaled_mse(scaler, n), cfg);
     bool stepped = false;
     rp.step([&] {
       stepped = scaler.step(opt);
@@ -78,6 +85,192 @@ TEST(GradScalerEngineTest, SyncStep_ScaleTrajectoryAndParamsMatchPlainLoop) {
     skipped += stepped ? 0 : 1;
   }
   EXPECT_EQ(skipped, 3);  // the inf, inf and nan iterations
+}
+
+// The staleness-one reference of DESIGN.md §3 with a standalone scaler: compute model C, master
+// model M; iteration k: grads of C (holding the masters after step k-2), then C <- M (after step
+// k-1), M.grad <- those grads, `step_fn` (unscale_/clip/step on M), update.
+struct StalenessOneLoop {
+  torch::nn::Sequential compute, master;
+  torch::optim::SGD opt;
+  amp::GradScaler scaler;
+  StalenessOneLoop(const torch::nn::Sequential& model, amp::GradScalerOptions options)
+      : compute(testing::deep_copy(model)),
+        master(testing::deep_copy(model)),
+        opt(master->parameters(), torch::optim::SGDOptions(0.01).momentum(0.9)),
+        scaler(options) {}
+  bool iteration(const torch::Tensor& x, const torch::Tensor& y, bool clip) {
+    const double n = static_cast<double>(y.numel());
+    scaler.scale(torch::mse_loss(compute->forward(x), y, torch::Reduction::Sum) / n).backward();
+    {
+      torch::NoGradGuard no_grad;
+      auto cp = compute->parameters(), mp = master->parameters();
+      for (size_t k = 0; k < cp.size(); ++k) {
+        cp[k].copy_(mp[k]);
+        mp[k].mutable_grad() = cp[k].grad().clone();
+        cp[k].mutable_grad().reset();
+      }
+    }
+    if (clip) {
+      scaler.unscale_(opt);
+      torch::nn::utils::clip_grad_norm_(master->parameters(), 0.5);
+    }
+    const bool stepped = scaler.step(opt);
+    opt.zero_grad();
+    scaler.update();
+    return stepped;
+  }
+  void finish() {
+    torch::NoGradGuard no_grad;
+    auto cp = compute->parameters(), mp = master->parameters();
+    for (size_t k = 0; k < cp.size(); ++k) cp[k].copy_(mp[k]);
+  }
+};
+
+// torch.amp.GradScaler("cpu")'s scale after each update for iterations whose gradients are finite
+// (0), inf or nan as in `pattern`.
+std::vector<double> torch_scale_trajectory(const std::vector<double>& pattern, double init_scale,
+                                           int64_t growth_interval) {
+  static const char* kSnippet = R"(
+s = torch.amp.GradScaler("cpu", init_scale=float(inputs['init'].item()), growth_interval=int(inputs['interval'].item()))
+p = torch.zeros(1, requires_grad=True)
+opt = torch.optim.SGD([p], lr=0.0)
+scales = []
+for v in inputs['pattern'].tolist():
+    p.grad = s.scale(torch.full((1,), 1.0 if v == 0 else v))
+    s.step(opt)
+    s.update()
+    scales.append(s.get_scale())
+outputs['scales'] = torch.tensor(scales, dtype=torch.float64)
+)";
+  auto out = testing::run_python(kSnippet, {{"pattern", torch::tensor(pattern, torch::kDouble)},
+                                            {"init", torch::tensor(init_scale, torch::kDouble)},
+                                            {"interval", torch::tensor(growth_interval, torch::kLong)}});
+  auto scales = out.at("scales").contiguous();
+  return std::vector<double>(scales.data_ptr<double>(), scales.data_ptr<double>() + scales.numel());
+}
+
+// Async: scale() on workers, scaler.step on the optimizer thread, update() on the caller (never
+// waiting for the optimizer thread); with `clip`, unscale_ on the caller's thread (marshalled to
+// the optimizer thread) and gradient clipping of the master gradients there.
+void async_case(bool clip) {
+  auto poison = std::make_shared<std::atomic<double>>(1.0);
+  torch::manual_seed(4);
+  torch::nn::Sequential model(torch::nn::Linear(8, 16), torch::nn::Tanh(), Poison(poison), torch::nn::Linear(16, 16),
+                              torch::nn::Tanh(), torch::nn::Linear(16, 4));
+  auto options = amp::GradScalerOptions().init_scale(1024.0).growth_interval(2);
+  StalenessOneLoop ref(model, options);
+  RoundPipe rp(model, RoundPipeOptions().devices({c10::kCPU, c10::kCPU, c10::kCPU}));
+  auto opt = [&] {
+    OptimizerCtx ctx;
+    return torch::optim::SGD(rp.parameters(), torch::optim::SGDOptions(0.01).momentum(0.9));
+  }();
+  amp::GradScaler scaler(options);
+  const double inf = std::numeric_limits<double>::infinity();
+  const int iterations = 14;
+  std::vector<int> stepped(iterations, -1);  // written by step job `it` only, read after synchronize
+  std::vector<int> ref_stepped(iterations);
+  std::vector<double> pattern, scales;
+  for (int it = 0; it < iterations; ++it) {
+    pattern.push_back(it == 2 || it == 8 ? inf : it == 11 ? std::nan("") : 0.0);
+    poison->store(pattern.back() == 0.0 ? 1.0 : pattern.back());
+    torch::manual_seed(90 + it);
+    auto x = torch::randn({10, 8}), y = torch::randn({10, 4});
+    const double n = static_cast<double>(y.numel());
+    RunConfig cfg;
+    cfg.num_microbatch = 4;
+    rp.forward_backward({x}, y, scaled_mse(scaler, n), cfg);
+    if (clip) {
+      scaler.unscale_(opt);  // caller's thread: runs on the optimizer thread, on the master grads
+      torch::nn::utils::clip_grad_norm_(rp.optim_parameters(), 0.5);
+    }
+    rp.step([&, it] {
+      stepped[it] = scaler.step(opt) ? 1 : 0;
+      opt.zero_grad();
+    });
+    scaler.update();
+    scales.push_back(scaler.get_scale());
+
+    ref_stepped[it] = ref.iteration(x, y, clip) ? 1 : 0;
+    ASSERT_EQ(scaler.get_scale(), ref.scaler.get_scale()) << "scale after iteration " << it;
+    ASSERT_EQ(scaler.state_dict().growth_tracker, ref.scaler.state_dict().growth_tracker) << "iteration " << it;
+  }
+  rp.synchronize();
+  ref.finish();
+  EXPECT_EQ(stepped, ref_stepped);
+  EXPECT_EQ(std::count(stepped.begin(), stepped.end(), 0), 3);
+  EXPECT_TRUE(testing::tensor_lists_close(rp.module()->parameters(), ref.compute->parameters(), 1e-6));
+  EXPECT_TRUE(testing::tensor_lists_close(rp.optim_parameters(), ref.master->parameters(), 1e-6));
+  if (testing::python_oracle_available()) {
+    EXPECT_EQ(scales, torch_scale_trajectory(pattern, 1024.0, 2)) << "scale trajectory vs torch.amp.GradScaler";
+  } else {
+    GTEST_SKIP() << "oracle comparison skipped: no Python with torch (run scripts/setup.sh)";
+  }
+}
+
+TEST(GradScalerEngineTest, AsyncStep_ScaleTrajectoryExactAndParamsMatchStalenessOneLoop) { async_case(false); }
+
+TEST(GradScalerEngineTest, AsyncStep_UnscaleOnCallerThreadWithClipping) { async_case(true); }
+
+// Identity that throws in backward-stage recompute (grad mode on) while `*fail` is set.
+struct RecomputeFaultImpl : torch::nn::Cloneable<RecomputeFaultImpl> {
+  explicit RecomputeFaultImpl(std::shared_ptr<std::atomic<bool>> fail) : fail_(std::move(fail)) {}
+  void reset() override {}
+  torch::Tensor forward(const torch::Tensor& x) {
+    TORCH_CHECK(!(fail_->load() && torch::GradMode::is_enabled()), "injected recompute failure");
+    return x;
+  }
+  std::shared_ptr<std::atomic<bool>> fail_;
+};
+TORCH_MODULE(RecomputeFault);
+
+// A run that fails after the fused stage posted an inf flag: its flag (like its gradients) must
+// not reach the next update. The reference skips the failed iteration entirely.
+TEST(GradScalerEngineTest, FailedRun_FlagsDropped) {
+  auto poison = std::make_shared<std::atomic<double>>(1.0);
+  auto fail = std::make_shared<std::atomic<bool>>(false);
+  torch::manual_seed(5);
+  torch::nn::Sequential model(torch::nn::Linear(8, 16), RecomputeFault(fail), torch::nn::Tanh(),
+                              torch::nn::Linear(16, 16), Poison(poison), torch::nn::Linear(16, 4));
+  auto reference = testing::deep_copy(model);
+  RoundPipe rp(model, RoundPipeOptions().devices({c10::kCPU, c10::kCPU}));
+  auto opt = [&] {
+    OptimizerCtx ctx;
+    return torch::optim::SGD(rp.parameters(), 0.01);
+  }();
+  torch::optim::SGD ref_opt(reference->parameters(), 0.01);
+  auto options = amp::GradScalerOptions().init_scale(256.0).growth_interval(1);
+  amp::GradScaler scaler(options), ref_scaler(options);
+  RunConfig cfg;
+  cfg.num_microbatch = 3;
+  cfg.execute_plan = scheduler::ExecutePlan({{0, 3}}, {{3, 6}, {0, 3}});  // fault in the backward stage
+  for (int it = 0; it < 4; ++it) {
+    torch::manual_seed(30 + it);
+    auto x = torch::randn({6, 8}), y = torch::randn({6, 4});
+    const double n = static_cast<double>(y.numel());
+    auto loss_fn = scaled_mse(scaler, n);
+    if (it == 1) {  // fails after the fused stage checked its inf gradients
+      poison->store(std::numeric_limits<double>::infinity());
+      fail->store(true);
+      EXPECT_THROW(rp.forward_backward({x}, y, loss_fn, cfg), c10::Error);
+      poison->store(1.0);
+      fail->store(false);
+    }
+    rp.forward_backward({x}, y, loss_fn, cfg);
+    rp.step([&] {
+      scaler.step(opt);
+      opt.zero_grad();
+    }, StepMode::kSync);
+    scaler.update();
+
+    ref_opt.zero_grad();
+    ref_scaler.scale(torch::mse_loss(reference->forward(x), y, torch::Reduction::Sum) / n).backward();
+    ref_scaler.step(ref_opt);
+    ref_scaler.update();
+    ASSERT_EQ(scaler.get_scale(), ref_scaler.get_scale()) << "iteration " << it;
+    ASSERT_TRUE(testing::tensor_lists_close(rp.module()->parameters(), reference->parameters(), 1e-6)) << "iteration " << it;
+  }
+  EXPECT_EQ(scaler.get_scale(), 256.0 * 16);  // grew every iteration: no inf ever counted
 }
 
 }  // namespace

@@ -315,6 +315,61 @@ TEST(RoundPipeTest, Forward_InferenceMatchesPlainForward) {
   EXPECT_TRUE(testing::tensors_close(out, reference->forward(data.x), 1e-6));
 }
 
+// Linear whose reset() (run by construction and by every clone) is counted.
+struct CountingLinearImpl : torch::nn::Cloneable<CountingLinearImpl> {
+  CountingLinearImpl(int64_t in, int64_t out, std::shared_ptr<std::atomic<int>> resets)
+      : in_(in), out_(out), resets_(std::move(resets)) {
+    reset();
+  }
+  void reset() override {
+    resets_->fetch_add(1);
+    linear = register_module("linear", torch::nn::Linear(in_, out_));
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return linear(x); }
+  int64_t in_, out_;
+  std::shared_ptr<std::atomic<int>> resets_;
+  torch::nn::Linear linear{nullptr};
+};
+TORCH_MODULE(CountingLinear);
+
+// Note [Layer shells]: stage jobs reuse module copies instead of cloning (and re-initializing)
+// every layer in every job, and still follow the model's current values and training mode.
+TEST(RoundPipeTest, LayerShells_ReusedAcrossIterationsAndFollowTrainingMode) {
+  auto resets = std::make_shared<std::atomic<int>>(0);
+  torch::manual_seed(3);
+  torch::nn::Sequential model(CountingLinear(8, 16, resets), torch::nn::Dropout(0.5), torch::nn::Tanh(),
+                              CountingLinear(16, 4, resets));
+  const int after_construction = resets->load();
+  RoundPipe rp(model, RoundPipeOptions().devices(cpu_devices(2)));
+  auto opt = [&] {
+    OptimizerCtx ctx;
+    return torch::optim::SGD(rp.parameters(), 0.1);
+  }();
+  RunConfig cfg;
+  cfg.num_microbatch = 3;
+  cfg.execute_plan = scheduler::ExecutePlan({{0, 2}}, {{2, 4}, {0, 2}});
+  cfg.preserve_rng_state = false;
+  model->eval();  // dropout off: the shells must follow the model's mode
+  for (int it = 0; it < 10; ++it) {
+    auto data = make_data(false, it);
+    rp.forward_backward({data.x}, data.y, mse_over(data.y.numel()), cfg);
+    rp.step([&] {
+      opt.step();
+      opt.zero_grad();
+    }, StepMode::kSync);
+  }
+  // Layer 0 runs in a forward and a backward job, layer 3 in the fused job: at most 2 + 1 shells.
+  EXPECT_LE(resets->load() - after_construction, 3) << "layers re-cloned per job";
+  EXPECT_GE(resets->load() - after_construction, 2);
+  // Values follow the steps: the eval-mode outputs equal a plain forward of the trained model.
+  torch::NoGradGuard no_grad;
+  auto x = torch::randn({5, 8});
+  auto eval_out = rp.forward({x});
+  EXPECT_TRUE(testing::tensors_close(eval_out, model->forward(x), 1e-6));
+  model->train();  // training mode again: the jobs' dropout must be active
+  EXPECT_FALSE(testing::tensors_close(rp.forward({x}), eval_out, 1e-3)) << "the shells did not follow train()";
+}
+
 int64_t process_threads() {
   std::ifstream status("/proc/self/status");
   std::string key;

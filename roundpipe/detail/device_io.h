@@ -1,0 +1,64 @@
+// Host <-> device transfers of one stage job, and the stream its compute runs on (internal).
+#pragma once
+
+#include <c10/core/Device.h>
+#include <torch/nn/module.h>
+
+#include <memory>
+
+#include "roundpipe/detail/layer_call.h"
+
+namespace roundpipe::detail {
+
+// Note [Stage streams]:
+// On a CUDA device a stage job uses four streams of its worker (CudaStreamSet): parameter upload,
+// activation upload, compute and download, ordered only by CUDA events, never by host syncs
+// except where a result must be complete in host memory.
+//  - Parameters: each layer's tensors are copied host -> device on the parameter-upload stream
+//    (from pinned host memory, so the copies are asynchronous) as soon as the job starts, and
+//    one event per layer is recorded after them. Compute waits for that event right before the
+//    layer's first kernel, so the upload of layer l+1 overlaps the compute of layer l, and the
+//    uploads of a job overlap the compute of the job before it on the GPU.
+//  - Activations come in on the activation-upload stream (event -> compute) and go out on the
+//    download stream (compute event -> download) into pinned host memory; the job waits for the
+//    download's event before it hands the host tensor to another job.
+//  - Memory: a tensor allocated on one stream and used on another is record_stream()-ed on the
+//    user's stream: uploads on compute, downloaded device tensors on download. Without that the
+//    caching allocator could hand the block of a released parameter (the shell is emptied when
+//    the job ends) to the next upload while kernels that read it are still queued on compute.
+//    Pinned host blocks read by asynchronous copies are protected by the CUDA host allocator,
+//    which records an event per copy.
+// On CPU devices every method is a plain host operation and there are no streams.
+
+/// One per stage job, created and used on the job's worker thread only. On CUDA the compute
+/// stream is the current stream while it lives.
+class DeviceIo {
+ public:
+  explicit DeviceIo(const c10::Device& device);
+  ~DeviceIo();
+  DeviceIo(const DeviceIo&) = delete;
+  DeviceIo& operator=(const DeviceIo&) = delete;
+
+  const c10::Device& device() const { return device_; }
+
+  /// Points `shell`'s parameters and buffers (recursively, in registration order) at copies of
+  /// `layer`'s current values on the device. CUDA: asynchronous; call `before_compute(shell)`
+  /// before the shell's first use.
+  void upload_layer(torch::nn::Module& shell, torch::nn::Module& layer);
+  /// Makes compute wait for `shell`'s upload (once; later calls are free). CPU: no-op.
+  void before_compute(const torch::nn::Module& shell);
+
+  /// Host tensors -> device, ready for compute. CPU: the tensors themselves (no copy).
+  Activations upload(const Activations& host);
+  /// Device tensors -> host (detached), complete on return. CPU: the tensors detached, no copy.
+  Activations download(const Activations& acts);
+  /// Like `download`, but always a fresh host copy that later in-place writes cannot alter.
+  Activations download_copy(const Activations& acts);
+
+ private:
+  c10::Device device_;
+  struct Cuda;
+  std::unique_ptr<Cuda> cuda_;  // CUDA devices only
+};
+
+}  // namespace roundpipe::detail
