@@ -11,6 +11,7 @@
 #include "roundpipe/logging.h"
 #include "roundpipe/round_pipe.h"
 #include "roundpipe/run_config.h"
+#include "roundpipe/stage_trace.h"
 #include "scheduler/dispatch.h"
 #include "scheduler/execute_plan.h"
 #include "scheduler/partitioner.h"

@@ -2,10 +2,13 @@
 
 #include <ATen/ATen.h>
 
+#include <functional>
+#include <thread>
 #include <utility>
 #include <vector>
 
 #include "roundpipe/config.h"
+#include "roundpipe/detail/trace_recorder.h"
 #if ROUNDPIPE_WITH_CUDA
 #include <ATen/cuda/CUDAEvent.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -76,22 +79,100 @@ struct DeviceIo::Cuda {
 struct DeviceIo::Cuda {};
 #endif
 
-DeviceIo::DeviceIo(const c10::Device& device) : device_(device) {
+// The job's span while tracing. CPU: host times. CUDA: timing events on the job's streams,
+// converted at collect() against one anchor event per worker thread (so spans of one device share
+// a GPU clock) recorded together with a host time.
+struct DeviceIo::Trace {
+  trace::StageSpan span;
+  bool uploading = false, computing = false;
+#if ROUNDPIPE_WITH_CUDA
+  struct Anchor {
+    std::shared_ptr<at::cuda::CUDAEvent> event;
+    double host_ms = 0;
+    int64_t origin = -1;  // the trace_origin() it belongs to (re-anchored after enable(true))
+  };
+  Anchor anchor;
+  std::shared_ptr<at::cuda::CUDAEvent> upload_begin, upload_end, compute_begin, compute_end;
+  static std::shared_ptr<at::cuda::CUDAEvent> record(const c10::cuda::CUDAStream& stream) {
+    auto event = std::make_shared<at::cuda::CUDAEvent>(cudaEventDefault);
+    event->record(stream);
+    return event;
+  }
+#endif
+};
+
+DeviceIo::DeviceIo(const c10::Device& device, std::string job) : device_(device) {
 #if ROUNDPIPE_WITH_CUDA
   if (device.is_cuda()) cuda_ = std::make_unique<Cuda>(device);
 #endif
+  if (!trace::enabled()) return;
+  trace_ = std::make_unique<Trace>();
+  trace_->span.device = device;
+  trace_->span.worker = std::hash<std::thread::id>()(std::this_thread::get_id());
+  trace_->span.job = std::move(job);
+#if ROUNDPIPE_WITH_CUDA
+  if (cuda_) {
+    thread_local Trace::Anchor anchor;
+    if (!anchor.event || anchor.origin != trace_origin()) {  // first job since enable(true)
+      anchor.event = Trace::record(cuda_->streams.compute);
+      anchor.host_ms = trace_host_ms();
+      anchor.origin = trace_origin();
+    }
+    trace_->anchor = anchor;
+  }
+#endif
 }
 
-DeviceIo::~DeviceIo() = default;
+DeviceIo::~DeviceIo() {
+  if (!trace_) return;
+  try {
+    detail::TraceEntry entry{trace_->span, {}};
+    if (!cuda_) {
+      entry.span.compute_end_ms = trace_host_ms();
+    }
+#if ROUNDPIPE_WITH_CUDA
+    if (cuda_) {
+      trace_->compute_end = Trace::record(cuda_->streams.compute);
+      entry.resolve = [anchor = trace_->anchor, ub = trace_->upload_begin, ue = trace_->upload_end,
+                       cb = trace_->compute_begin, ce = trace_->compute_end](trace::StageSpan& span) {
+        auto at = [&](const std::shared_ptr<at::cuda::CUDAEvent>& e) {
+          if (!e) return 0.0;
+          e->synchronize();
+          return anchor.host_ms + static_cast<double>(anchor.event->elapsed_time(*e));
+        };
+        span.upload_begin_ms = at(ub);
+        span.upload_end_ms = at(ue);
+        span.compute_begin_ms = at(cb);
+        span.compute_end_ms = at(ce);
+      };
+    }
+#endif
+    trace_record(std::move(entry));
+  } catch (...) {
+    // Tracing never turns a finished job into a failure.
+  }
+}
 
 void DeviceIo::upload_layer(torch::nn::Module& shell, torch::nn::Module& layer) {
   at::NoGradGuard no_grad;
+  if (trace_) {
+    for_each_tensor_pair(shell, layer, [&](at::Tensor&, const at::Tensor& src) { trace_->span.upload_bytes += src.nbytes(); });
+  }
   if (!cuda_) {
+    if (trace_ && !trace_->uploading) trace_->span.upload_begin_ms = trace_host_ms();
     for_each_tensor_pair(shell, layer, [](at::Tensor& dst, const at::Tensor& src) { dst.set_data(src.detach().clone()); });
+    if (trace_) {
+      trace_->uploading = true;
+      trace_->span.upload_end_ms = trace_host_ms();
+    }
     return;
   }
 #if ROUNDPIPE_WITH_CUDA
   auto& s = cuda_->streams;
+  if (trace_ && !trace_->uploading) {
+    trace_->uploading = true;
+    trace_->upload_begin = Trace::record(s.param_upload);
+  }
   {
     c10::cuda::CUDAStreamGuard guard(s.param_upload);
     for_each_tensor_pair(shell, layer, [&](at::Tensor& dst, const at::Tensor& src) {
@@ -100,6 +181,7 @@ void DeviceIo::upload_layer(torch::nn::Module& shell, torch::nn::Module& layer) 
       dst.set_data(copy);
     });
   }
+  if (trace_) trace_->upload_end = Trace::record(s.param_upload);
   at::cuda::CUDAEvent uploaded;
   uploaded.record(s.param_upload);
   cuda_->pending_uploads.emplace_back(&shell, std::move(uploaded));
@@ -107,16 +189,22 @@ void DeviceIo::upload_layer(torch::nn::Module& shell, torch::nn::Module& layer) 
 }
 
 void DeviceIo::before_compute(const torch::nn::Module& shell) {
+  const bool first_compute = trace_ && !trace_->computing;
+  if (first_compute) trace_->computing = true;
+  if (!cuda_) {
+    if (first_compute) trace_->span.compute_begin_ms = trace_host_ms();
+    return;
+  }
 #if ROUNDPIPE_WITH_CUDA
-  if (!cuda_) return;
   auto& pending = cuda_->pending_uploads;
   for (auto it = pending.begin(); it != pending.end(); ++it) {
     if (it->first == &shell) {
       it->second.block(cuda_->streams.compute);
       pending.erase(it);
-      return;
+      break;
     }
   }
+  if (first_compute) trace_->compute_begin = Trace::record(cuda_->streams.compute);
 #else
   (void)shell;
 #endif

@@ -5,6 +5,7 @@
 #include <torch/nn/module.h>
 
 #include <memory>
+#include <string>
 
 #include "roundpipe/detail/layer_call.h"
 
@@ -31,10 +32,11 @@ namespace roundpipe::detail {
 // On CPU devices every method is a plain host operation and there are no streams.
 
 /// One per stage job, created and used on the job's worker thread only. On CUDA the compute
-/// stream is the current stream while it lives.
+/// stream is the current stream while it lives. With trace::enabled(), it records the job's
+/// span (roundpipe/stage_trace.h) under the name `job`.
 class DeviceIo {
  public:
-  explicit DeviceIo(const c10::Device& device);
+  explicit DeviceIo(const c10::Device& device, std::string job = {});
   ~DeviceIo();
   DeviceIo(const DeviceIo&) = delete;
   DeviceIo& operator=(const DeviceIo&) = delete;
@@ -59,6 +61,8 @@ class DeviceIo {
   c10::Device device_;
   struct Cuda;
   std::unique_ptr<Cuda> cuda_;  // CUDA devices only
+  struct Trace;
+  std::unique_ptr<Trace> trace_;  // while tracing
 };
 
 }  // namespace roundpipe::detail

@@ -35,6 +35,8 @@ struct Position {
   const char* step = "";
 };
 
+std::string job_name(const Position& pos) { return std::string(pos.phase) + " stage " + pos.stage.to_string(); }
+
 // Runs `body`; on failure fails every output channel and rethrows, wrapping a local error with
 // the job's position (upstream errors pass through unchanged, so the root cause is reported).
 template <typename Body>
@@ -194,7 +196,7 @@ void run_forward_stage(RunContext& ctx, size_t stage, scheduler::LayerRange r, c
     outputs.push_back(ctx.buffer_snapshot[l]);
   }
   guarded(ctx, device, pos, outputs, [&] {
-    DeviceIo io(device);
+    DeviceIo io(device, job_name(pos));
     auto shells = lease_layers(ctx, r, io, pos);
     for (int64_t l = r.begin; l < r.end; ++l) {
       auto& shell = shells[l - r.begin];
@@ -228,7 +230,7 @@ void run_fused_stage(RunContext& ctx, scheduler::LayerRange r, c10::Device devic
   Position pos{"fused", r};
   std::vector<ChannelPtr> outputs(ctx.bwd_grad[0].begin(), ctx.bwd_grad[0].end());
   guarded(ctx, device, pos, outputs, [&] {
-    DeviceIo io(device);
+    DeviceIo io(device, job_name(pos));
     auto shells = lease_layers(ctx, r, io, pos);
     RunScaleObserver observer(ctx);
     const size_t fwd_stages = ctx.fwd_out.size();
@@ -275,7 +277,7 @@ void run_backward_stage(RunContext& ctx, size_t stage, scheduler::LayerRange r, 
   std::vector<ChannelPtr> outputs;
   if (r.begin > 0) outputs.assign(ctx.bwd_grad[stage].begin(), ctx.bwd_grad[stage].end());
   guarded(ctx, device, pos, outputs, [&] {
-    DeviceIo io(device);
+    DeviceIo io(device, job_name(pos));
     auto shells = lease_layers(ctx, r, io, pos);
     {
       // Recompute starts from the buffers the forward started from, and evolves them in the same
