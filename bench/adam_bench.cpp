@@ -7,6 +7,7 @@
 // triad a[i] = b[i] + s*c[i] 12 B/element. GB/s = bytes / seconds / 1e9. The time per
 // implementation is the median of --reps steps after one warm-up step.
 #include "optim/adam.h"
+#include "optim/detail/parallel_tasks.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/ops/_fused_adam.h>
@@ -46,8 +47,11 @@ double median_seconds(int reps, const std::function<void()>& fn) {
   return times[times.size() / 2];
 }
 
+// On as many threads as the optimizer uses (at::get_num_threads()), split the same way.
 void triad(float* a, const float* b, const float* c, float s, int64_t n) {
-  at::parallel_for(0, n, 1 << 20, [&](int64_t begin, int64_t end) {
+  const int64_t tasks = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n >> 20));
+  roundpipe::optim::detail::run_tasks(tasks, [&](int64_t task) {
+    const int64_t begin = n * task / tasks, end = n * (task + 1) / tasks;
     for (int64_t i = begin; i < end; ++i) {
       a[i] = b[i] + s * c[i];
     }
@@ -107,6 +111,14 @@ int main(int argc, char** argv) {
         opt.set_kernel_isa(isa);
         rows.push_back({"roundpipe Adam (" + opt.kernel_isa() + ")", median_seconds(reps, [&] { opt.step(); }),
                         adam_bytes});
+      }
+      {
+        auto param = p.clone();
+        param.mutable_grad() = g;
+        roundpipe::optim::Adam opt({param}, roundpipe::optim::AdamOptions(1e-3));
+        opt.set_kernel_isa(isa);
+        opt.set_streaming_stores(true);
+        rows.push_back({"roundpipe Adam, streaming stores", median_seconds(reps, [&] { opt.step(); }), adam_bytes});
       }
       {
         auto param = p.clone();

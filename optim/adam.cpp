@@ -1,6 +1,7 @@
 #include "optim/adam.h"
 
 #include "optim/detail/adam_kernel.h"
+#include "optim/detail/parallel_tasks.h"
 #include "roundpipe/logging.h"
 
 #include <ATen/Parallel.h>
@@ -305,8 +306,8 @@ torch::Tensor Adam::step(LossClosure closure) {
     return loss;
   }
 
-  // Split the concatenation of all parameters into `tasks` equal contiguous element ranges;
-  // at::parallel_for with grain 1 runs them on min(tasks, intra-op threads) threads.
+  // Split the concatenation of all parameters into `tasks` equal contiguous element ranges, one
+  // thread each (Note [Why not at::parallel_for]).
   std::vector<int64_t> offsets(jobs.size() + 1, 0);
   for (const auto i : c10::irange(jobs.size())) {
     offsets[i + 1] = offsets[i] + jobs[i].numel;
@@ -326,15 +327,7 @@ torch::Tensor Adam::step(LossClosure closure) {
       update(jobs[j], lo, hi);
     }
   };
-  if (tasks == 1) {
-    run_task(0);
-  } else {
-    at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t task = begin; task < end; ++task) {
-        run_task(task);
-      }
-    });
-  }
+  detail::run_tasks(tasks, run_task);
   return loss;
 }
 

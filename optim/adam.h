@@ -71,7 +71,7 @@ struct AdamParamState : public torch::optim::OptimizerCloneableParamState<AdamPa
 /// Each step is one pass per element: read p, g, m, v (and max_v), write p, m, v (and max_v, and
 /// optionally a compute copy). The kernel is the best of AVX-512 / AVX2+FMA / scalar supported by
 /// the running CPU, and the element range of all parameters together is split across up to
-/// `num_threads()` threads with at::parallel_for.
+/// `num_threads()` threads of its own (Note [Why not at::parallel_for] in optim/detail/).
 ///
 /// Thread-safety: an Adam is used from one thread at a time (RoundPipe's optimizer thread); the
 /// parameters, gradients and compute copies must not be touched by other threads during `step`.

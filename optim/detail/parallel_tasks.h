@@ -1,0 +1,22 @@
+// Multi-threaded execution of a fixed number of independent tasks (internal to roundpipe::optim).
+#pragma once
+
+#include <cstdint>
+#include <functional>
+
+namespace roundpipe::optim::detail {
+
+// Note [Why not at::parallel_for]: the PyPI LibTorch is an OpenMP build, where at::parallel_for
+// is an inline `#pragma omp parallel` in ATen's headers. In a translation unit compiled without
+// -fopenmp the pragma is ignored and the loop silently runs on one thread (measured: our Adam
+// took the same time with 1 and 2 threads while ATen's own kernels scaled). Compiling with
+// -fopenmp instead would link the system libgomp next to the copy bundled in the wheel: two
+// OpenMP runtimes with two thread pools. So the optimizer has its own pool of helper threads.
+
+/// Runs fn(0), ..., fn(tasks - 1): task 0 on the caller's thread, the others on a process-wide
+/// pool of helper threads (one per hardware thread, started on first use). Returns when all have
+/// finished; rethrows the first task's exception. `tasks <= 1` runs inline. Any thread may call
+/// it; concurrent callers share the pool.
+void run_tasks(int64_t tasks, const std::function<void(int64_t)>& fn);
+
+}  // namespace roundpipe::optim::detail
