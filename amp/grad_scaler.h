@@ -1,7 +1,7 @@
 // roundpipe::amp — mixed-precision training support: dynamic loss scaling (GradScaler, a C++ port
 // of `torch.amp.GradScaler` with identical scale trajectory and error messages) and autocast
-// guards. Depends only on LibTorch and roundpipe::logging; the runtime builds its cross-thread
-// scaler protocol (DESIGN §3) on the explicit-scale hooks declared here.
+// guards. Depends only on LibTorch and roundpipe::logging; the hooks of the cross-thread protocol
+// that RoundPipe drives (DESIGN §3, Note [Cross-thread GradScaler]) are declared here too.
 #pragma once
 
 #include <ATen/core/Tensor.h>

@@ -180,31 +180,58 @@ struct RoundPipe::Impl {
 
   RunConfig resolve(const RunConfig& call) const { return call.merged_over(options.run_config()); }
 
-  // Automatic plans depend only on layer sizes and the device count: computed once per run type
-  // (caller thread only).
+  // Automatic plans depend only on the layer costs and the device count: computed once per run
+  // type and cost model (caller thread only). `costs`: size-based until measured.
   mutable std::optional<scheduler::ExecutePlan> auto_fused_plan, auto_infer_plan;
+  mutable std::vector<scheduler::LayerCost> costs;
+  bool layer_times_measured = false;
 
   scheduler::ExecutePlan auto_plan(scheduler::RunType type) const {
     auto& cached = type == scheduler::RunType::kInfer ? auto_infer_plan : auto_fused_plan;
-    if (!cached) cached = compute_auto_plan(type);
+    if (!cached) {
+      cached = scheduler::partition(layer_costs(), type,
+                                    scheduler::PartitionOptions().set_min_stages(static_cast<int64_t>(devices.size())));
+    }
     return *cached;
   }
 
-  scheduler::ExecutePlan compute_auto_plan(scheduler::RunType type) const {
-    std::vector<int64_t> bytes, grad_bytes;
+  const std::vector<scheduler::LayerCost>& layer_costs() const {
+    if (costs.empty()) costs = scheduler::size_based_costs(layer_bytes(false), layer_bytes(true));
+    return costs;
+  }
+
+  // Per layer: parameter + buffer bytes, or with `grads_only` the trainable parameters' bytes.
+  std::vector<int64_t> layer_bytes(bool grads_only) const {
+    std::vector<int64_t> out;
     for (int64_t l = 0; l < num_layers(); ++l) {
-      int64_t b = 0, g = 0;
+      int64_t b = 0;
       auto module = layer_set.layers[l].ptr();
       for (const auto& p : module->parameters()) {
-        b += p.nbytes();
-        if (p.requires_grad()) g += p.nbytes();
+        if (!grads_only || p.requires_grad()) b += p.nbytes();
       }
-      for (const auto& buf : module->buffers()) b += buf.nbytes();
-      bytes.push_back(b);
-      grad_bytes.push_back(g);
+      if (!grads_only) {
+        for (const auto& buf : module->buffers()) b += buf.nbytes();
+      }
+      out.push_back(b);
     }
-    return scheduler::partition(scheduler::size_based_costs(bytes, grad_bytes), type,
-                                scheduler::PartitionOptions().set_min_stages(static_cast<int64_t>(devices.size())));
+    return out;
+  }
+
+  // After the measuring call: costs from the measured forward times (per microbatch), backward
+  // 3x forward like the size-based model; the automatic plans are recomputed from them.
+  void use_measured_times(const std::vector<double>& forward_ms, int64_t num_micro) {
+    auto measured = layer_costs();
+    for (size_t l = 0; l < measured.size(); ++l) {
+      measured[l].forward = forward_ms[l] / static_cast<double>(num_micro);
+      measured[l].backward = 3.0 * measured[l].forward;
+    }
+    const auto before = auto_plan(scheduler::RunType::kFused);
+    costs = std::move(measured);
+    auto_fused_plan.reset();
+    auto_infer_plan.reset();
+    layer_times_measured = true;
+    ROUNDPIPE_LOG(*log, kInfo, "RoundPipe '", options.name(), "': plan from measured layer times: ",
+                  auto_plan(scheduler::RunType::kFused).to_string(), " (size-based: ", before.to_string(), ")");
   }
 
   scheduler::ExecutePlan plan_for(const RunConfig& cfg, scheduler::RunType type) const {
@@ -410,6 +437,8 @@ torch::Tensor RoundPipe::forward_backward(const std::vector<torch::Tensor>& inpu
   ctx.loss_fn = &loss_fn;
   ctx.autocast = amp::AutocastState::capture();
   ctx.flag_batch = next_flag_batch.fetch_add(1);
+  const bool measure = !cfg.execute_plan && m.options.measure_layer_times() && !m.layer_times_measured;
+  if (measure) ctx.forward_ms.assign(static_cast<size_t>(L), 0.0);
   const int64_t steps_before = m.steps;
   ctx.wait_layer_ready = [&m, steps_before](int64_t l) { m.wait_counter(m.published, l, steps_before); };
   auto channels = [&](size_t n) {
@@ -491,6 +520,7 @@ torch::Tensor RoundPipe::forward_backward(const std::vector<torch::Tensor>& inpu
     for (size_t k = 0; k < ctx.buffers[l].size() && k < buffers.size(); ++k) buffers[k].copy_(ctx.buffers[l][k]);
   }
   if (amp::GradScaler* scaler = ctx.scaler.load()) m.attach_scaler(*scaler, ctx);
+  if (measure) m.use_measured_times(ctx.forward_ms, num_micro);
   torch::Tensor total = ctx.losses[0].clone();
   for (int64_t j = 1; j < num_micro; ++j) total.add_(ctx.losses[j]);
   return total;
@@ -651,6 +681,7 @@ scheduler::ExecutePlan RoundPipe::plan(const RunConfig& config) const {
   return impl_->plan_for(impl_->resolve(config), RunType::kFused);
 }
 torch::nn::Sequential RoundPipe::module() { return impl_->model; }
+std::vector<scheduler::LayerCost> RoundPipe::layer_costs() const { return impl_->layer_costs(); }
 int64_t RoundPipe::iteration() const { return impl_->iteration; }
 uint64_t RoundPipe::seed() const { return impl_->seed; }
 

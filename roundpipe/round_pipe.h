@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "roundpipe/run_config.h"
+#include "scheduler/partitioner.h"
 
 namespace roundpipe {
 
@@ -31,6 +32,11 @@ struct RoundPipeOptions {
   /// Base seed of the per-layer RNG scheme (Note [Layer RNG]); default: drawn from torch's default
   /// CPU generator at construction, so torch::manual_seed controls it.
   TORCH_ARG(std::optional<uint64_t>, seed) = std::nullopt;
+  /// Automatic plans start from size-based cost estimates; with this on, the first
+  /// forward_backward that uses the automatic plan also times every layer's forward (on CUDA with
+  /// a device sync around each layer, in that call only), and later calls use a plan partitioned
+  /// from the measured times (backward taken as 3x forward: recompute + backward).
+  TORCH_ARG(bool, measure_layer_times) = true;
 };
 
 /// Computes a microbatch's loss from the model output and that microbatch's rows of the label.
@@ -96,6 +102,9 @@ class RoundPipe {
   int64_t num_layers() const;
   /// The plan the next forward_backward call would use (fused plan) with `config`.
   scheduler::ExecutePlan plan(const RunConfig& config = {}) const;
+  /// The per-layer costs the automatic plans are partitioned from: size-based (bytes) until
+  /// layer times were measured (RoundPipeOptions::measure_layer_times), then milliseconds.
+  std::vector<scheduler::LayerCost> layer_costs() const;
   /// The wrapped model (its parameters are the compute copies).
   torch::nn::Sequential module();
   /// Number of completed forward_backward calls (the iteration index of Note [Layer RNG]).

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Builds the tests with ThreadSanitizer into build-tsan/ and runs the concurrency tests (runtime,
-# and the GradScaler's cross-thread protocol). A filter argument replaces the runtime filter.
+# the GradScaler's cross-thread protocol, the optimizer's helper threads). A filter argument
+# replaces the runtime filter.
 # LibTorch itself is not instrumented: its OpenMP pool is limited to one thread here so that
 # reports concern RoundPipe's own threads (see scripts/tsan.supp for the library frames ignored).
 set -euo pipefail
@@ -10,4 +11,5 @@ export ROUNDPIPE_BUILD_DIR="$root/build-tsan"
 export OMP_NUM_THREADS=1
 export TSAN_OPTIONS="halt_on_error=0 second_deadlock_stack=1 suppressions=$root/scripts/tsan.supp ${TSAN_OPTIONS:-}"
 "$ROUNDPIPE_BUILD_DIR/tests/amp/amp_tests" --gtest_filter="GradScalerCrossThreadTest.*:-*_CUDA"
-"$ROUNDPIPE_BUILD_DIR/tests/runtime/runtime_tests" --gtest_filter="${1:-AsyncStepTest.*:RoundPipeTest.Dropout*:RoundPipeTest.Errors*:RoundPipeTest.Equivalence_Mlp*:GradScalerEngineTest.*}"
+"$ROUNDPIPE_BUILD_DIR/tests/optim/optim_tests" --gtest_filter="ParallelTasksTest.*:AdamKernelTest.ResultsIndependentOfThreadCount"
+"$ROUNDPIPE_BUILD_DIR/tests/runtime/runtime_tests" --gtest_filter="${1:-AsyncStepTest.*:RoundPipeTest.Dropout*:RoundPipeTest.Errors*:RoundPipeTest.Equivalence_Mlp*:RoundPipeTest.LayerShells*:GradScalerEngineTest.*:StageTraceTest.*}"

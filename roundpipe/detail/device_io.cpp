@@ -210,6 +210,12 @@ void DeviceIo::before_compute(const torch::nn::Module& shell) {
 #endif
 }
 
+void DeviceIo::synchronize() {
+#if ROUNDPIPE_WITH_CUDA
+  if (cuda_) cuda_->streams.compute.synchronize();
+#endif
+}
+
 Activations DeviceIo::upload(const Activations& host) {
   if (!cuda_) {
     Activations out;

@@ -50,6 +50,9 @@ class DeviceIo {
   /// Makes compute wait for `shell`'s upload (once; later calls are free). CPU: no-op.
   void before_compute(const torch::nn::Module& shell);
 
+  /// Waits until the job's compute so far has finished (CUDA: the compute stream; CPU: no-op).
+  void synchronize();
+
   /// Host tensors -> device, ready for compute. CPU: the tensors themselves (no copy).
   Activations upload(const Activations& host);
   /// Device tensors -> host (detached), complete on return. CPU: the tensors detached, no copy.

@@ -4,6 +4,7 @@
 #include <c10/util/Exception.h>
 #include <torch/autograd.h>
 
+#include <chrono>
 #include <sstream>
 
 #include "amp/grad_scaler.h"
@@ -124,9 +125,19 @@ std::vector<ShellLease> lease_layers(const RunContext& ctx, scheduler::LayerRang
   return shells;
 }
 
-Activations run_layer(RunContext& ctx, ShellLease& shell, int64_t l, int64_t j, const Activations& acts, DeviceIo& io) {
+// `first_pass`: the layer's forward or fused pass (not a recompute); timed when measuring.
+Activations run_layer(RunContext& ctx, ShellLease& shell, int64_t l, int64_t j, const Activations& acts, DeviceIo& io,
+                      bool first_pass = false) {
   auto& layer = shell.module();
   io.before_compute(*layer.ptr());
+  if (first_pass && !ctx.forward_ms.empty()) {
+    io.synchronize();
+    const auto t0 = std::chrono::steady_clock::now();
+    Activations out = run_layer(ctx, shell, l, j, acts, io);
+    io.synchronize();
+    ctx.forward_ms[l] += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    return out;
+  }
   if (!ctx.preserve_rng) return call_layer(layer, acts, ctx.model->call_modes[l]);
   Activations out;
   run_seeded(io.device(), layer_seed(ctx.seed, ctx.iteration, j, l),
@@ -211,7 +222,7 @@ void run_forward_stage(RunContext& ctx, size_t stage, scheduler::LayerRange r, c
       for (int64_t l = r.begin; l < r.end; ++l) {
         pos.layer = l;
         if (!ctx.saved[l].empty()) ctx.saved[l][j]->set(io.download_copy(acts));
-        acts = run_layer(ctx, shells[l - r.begin], l, j, acts, io);
+        acts = run_layer(ctx, shells[l - r.begin], l, j, acts, io, /*first_pass=*/true);
       }
       pos.layer = -1;
       if (stage < ctx.fwd_out.size()) {
@@ -241,7 +252,7 @@ void run_fused_stage(RunContext& ctx, scheduler::LayerRange r, c10::Device devic
       Activations acts = leaves;
       for (int64_t l = r.begin; l < r.end; ++l) {
         pos.layer = l;
-        acts = run_layer(ctx, shells[l - r.begin], l, j, acts, io);
+        acts = run_layer(ctx, shells[l - r.begin], l, j, acts, io, /*first_pass=*/true);
       }
       pos.layer = -1;
       pos.step = "loss_fn";

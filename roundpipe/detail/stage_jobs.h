@@ -84,6 +84,10 @@ struct RunContext {
   /// backward job after it received gradients that depend on that call. Each backward or fused
   /// job then posts one found_inf flag tagged (scaler_generation, flag_batch), counted in
   /// `flags_posted`.
+  /// When non-empty: [layer] milliseconds of the layer's forward summed over microbatches, timed
+  /// in its forward or fused job (the one job that runs the layer's first pass) and read by the
+  /// caller after every job has finished.
+  std::vector<double> forward_ms;
   std::atomic<amp::GradScaler*> scaler{nullptr};
   std::atomic<int64_t> scaler_generation{0};
   std::atomic<int64_t> flags_posted{0};

@@ -38,7 +38,7 @@ TORCH_MODULE(Poison);
 // loss_fn: the scaled sum-reduced MSE over a microbatch divided by the batch's element count `n`.
 LossFn scaled_mse(amp::GradScaler& scaler, double n) {
   return [&scaler, n](const torch::Tensor& out, const torch::Tensor& t) {
-    return scaler.scale(torch::mse_loss(out, t, torch::Reduction::Sum) / n);
+    return scaler.scale(torch::mse_loss(out.to(torch::kFloat), t, torch::Reduction::Sum) / n);
   };
 }
 
@@ -87,27 +87,35 @@ TEST(GradScalerEngineTest, SyncStep_ScaleTrajectoryAndParamsMatchPlainLoop) {
   EXPECT_EQ(skipped, 3);  // the inf, inf and nan iterations
 }
 
-// The staleness-one reference of DESIGN.md §3 with a standalone scaler: compute model C, master
-// model M; iteration k: grads of C (holding the masters after step k-2), then C <- M (after step
-// k-1), M.grad <- those grads, `step_fn` (unscale_/clip/step on M), update.
+// The staleness-one reference of DESIGN.md §3 with a standalone scaler: compute model C (in
+// `dtype`), fp32 master model M; iteration k: grads of C (holding the masters after step k-2),
+// then C <- M (after step k-1), M.grad <- those grads in fp32, `step_fn` (unscale_/clip/step on
+// M), update.
 struct StalenessOneLoop {
   torch::nn::Sequential compute, master;
   torch::optim::SGD opt;
   amp::GradScaler scaler;
-  StalenessOneLoop(const torch::nn::Sequential& model, amp::GradScalerOptions options)
+  c10::ScalarType dtype;
+  StalenessOneLoop(const torch::nn::Sequential& model, amp::GradScalerOptions options, c10::ScalarType dtype)
       : compute(testing::deep_copy(model)),
         master(testing::deep_copy(model)),
         opt(master->parameters(), torch::optim::SGDOptions(0.01).momentum(0.9)),
-        scaler(options) {}
+        scaler(options),
+        dtype(dtype) {
+    compute->to(dtype);
+    master->to(dtype);  // masters start from the compute copies' values, as RoundPipe's do
+    master->to(torch::kFloat);
+  }
   bool iteration(const torch::Tensor& x, const torch::Tensor& y, bool clip) {
     const double n = static_cast<double>(y.numel());
-    scaler.scale(torch::mse_loss(compute->forward(x), y, torch::Reduction::Sum) / n).backward();
+    scaler.scale(torch::mse_loss(compute->forward(x.to(dtype)).to(torch::kFloat), y, torch::Reduction::Sum) / n)
+        .backward();
     {
       torch::NoGradGuard no_grad;
       auto cp = compute->parameters(), mp = master->parameters();
       for (size_t k = 0; k < cp.size(); ++k) {
         cp[k].copy_(mp[k]);
-        mp[k].mutable_grad() = cp[k].grad().clone();
+        mp[k].mutable_grad() = cp[k].grad().to(torch::kFloat);
         cp[k].mutable_grad().reset();
       }
     }
@@ -153,14 +161,18 @@ outputs['scales'] = torch.tensor(scales, dtype=torch.float64)
 // Async: scale() on workers, scaler.step on the optimizer thread, update() on the caller (never
 // waiting for the optimizer thread); with `clip`, unscale_ on the caller's thread (marshalled to
 // the optimizer thread) and gradient clipping of the master gradients there.
-void async_case(bool clip) {
+// `dtype`: the compute copies' dtype (fp32 masters either way); kHalf is DESIGN.md's typical loop.
+void async_case(bool clip, c10::ScalarType dtype = torch::kFloat) {
   auto poison = std::make_shared<std::atomic<double>>(1.0);
   torch::manual_seed(4);
   torch::nn::Sequential model(torch::nn::Linear(8, 16), torch::nn::Tanh(), Poison(poison), torch::nn::Linear(16, 16),
                               torch::nn::Tanh(), torch::nn::Linear(16, 4));
   auto options = amp::GradScalerOptions().init_scale(1024.0).growth_interval(2);
-  StalenessOneLoop ref(model, options);
-  RoundPipe rp(model, RoundPipeOptions().devices({c10::kCPU, c10::kCPU, c10::kCPU}));
+  StalenessOneLoop ref(model, options, dtype);
+  model->to(dtype);
+  RoundPipe rp(model, RoundPipeOptions().devices({c10::kCPU, c10::kCPU, c10::kCPU}).optim_dtype(torch::kFloat));
+  // fp32: the same operations up to the microbatch split; half: fp16 rounding of the split sums.
+  const double atol = dtype == torch::kFloat ? 1e-6 : 2e-3;
   auto opt = [&] {
     OptimizerCtx ctx;
     return torch::optim::SGD(rp.parameters(), torch::optim::SGDOptions(0.01).momentum(0.9));
@@ -179,7 +191,7 @@ void async_case(bool clip) {
     const double n = static_cast<double>(y.numel());
     RunConfig cfg;
     cfg.num_microbatch = 4;
-    rp.forward_backward({x}, y, scaled_mse(scaler, n), cfg);
+    rp.forward_backward({x.to(dtype)}, y, scaled_mse(scaler, n), cfg);
     if (clip) {
       scaler.unscale_(opt);  // caller's thread: runs on the optimizer thread, on the master grads
       torch::nn::utils::clip_grad_norm_(rp.optim_parameters(), 0.5);
@@ -199,8 +211,8 @@ void async_case(bool clip) {
   ref.finish();
   EXPECT_EQ(stepped, ref_stepped);
   EXPECT_EQ(std::count(stepped.begin(), stepped.end(), 0), 3);
-  EXPECT_TRUE(testing::tensor_lists_close(rp.module()->parameters(), ref.compute->parameters(), 1e-6));
-  EXPECT_TRUE(testing::tensor_lists_close(rp.optim_parameters(), ref.master->parameters(), 1e-6));
+  EXPECT_TRUE(testing::tensor_lists_close(rp.module()->parameters(), ref.compute->parameters(), atol));
+  EXPECT_TRUE(testing::tensor_lists_close(rp.optim_parameters(), ref.master->parameters(), atol));
   if (testing::python_oracle_available()) {
     EXPECT_EQ(scales, torch_scale_trajectory(pattern, 1024.0, 2)) << "scale trajectory vs torch.amp.GradScaler";
   } else {
@@ -211,6 +223,8 @@ void async_case(bool clip) {
 TEST(GradScalerEngineTest, AsyncStep_ScaleTrajectoryExactAndParamsMatchStalenessOneLoop) { async_case(false); }
 
 TEST(GradScalerEngineTest, AsyncStep_UnscaleOnCallerThreadWithClipping) { async_case(true); }
+
+TEST(GradScalerEngineTest, AsyncStep_HalfComputeCopiesFloatMasters) { async_case(false, torch::kHalf); }
 
 // Identity that throws in backward-stage recompute (grad mode on) while `*fail` is set.
 struct RecomputeFaultImpl : torch::nn::Cloneable<RecomputeFaultImpl> {

@@ -1,7 +1,9 @@
 // RoundPipe engine vs plain LibTorch on CPU devices (the *_CUDA twins run on a GPU machine).
 #include "roundpipe/round_pipe.h"
 
+#include <chrono>
 #include <fstream>
+#include <thread>
 
 #include "amp/autocast_guard.h"
 
@@ -368,6 +370,59 @@ TEST(RoundPipeTest, LayerShells_ReusedAcrossIterationsAndFollowTrainingMode) {
   EXPECT_TRUE(testing::tensors_close(eval_out, model->forward(x), 1e-6));
   model->train();  // training mode again: the jobs' dropout must be active
   EXPECT_FALSE(testing::tensors_close(rp.forward({x}), eval_out, 1e-3)) << "the shells did not follow train()";
+}
+
+// Identity whose forward sleeps `ms` (recompute too), with no parameters: size-based estimates
+// see it as free.
+struct SlowIdentityImpl : torch::nn::Cloneable<SlowIdentityImpl> {
+  explicit SlowIdentityImpl(double ms) : ms_(ms) {}
+  void reset() override {}
+  torch::Tensor forward(const torch::Tensor& x) {
+    std::this_thread::sleep_for(std::chrono::duration<double, std::milli>(ms_));
+    return x.clone();
+  }
+  double ms_;
+};
+TORCH_MODULE(SlowIdentity);
+
+TEST(RoundPipeTest, MeasuredLayerTimes_ReplanAfterFirstCall) {
+  const double slow_ms = 20;
+  auto make = [&] {
+    torch::manual_seed(6);
+    return torch::nn::Sequential(torch::nn::Linear(32, 32), torch::nn::Linear(32, 32), SlowIdentity(slow_ms),
+                                 torch::nn::Linear(32, 32), torch::nn::Linear(32, 32), torch::nn::Linear(32, 32));
+  };
+  RoundPipe rp(make(), RoundPipeOptions().devices(cpu_devices(2)));
+  RoundPipe fixed(make(), RoundPipeOptions().devices(cpu_devices(2)).measure_layer_times(false));
+  const auto size_based = rp.layer_costs();
+  EXPECT_LT(size_based[2].forward, size_based[0].forward);  // no bytes: "cheap" by size
+  const auto plan_before = rp.plan();
+  RunConfig cfg;
+  cfg.num_microbatch = 3;
+  auto loss_fn = [](const torch::Tensor& out, const torch::Tensor& y) { return torch::mse_loss(out, y); };
+  auto x = torch::randn({6, 32}), y = torch::randn({6, 32});
+  auto loss = rp.forward_backward({x}, y, loss_fn, cfg);
+  auto fixed_loss = fixed.forward_backward({x}, y, loss_fn, cfg);
+
+  const auto costs = rp.layer_costs();
+  ASSERT_EQ(costs.size(), 6u);
+  EXPECT_GE(costs[2].forward, slow_ms);  // per microbatch, milliseconds
+  for (size_t l = 0; l < costs.size(); ++l) {
+    EXPECT_EQ(costs[l].backward, 3 * costs[l].forward) << "layer " << l;
+    if (l != 2) {
+      EXPECT_LT(costs[l].forward, slow_ms) << "layer " << l;
+    }
+    EXPECT_EQ(costs[l].bytes, size_based[l].bytes) << "layer " << l;
+  }
+  const auto measured_plan =
+      scheduler::partition(costs, scheduler::RunType::kFused, scheduler::PartitionOptions().set_min_stages(2));
+  EXPECT_EQ(rp.plan().to_string(), measured_plan.to_string());
+  EXPECT_NE(rp.plan().to_string(), plan_before.to_string());
+  // Measuring changes the schedule, never the numbers; without it the costs stay size-based.
+  EXPECT_TRUE(torch::equal(loss, fixed_loss));
+  EXPECT_TRUE(testing::tensor_lists_close(rp.module()->parameters(), fixed.module()->parameters(), 0));
+  EXPECT_EQ(fixed.layer_costs()[2].forward, size_based[2].forward);
+  EXPECT_EQ(fixed.plan().to_string(), plan_before.to_string());
 }
 
 int64_t process_threads() {
