@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# Validates RoundPipe C++ on a GPU machine and measures it (issue 6), in one command:
+#   1. offline build against the machine's CUDA PyTorch (scripts/build-offline.sh, .debs/ made
+#      beforehand by scripts/pack-offline-deps.sh on a machine with network);
+#   2. every test, the *_CUDA ones included (they run when a GPU is visible);
+#   3. compute-sanitizer memcheck and racecheck on a small CUDA engine case (if the tool exists);
+#   4. bench/llama_bench: RoundPipe vs the plain loop on a ~1B model (tokens/s, MFU, peak memory,
+#      upload GB/s vs pinned copy, upload/compute overlap, per-job timeline);
+#   5. scale limits under a 24 GiB cap per GPU: the largest model (blocks of --hidden 4096) and the
+#      longest sequence for a ~1.7B model that train without running out of memory.
+# Usage: scripts/gpu-validate.sh [python=/opt/torch/.venv/bin/python]; results in $OUT (the device
+# tool's folder) or gpu-results/. Steps 4-5 take most of the time; SKIP_SCALE=1 skips step 5.
+# With the device tool: scripts/pack-offline-deps.sh here, then run this there carrying .debs.
+set -uo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+python="${1:-/opt/torch/.venv/bin/python}"
+out="${OUT:-$root/gpu-results}"
+build="${ROUNDPIPE_BUILD_DIR:-$root/build-offline}"
+mkdir -p "$out"
+log() { printf '[gpu-validate] %s\n' "$*" | tee -a "$out/summary.txt"; }
+
+nvidia-smi > "$out/nvidia-smi.txt" 2>&1 || true
+ROUNDPIPE_BUILD_DIR="$build" "$root/scripts/build-offline.sh" "$root/.debs" "$python" > "$out/build.log" 2>&1 ||
+  { log "build failed (see build.log)"; tail -30 "$out/build.log"; exit 1; }
+export LD_LIBRARY_PATH="$build/deps/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+
+ctest --test-dir "$build" --output-on-failure -j 4 > "$out/ctest.log" 2>&1
+log "ctest: $(grep -E 'tests passed|tests failed' "$out/ctest.log" | tail -1)"
+"$build/tests/runtime/runtime_tests" --gtest_filter='*_CUDA' > "$out/cuda_tests.log" 2>&1
+"$build/tests/amp/amp_tests" --gtest_filter='*_CUDA' >> "$out/cuda_tests.log" 2>&1
+log "CUDA tests: $(grep -cE '^\[       OK \]' "$out/cuda_tests.log") passed, $(grep -cE '^\[  FAILED  \].*\(' "$out/cuda_tests.log") failed"
+
+if command -v compute-sanitizer > /dev/null; then
+  for tool in memcheck racecheck; do
+    compute-sanitizer --tool "$tool" --error-exitcode 9 "$build/tests/runtime/runtime_tests" \
+      --gtest_filter='RoundPipeTest.Equivalence_MlpOnGpus_CUDA' > "$out/sanitizer-$tool.log" 2>&1
+    log "compute-sanitizer $tool: exit $? ($(grep -E 'ERROR SUMMARY' "$out/sanitizer-$tool.log" | tail -1))"
+  done
+else
+  log "compute-sanitizer not found: skipped"
+fi
+
+bench="$build/bench/llama_bench"
+LLAMA_BENCH_TIMELINE=1 "$bench" --hidden 2048 --layers 16 --heads 16 --ffn 5632 --seq 2048 --batch 8 --micro 4 \
+  > "$out/llama_1b.txt" 2>&1
+log "llama ~1B: $(grep -E '^(roundpipe|plain) |pinned|/ plain' "$out/llama_1b.txt" | tr '\n' ';')"
+
+if [ "${SKIP_SCALE:-0}" != 1 ]; then
+  # Largest model under a 24 GiB cap: hidden 4096 blocks (~200M parameters each), growing.
+  # Host memory bounds it too: ~20 B/param (bf16 copy + grad, fp32 master + grad, Adam m and v).
+  for layers in 8 16 24 28; do
+    if "$bench" --mode roundpipe --mem-cap-gib 24 --hidden 4096 --heads 32 --ffn 11008 --layers "$layers" \
+      --seq 2048 --batch 4 --micro 4 --iters 2 > "$out/scale_layers_$layers.txt" 2>&1; then
+      log "24 GiB cap, hidden 4096 x $layers blocks: trains ($(grep -E '^llama_bench:' "$out/scale_layers_$layers.txt" | head -1 | cut -d' ' -f2) params)"
+    else
+      log "24 GiB cap, hidden 4096 x $layers blocks: failed ($(tail -1 "$out/scale_layers_$layers.txt"))"
+      break
+    fi
+  done
+  # Longest sequence for a ~1.7B model (hidden 2048, 30 blocks + embeddings) under the cap.
+  for seq in 8192 16384 32768 65536 131072; do
+    if "$bench" --mode roundpipe --mem-cap-gib 24 --hidden 2048 --heads 16 --ffn 5632 --layers 30 \
+      --seq "$seq" --batch 1 --micro 1 --iters 2 > "$out/scale_seq_$seq.txt" 2>&1; then
+      log "24 GiB cap, ~1.7B model, seq $seq: trains ($(grep -E '^roundpipe ' "$out/scale_seq_$seq.txt"))"
+    else
+      log "24 GiB cap, ~1.7B model, seq $seq: failed ($(tail -1 "$out/scale_seq_$seq.txt"))"
+      break
+    fi
+  done
+fi
+log "done; logs in $out"
