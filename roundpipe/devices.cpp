@@ -5,6 +5,9 @@
 #include <torch/cuda.h>
 
 #include "roundpipe/config.h"
+#if ROUNDPIPE_WITH_CUDA
+#include <ATen/cuda/CUDAContext.h>
+#endif
 
 namespace roundpipe {
 
@@ -14,6 +17,16 @@ int64_t cuda_device_count() {
   } catch (const std::exception&) {
     return 0;
   }
+}
+
+int64_t cuda_device_memory_bytes(int64_t index) {
+#if ROUNDPIPE_WITH_CUDA
+  if (index < 0 || index >= cuda_device_count()) return 0;
+  return static_cast<int64_t>(at::cuda::getDeviceProperties(static_cast<c10::DeviceIndex>(index))->totalGlobalMem);
+#else
+  (void)index;
+  return 0;
+#endif
 }
 
 std::vector<c10::Device> default_devices() {

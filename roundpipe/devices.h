@@ -13,6 +13,9 @@ std::vector<c10::Device> default_devices();
 /// Number of visible CUDA devices; 0 without a GPU or driver (never throws).
 int64_t cuda_device_count();
 
+/// Total memory of CUDA device `index` in bytes; 0 without CUDA.
+int64_t cuda_device_memory_bytes(int64_t index);
+
 /// Throws c10::Error naming the device when `devices` is empty or holds a device this process
 /// cannot use (CUDA index out of range, a CUDA device in a build without CUDA, an unsupported
 /// type). CPU devices may repeat: each entry is one worker thread.

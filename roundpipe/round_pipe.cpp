@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
+#include <limits>
 #include <mutex>
 #include <unordered_map>
 
@@ -185,12 +186,15 @@ struct RoundPipe::Impl {
   mutable std::optional<scheduler::ExecutePlan> auto_fused_plan, auto_infer_plan;
   mutable std::vector<scheduler::LayerCost> costs;
   bool layer_times_measured = false;
+  int64_t memory_budget_bytes = std::numeric_limits<int64_t>::max();  // set at construction
 
   scheduler::ExecutePlan auto_plan(scheduler::RunType type) const {
     auto& cached = type == scheduler::RunType::kInfer ? auto_infer_plan : auto_fused_plan;
     if (!cached) {
       cached = scheduler::partition(layer_costs(), type,
-                                    scheduler::PartitionOptions().set_min_stages(static_cast<int64_t>(devices.size())));
+                                    scheduler::PartitionOptions()
+                                        .set_min_stages(static_cast<int64_t>(devices.size()))
+                                        .set_memory_budget_bytes(memory_budget_bytes));
     }
     return *cached;
   }
@@ -378,6 +382,23 @@ RoundPipe::RoundPipe(torch::nn::Sequential model, RoundPipeOptions options) : im
     auto gen = at::detail::getDefaultCPUGenerator();
     std::lock_guard<std::mutex> lock(gen.mutex());
     m.seed = gen.get<at::CPUGeneratorImpl>()->random64();
+  }
+  if (options.device_memory_budget_bytes()) {
+    TORCH_CHECK(*options.device_memory_budget_bytes() > 0, "RoundPipeOptions::device_memory_budget_bytes must be > 0, got ",
+                *options.device_memory_budget_bytes());
+    m.memory_budget_bytes = *options.device_memory_budget_bytes();
+  } else {
+    for (const auto& d : m.devices) {
+      if (d.is_cuda()) m.memory_budget_bytes = std::min(m.memory_budget_bytes, cuda_device_memory_bytes(d.index()) / 2);
+    }
+  }
+  if (m.memory_budget_bytes != std::numeric_limits<int64_t>::max()) {
+    try {
+      m.auto_plan(scheduler::RunType::kFused);  // a layer over the budget fails now, not at the first call
+    } catch (const c10::Error& e) {
+      TORCH_CHECK(false, "RoundPipe '", options.name(), "': RoundPipeOptions::device_memory_budget_bytes = ",
+                  m.memory_budget_bytes, ": ", e.what_without_backtrace());
+    }
   }
   m.published.assign(m.params.size(), 0);
   m.consumed.assign(m.params.size(), 0);

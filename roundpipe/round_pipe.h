@@ -37,6 +37,11 @@ struct RoundPipeOptions {
   /// a device sync around each layer, in that call only), and later calls use a plan partitioned
   /// from the measured times (backward taken as 3x forward: recompute + backward).
   TORCH_ARG(bool, measure_layer_times) = true;
+  /// Bytes of parameters and buffers (plus gradients, for backward stages) one stage may hold on
+  /// a device; automatic plans respect it, and a layer that alone exceeds it fails at
+  /// construction. Default: half the memory of the smallest CUDA device in `devices` (the rest is
+  /// for activations and the allocator), unlimited with CPU devices only.
+  TORCH_ARG(std::optional<int64_t>, device_memory_budget_bytes) = std::nullopt;
 };
 
 /// Computes a microbatch's loss from the model output and that microbatch's rows of the label.

@@ -30,8 +30,8 @@ struct PartitionOptions {
   /// stage time. Usually the number of devices.
   int64_t min_stages = 1;
   /// Bytes one stage may hold on a device (pass half the usable device memory when the next
-  /// stage's upload is prefetched while one runs). Default: unlimited. The runtime does not set
-  /// it yet (CPU devices have no budget; a GPU budget comes with the GPU issue).
+  /// stage's upload is prefetched while one runs). Default: unlimited. The runtime passes
+  /// RoundPipeOptions::device_memory_budget_bytes (default: half the smallest GPU's memory).
   int64_t memory_budget_bytes = std::numeric_limits<int64_t>::max();
 
   PartitionOptions& set_min_stages(int64_t v) { min_stages = v; return *this; }

@@ -425,6 +425,49 @@ TEST(RoundPipeTest, MeasuredLayerTimes_ReplanAfterFirstCall) {
   EXPECT_EQ(fixed.plan().to_string(), plan_before.to_string());
 }
 
+TEST(RoundPipeTest, MemoryBudget_StagesFitAndOversizedLayerFailsAtConstruction) {
+  auto make = [] {
+    torch::manual_seed(8);
+    torch::nn::Sequential model;
+    for (int l = 0; l < 6; ++l) model->push_back(torch::nn::Linear(32, 32));
+    return model;
+  };
+  const int64_t layer_bytes = (32 * 32 + 32) * 4;
+  const int64_t budget = 2 * layer_bytes;  // two layers forward; one layer with its gradients
+  auto options = RoundPipeOptions().devices(cpu_devices(2)).measure_layer_times(false);
+  RoundPipe capped(make(), RoundPipeOptions(options).device_memory_budget_bytes(budget));
+  RoundPipe free(make(), options);
+  const auto costs = capped.layer_costs();
+  auto stage_bytes = [&](const scheduler::LayerRange& r, bool backward) {
+    int64_t b = 0;
+    for (int64_t l = r.begin; l < r.end; ++l) b += backward ? costs[l].backward_bytes : costs[l].bytes;
+    return b;
+  };
+  auto max_stage_bytes = [&](const scheduler::ExecutePlan& plan) {
+    int64_t most = 0;
+    for (const auto& r : plan.forward_stages()) most = std::max(most, stage_bytes(r, false));
+    for (const auto& r : plan.backward_stages()) most = std::max(most, stage_bytes(r, true));
+    return most;
+  };
+  EXPECT_LE(max_stage_bytes(capped.plan()), budget) << capped.plan().to_string();
+  EXPECT_GT(max_stage_bytes(free.plan()), budget) << "the budget should have mattered: " << free.plan().to_string();
+  // The plan changes the schedule, not the results.
+  auto x = torch::randn({6, 32}), y = torch::randn({6, 32});
+  auto loss_fn = [](const torch::Tensor& out, const torch::Tensor& t) { return torch::mse_loss(out, t); };
+  RunConfig cfg;
+  cfg.num_microbatch = 3;
+  EXPECT_TRUE(torch::equal(capped.forward_backward({x}, y, loss_fn, cfg), free.forward_backward({x}, y, loss_fn, cfg)));
+  try {
+    RoundPipe(make(), RoundPipeOptions(options).device_memory_budget_bytes(layer_bytes));
+    ADD_FAILURE() << "a layer over the budget (with its gradients) must fail at construction";
+  } catch (const c10::Error& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("device_memory_budget_bytes = " + std::to_string(layer_bytes)), std::string::npos) << what;
+    EXPECT_NE(what.find("layer 0 needs"), std::string::npos) << what;
+  }
+  EXPECT_THROW(RoundPipe(make(), RoundPipeOptions(options).device_memory_budget_bytes(0)), c10::Error);
+}
+
 int64_t process_threads() {
   std::ifstream status("/proc/self/status");
   std::string key;
