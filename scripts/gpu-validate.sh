@@ -33,7 +33,7 @@ log "CUDA tests: $(grep -cE '^\[       OK \]' "$out/cuda_tests.log") passed, $(g
 if command -v compute-sanitizer > /dev/null; then
   for tool in memcheck racecheck; do
     compute-sanitizer --tool "$tool" --error-exitcode 9 "$build/tests/runtime/runtime_tests" \
-      --gtest_filter='RoundPipeTest.Equivalence_MlpOnGpus_CUDA' > "$out/sanitizer-$tool.log" 2>&1
+      --gtest_filter='RoundPipeTest.Equivalence_MlpOnGpus_CUDA:CudaEngineTest.AsyncStress*' > "$out/sanitizer-$tool.log" 2>&1
     log "compute-sanitizer $tool: exit $? ($(grep -E 'ERROR SUMMARY' "$out/sanitizer-$tool.log" | tail -1))"
   done
 else
