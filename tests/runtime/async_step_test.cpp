@@ -3,7 +3,6 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
-#include <random>
 
 #include "optim/adam.h"
 #include "roundpipe/round_pipe.h"
@@ -14,6 +13,7 @@ namespace roundpipe {
 namespace {
 
 using testing::deep_copy;
+using testing::StaleReference;
 
 LossFn mse_over(int64_t full_numel) {
   return [full_numel](const torch::Tensor& out, const torch::Tensor& y) {
@@ -27,43 +27,12 @@ std::unique_ptr<torch::optim::Optimizer> make_opt(int which, std::vector<torch::
   return std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(1e-2));
 }
 
-// The staleness-one reference of DESIGN.md §3: compute model C (forward/backward) and master
-// model M (optimizer). Step k: C <- M (values after step k-1), M.grad <- grads of iteration k,
-// optimizer step on M. At the end C <- M (synchronize).
-struct StaleReference {
-  torch::nn::Sequential compute, master;
-  std::unique_ptr<torch::optim::Optimizer> opt;
-  StaleReference(const torch::nn::Sequential& initial, int which)
-      : compute(deep_copy(initial)), master(deep_copy(initial)), opt(make_opt(which, master->parameters())) {}
-  torch::Tensor iterate(const torch::Tensor& x, const torch::Tensor& y) {
-    auto loss = mse_over(y.numel())(compute->forward(x), y);
-    loss.backward();
-    torch::NoGradGuard no_grad;
-    auto cp = compute->parameters();
-    auto mp = master->parameters();
-    for (size_t k = 0; k < cp.size(); ++k) {
-      cp[k].copy_(mp[k]);
-      mp[k].mutable_grad() = cp[k].grad().clone();
-      cp[k].mutable_grad().reset();
-    }
-    opt->step();
-    opt->zero_grad();
-    return loss.detach();
-  }
-  void synchronize() {
-    torch::NoGradGuard no_grad;
-    auto cp = compute->parameters();
-    auto mp = master->parameters();
-    for (size_t k = 0; k < cp.size(); ++k) cp[k].copy_(mp[k]);
-  }
-};
-
 TEST(AsyncStepTest, Async_EqualsStalenessOneReference) {
   for (int devices : {1, 3}) {
     for (int which : {0, 1, 2}) {  // SGD, torch::optim::Adam, roundpipe::optim::Adam
       SCOPED_TRACE(::testing::Message() << "devices=" << devices << " opt=" << which);
       auto model = testing::make_mlp(21);
-      StaleReference ref(model, which);
+      StaleReference ref(model, [which](std::vector<torch::Tensor> p) { return make_opt(which, std::move(p)); });
       RoundPipe rp(model, RoundPipeOptions().devices(std::vector<c10::Device>(devices, c10::kCPU)));
       auto opt = [&] {
         OptimizerCtx ctx;
@@ -77,7 +46,7 @@ TEST(AsyncStepTest, Async_EqualsStalenessOneReference) {
           opt->step();
           opt->zero_grad();
         });
-        auto ref_loss = ref.iterate(x, y);
+        auto ref_loss = ref.iterate(x, y, mse_over(y.numel()));
         ASSERT_TRUE(testing::tensors_close(loss, ref_loss, 1e-6)) << "iteration " << it;
       }
       rp.synchronize();
@@ -107,18 +76,8 @@ TEST(AsyncStepTest, StepError_IsRethrownAtNextSyncPoint_ModelStaysUsable) {
 // Many iterations, random layer sizes, 3 CPU devices, async steps: must finish, match the
 // staleness-one reference, and be clean under ThreadSanitizer.
 TEST(AsyncStepTest, Stress_RandomLayers200Iterations) {
-  std::mt19937 rng(3);
-  std::uniform_int_distribution<int> width(2, 24);
-  torch::manual_seed(9);
-  torch::nn::Sequential model;
-  int in = 6;
-  for (int l = 0; l < 9; ++l) {
-    int out = l == 8 ? 3 : width(rng);
-    model->push_back(torch::nn::Linear(in, out));
-    if (l != 8) model->push_back(torch::nn::Tanh());
-    in = out;
-  }
-  StaleReference ref(model, 0);
+  auto model = testing::random_mlp(3, 9, 6, 3, 9, 24);
+  StaleReference ref(model, [](std::vector<torch::Tensor> p) { return make_opt(0, std::move(p)); });
   RoundPipe rp(model, RoundPipeOptions().devices({c10::kCPU, c10::kCPU, c10::kCPU}));
   auto opt = [&] {
     OptimizerCtx ctx;
@@ -136,7 +95,7 @@ TEST(AsyncStepTest, Stress_RandomLayers200Iterations) {
       opt->step();
       opt->zero_grad();
     });
-    auto ref_loss = ref.iterate(x, y);
+    auto ref_loss = ref.iterate(x, y, mse_over(y.numel()));
     ASSERT_TRUE(testing::tensors_close(loss, ref_loss, 1e-5)) << "iteration " << it;
   }
   rp.synchronize();

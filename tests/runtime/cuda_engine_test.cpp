@@ -5,7 +5,6 @@
 #include <torch/torch.h>
 
 #include <limits>
-#include <random>
 
 #include "amp/grad_scaler.h"
 #include "optim/adam.h"
@@ -95,24 +94,15 @@ TEST(CudaEngineTest, Dropout_BitwiseIndependentOfWorkerCountAndGrain_CUDA) {
 // Stream-safety stress (scripts/gpu-validate.sh also runs it under compute-sanitizer): random
 // layer sizes, 2 workers on one GPU, async optim::Adam, vs the CPU staleness-one loop.
 TEST(CudaEngineTest, AsyncStress_RandomLayersMatchStalenessOneLoop_CUDA) {
-  std::mt19937 rng(7);
-  std::uniform_int_distribution<int64_t> width(1, 96);
-  torch::manual_seed(9);
-  torch::nn::Sequential model;
-  int64_t in = 24;
-  for (int l = 0; l < 7; ++l) {
-    const int64_t out = l == 6 ? 4 : width(rng);
-    model->push_back(torch::nn::Linear(in, out));
-    if (l < 6) model->push_back(torch::nn::Tanh());
-    in = out;
-  }
-  auto compute = deep_copy(model), master = deep_copy(model);
+  auto model = testing::random_mlp(7, 9, 24, 4, 7, 96);
+  testing::StaleReference ref(model, [](std::vector<torch::Tensor> p) {
+    return std::make_unique<optim::Adam>(std::move(p), optim::AdamOptions(1e-3));
+  });
   RoundPipe rp(model, RoundPipeOptions().devices(gpu_workers(2)));
   auto opt = [&] {
     OptimizerCtx ctx;
     return optim::Adam(rp.parameters(), optim::AdamOptions(1e-3));
   }();
-  optim::Adam ref_opt(master->parameters(), optim::AdamOptions(1e-3));
   RunConfig cfg;
   cfg.num_microbatch = 4;
   for (int it = 0; it < 50; ++it) {
@@ -120,23 +110,11 @@ TEST(CudaEngineTest, AsyncStress_RandomLayersMatchStalenessOneLoop_CUDA) {
     auto x = torch::randn({16, 24}), y = torch::randn({16, 4});
     rp.forward_backward({x}, y, mse_over(y.numel()), cfg);
     rp.step([&] { step_and_zero(opt); });
-    mse_over(y.numel())(compute->forward(x), y).backward();
-    torch::NoGradGuard no_grad;
-    auto cp = compute->parameters(), mp = master->parameters();
-    for (size_t k = 0; k < cp.size(); ++k) {
-      cp[k].copy_(mp[k]);
-      mp[k].mutable_grad() = cp[k].grad().clone();
-      cp[k].mutable_grad().reset();
-    }
-    step_and_zero(ref_opt);
+    ref.iterate(x, y, mse_over(y.numel()));
   }
   rp.synchronize();
-  {
-    torch::NoGradGuard no_grad;
-    auto cp = compute->parameters(), mp = master->parameters();
-    for (size_t k = 0; k < cp.size(); ++k) cp[k].copy_(mp[k]);
-  }
-  EXPECT_TRUE(testing::tensor_lists_close(rp.optim_parameters(), master->parameters(), 1e-4, 1e-4));
+  ref.synchronize();
+  EXPECT_TRUE(testing::tensor_lists_close(rp.optim_parameters(), ref.master->parameters(), 1e-4, 1e-4));
 }
 
 // fp16 compute copies on the GPU, fp32 masters, async step, infs injected through the labels:

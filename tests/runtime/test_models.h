@@ -4,7 +4,10 @@
 #include <torch/torch.h>
 
 #include <atomic>
+#include <functional>
 #include <memory>
+#include <random>
+#include <vector>
 
 namespace roundpipe::testing {
 
@@ -67,5 +70,56 @@ inline torch::nn::Sequential make_transformer(int64_t seed, double dropout) {
 inline torch::nn::Sequential deep_copy(const torch::nn::Sequential& model) {
   return torch::nn::Sequential(std::dynamic_pointer_cast<torch::nn::SequentialImpl>(model->clone()));
 }
+
+/// `layers` Linear layers from `in` to `out` features with random hidden widths in
+/// [1, max_width] (drawn from `width_seed`) and Tanh between them; weights from `torch_seed`.
+inline torch::nn::Sequential random_mlp(uint32_t width_seed, int64_t torch_seed, int64_t in, int64_t out, int layers,
+                                        int64_t max_width) {
+  std::mt19937 rng(width_seed);
+  std::uniform_int_distribution<int64_t> width(1, max_width);
+  torch::manual_seed(torch_seed);
+  torch::nn::Sequential model;
+  for (int l = 0; l < layers; ++l) {
+    const int64_t next = l == layers - 1 ? out : width(rng);
+    model->push_back(torch::nn::Linear(in, next));
+    if (l != layers - 1) model->push_back(torch::nn::Tanh());
+    in = next;
+  }
+  return model;
+}
+
+/// The staleness-one reference of DESIGN.md §3: compute model C (forward/backward) and master
+/// model M (optimizer, made by `make_optimizer` over M's parameters). Step k: C <- M (values after
+/// step k-1), M.grad <- grads of iteration k, optimizer step on M. At the end C <- M.
+struct StaleReference {
+  torch::nn::Sequential compute, master;
+  std::unique_ptr<torch::optim::Optimizer> opt;
+  StaleReference(const torch::nn::Sequential& initial,
+                 const std::function<std::unique_ptr<torch::optim::Optimizer>(std::vector<torch::Tensor>)>& make_optimizer)
+      : compute(deep_copy(initial)), master(deep_copy(initial)), opt(make_optimizer(master->parameters())) {}
+  /// One iteration with `loss_fn` over the whole batch; returns the loss.
+  torch::Tensor iterate(const torch::Tensor& x, const torch::Tensor& y,
+                        const std::function<torch::Tensor(const torch::Tensor&, const torch::Tensor&)>& loss_fn) {
+    auto loss = loss_fn(compute->forward(x), y);
+    loss.backward();
+    torch::NoGradGuard no_grad;
+    auto cp = compute->parameters();
+    auto mp = master->parameters();
+    for (size_t k = 0; k < cp.size(); ++k) {
+      cp[k].copy_(mp[k]);
+      mp[k].mutable_grad() = cp[k].grad().clone();
+      cp[k].mutable_grad().reset();
+    }
+    opt->step();
+    opt->zero_grad();
+    return loss.detach();
+  }
+  void synchronize() {
+    torch::NoGradGuard no_grad;
+    auto cp = compute->parameters();
+    auto mp = master->parameters();
+    for (size_t k = 0; k < cp.size(); ++k) cp[k].copy_(mp[k]);
+  }
+};
 
 }  // namespace roundpipe::testing
