@@ -3,7 +3,6 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
-
 #include "optim/adam.h"
 #include "roundpipe/round_pipe.h"
 #include "tests/common/tensor_compare.h"
