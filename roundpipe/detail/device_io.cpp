@@ -36,6 +36,8 @@ void for_each_tensor_pair(torch::nn::Module& shell, torch::nn::Module& layer, Fn
 }  // namespace
 
 #if ROUNDPIPE_WITH_CUDA
+namespace {
+
 // The worker thread's streams: each worker thread serves one device, so one set per thread.
 CudaStreamSet& worker_streams(c10::DeviceIndex index) {
   thread_local std::optional<CudaStreamSet> streams;
@@ -43,6 +45,8 @@ CudaStreamSet& worker_streams(c10::DeviceIndex index) {
   TORCH_INTERNAL_ASSERT(streams->compute.device_index() == index, "a device worker thread changed device");
   return *streams;
 }
+
+}  // namespace
 
 struct DeviceIo::Cuda {
   explicit Cuda(const c10::Device& device)
