@@ -42,7 +42,9 @@ LossFn scaled_mse(amp::GradScaler& scaler, double n) {
   };
 }
 
-TEST(GradScalerEngineTest, SyncStep_ScaleTrajectoryAndParamsMatchPlainLoop) {
+// kSync: a plain loop; with `clip`, unscale_ on the caller's thread (marshalled to the optimizer
+// thread) and clipping of the master gradients before the step, as in torch's recipe.
+void sync_case(bool clip) {
   auto poison = std::make_shared<std::atomic<double>>(1.0);
   torch::manual_seed(2);
   torch::nn::Sequential model(torch::nn::Linear(8, 16), torch::nn::Tanh(), Poison(poison), torch::nn::Linear(16, 16),
@@ -66,6 +68,10 @@ TEST(GradScalerEngineTest, SyncStep_ScaleTrajectoryAndParamsMatchPlainLoop) {
     RunConfig cfg;
     cfg.num_microbatch = 4;
     rp.forward_backward({x}, y, scaled_mse(scaler, n), cfg);
+    if (clip) {
+      scaler.unscale_(opt);
+      torch::nn::utils::clip_grad_norm_(rp.optim_parameters(), 0.5);
+    }
     bool stepped = false;
     rp.step([&] {
       stepped = scaler.step(opt);
@@ -75,6 +81,10 @@ TEST(GradScalerEngineTest, SyncStep_ScaleTrajectoryAndParamsMatchPlainLoop) {
 
     ref_opt.zero_grad();
     ref_scaler.scale(torch::mse_loss(reference->forward(x), y, torch::Reduction::Sum) / n).backward();
+    if (clip) {
+      ref_scaler.unscale_(ref_opt);
+      torch::nn::utils::clip_grad_norm_(reference->parameters(), 0.5);
+    }
     const bool ref_stepped = ref_scaler.step(ref_opt);
     ref_scaler.update();
 
@@ -86,6 +96,10 @@ TEST(GradScalerEngineTest, SyncStep_ScaleTrajectoryAndParamsMatchPlainLoop) {
   }
   EXPECT_EQ(skipped, 3);  // the inf, inf and nan iterations
 }
+
+TEST(GradScalerEngineTest, SyncStep_ScaleTrajectoryAndParamsMatchPlainLoop) { sync_case(false); }
+
+TEST(GradScalerEngineTest, SyncStep_UnscaleOnCallerThreadWithClipping) { sync_case(true); }
 
 // The staleness-one reference of DESIGN.md §3 with a standalone scaler: compute model C (in
 // `dtype`), fp32 master model M; iteration k: grads of C (holding the masters after step k-2),
