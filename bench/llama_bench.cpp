@@ -19,7 +19,8 @@
 //                    [--mode both|roundpipe|plain] [--mem-cap-gib 0] [--peak-tflops 989] [--tiny]
 // --tiny: hidden 64, 2 layers, 4 heads, ffn 128, vocab 256, seq 32, batch 4, 2 iterations on
 // CPU devices (a smoke run, registered with CTest). --mem-cap-gib caps each GPU's caching
-// allocator (per-process memory fraction) to mimic a smaller card.
+// allocator (per-process memory fraction) to mimic a smaller card, and sets RoundPipe's
+// per-stage memory budget to a third of the cap.
 #include <ATen/ATen.h>
 #include <torch/torch.h>
 
@@ -223,7 +224,11 @@ Result run_roundpipe(const Config& c, const std::vector<c10::Device>& devices) {
   auto net = build_model(c);
   const int64_t p = flop_params(net);
   net->to(torch::kBFloat16);
-  rp::RoundPipe model(net, rp::RoundPipeOptions().devices(devices).optim_dtype(torch::kFloat).name("llama"));
+  auto options = rp::RoundPipeOptions().devices(devices).optim_dtype(torch::kFloat).name("llama");
+  // Under a memory cap the default budget (half the device's total memory) would ignore the cap:
+  // give stages a third of it, leaving the rest for activations.
+  if (c.mem_cap_gib > 0) options.device_memory_budget_bytes(static_cast<int64_t>(c.mem_cap_gib * (1 << 30) / 3));
+  rp::RoundPipe model(net, options);
   auto optimizer = [&] {
     rp::OptimizerCtx ctx;
     return rp::optim::Adam(model.parameters(), rp::optim::AdamOptions(1e-4));
