@@ -1,6 +1,8 @@
 #include "amp/grad_scaler.h"
 
 #include <ATen/ATen.h>
+#include <c10/core/Event.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <torch/serialize/archive.h>
 
 #include <algorithm>
@@ -158,6 +160,7 @@ struct GradScaler::CrossThread {
   };
   std::optional<Deferred> deferred;
   std::weak_ptr<const Executor> executor;
+  std::optional<c10::Event> scale_written;  // Note [Scale across streams]
 };
 
 GradScaler::GradScaler(GradScalerOptions options)
@@ -186,6 +189,25 @@ void GradScaler::lazy_init(const c10::Device& device) {
   TORCH_INTERNAL_ASSERT(!growth_tracker_.defined(), "_growth_tracker initialized before _scale");
   scale_ = at::full({}, init_scale_, at::TensorOptions().dtype(at::kFloat).device(device));
   growth_tracker_ = at::full({}, init_growth_tracker_, at::TensorOptions().dtype(at::kInt).device(device));
+  scale_written_locked();
+}
+
+// Note [Scale across streams]: on a GPU the scale and growth tracker are written on the stream
+// current on the writing thread (a worker's compute stream for the lazy init inside loss_fn, the
+// caller's stream for update()) and read on other threads' streams. Every write records
+// `scale_written` on the writer's stream; every read first makes the reader's current stream wait
+// for it (no host sync). Scales on the CPU need neither.
+void GradScaler::scale_written_locked() const {
+  if (!scale_.defined() || scale_.is_cpu()) return;
+  c10::impl::VirtualGuardImpl guard(scale_.device().type());
+  if (!xt_->scale_written) xt_->scale_written.emplace(scale_.device().type());
+  xt_->scale_written->record(guard.getStream(scale_.device()));
+}
+
+void GradScaler::scale_ready_locked() const {
+  if (!xt_->scale_written || !scale_.defined() || scale_.is_cpu()) return;
+  c10::impl::VirtualGuardImpl guard(scale_.device().type());
+  xt_->scale_written->block(guard.getStream(scale_.device()));
 }
 
 const at::Tensor& GradScaler::checked_scale(const char* funcname) const {
@@ -325,6 +347,7 @@ std::shared_ptr<GradScaler::Iteration> GradScaler::capture_iteration() {
   auto iteration = std::make_shared<Iteration>();
   std::lock_guard<std::mutex> lock(xt_->mutex);
   complete_deferred_update_locked();
+  scale_ready_locked();
   if (scale_.defined()) iteration->scale = scale_.clone();
   return iteration;
 }
@@ -347,6 +370,7 @@ at::Tensor GradScaler::scale(const at::Tensor& outputs) {
     std::lock_guard<std::mutex> lock(xt_->mutex);
     complete_deferred_update_locked();
     if (!scale_.defined()) lazy_init(outputs.device());
+    scale_ready_locked();
     device_scale = scale_.to(at::TensorOptions().device(outputs.device()), /*non_blocking=*/true, /*copy=*/true);
     generation = xt_->generation;
   }
@@ -361,8 +385,9 @@ std::vector<at::Tensor> GradScaler::scale(const std::vector<at::Tensor>& outputs
   {
     std::lock_guard<std::mutex> lock(xt_->mutex);
     complete_deferred_update_locked();
+    if (!outputs.empty() && !scale_.defined()) lazy_init(outputs.front().device());
+    scale_ready_locked();
     for (const auto& output : outputs) {
-      if (!scale_.defined()) lazy_init(output.device());
       auto it = std::find_if(per_device_scale.begin(), per_device_scale.end(),
                              [&](const auto& entry) { return entry.first == output.device(); });
       if (it == per_device_scale.end()) {
@@ -396,6 +421,7 @@ void GradScaler::unscale_(torch::optim::Optimizer& optimizer) {
   }
   std::lock_guard<std::mutex> lock(xt_->mutex);
   complete_deferred_update_locked();
+  scale_ready_locked();
   unscale_in(per_optimizer_states_, checked_scale("unscale_"), optimizer);
 }
 
@@ -432,6 +458,7 @@ bool GradScaler::step(torch::optim::Optimizer& optimizer) {
   }
   std::lock_guard<std::mutex> lock(xt_->mutex);
   complete_deferred_update_locked();
+  scale_ready_locked();
   return step_in(per_optimizer_states_, checked_scale("step"), optimizer);
 }
 
@@ -462,7 +489,9 @@ void GradScaler::update(std::optional<double> new_scale) {
   const int64_t generation = xt_->generation;
   collect_posted_flags_locked();
   if (new_scale.has_value()) {
+    scale_ready_locked();
     scale_.fill_(*new_scale);
+    scale_written_locked();
     take_flags_locked(generation);  // an explicit scale ignores this iteration's flags, like torch
   } else {
     std::vector<at::Tensor> found_infs;
@@ -493,19 +522,23 @@ void GradScaler::apply_update(std::vector<at::Tensor> found_infs, double growth_
   for (size_t i = 1; i < found_infs.size(); ++i) {
     combined.add_(found_infs[i].reshape({}).to(options, /*non_blocking=*/true));
   }
+  scale_ready_locked();
   at::_amp_update_scale_(scale_, growth_tracker_, combined, growth_factor, backoff_factor, growth_interval);
+  scale_written_locked();
 }
 
 double GradScaler::get_scale() const {
   if (!enabled_) return 1.0;
   std::lock_guard<std::mutex> lock(xt_->mutex);
   complete_deferred_update_locked();
+  scale_ready_locked();
   return scale_.defined() ? static_cast<double>(scale_.item<float>()) : init_scale_;
 }
 
 at::Tensor GradScaler::scale_tensor() const {
   std::lock_guard<std::mutex> lock(xt_->mutex);
   complete_deferred_update_locked();
+  scale_ready_locked();
   return scale_.defined() ? scale_.clone() : at::Tensor();
 }
 
@@ -517,6 +550,7 @@ GradScalerState GradScaler::state_dict() const {
   }
   std::lock_guard<std::mutex> lock(xt_->mutex);
   complete_deferred_update_locked();
+  scale_ready_locked();
   state.scale = scale_.defined() ? static_cast<double>(scale_.item<float>()) : init_scale_;
   state.growth_factor = growth_factor_;
   state.backoff_factor = backoff_factor_;
@@ -532,6 +566,7 @@ void GradScaler::load_state_dict(const GradScalerState& state) {
               "GradScaler.");
   std::lock_guard<std::mutex> lock(xt_->mutex);
   complete_deferred_update_locked();
+  scale_ready_locked();
   init_scale_ = state.scale;
   if (scale_.defined()) scale_.fill_(state.scale);
   growth_factor_ = state.growth_factor;
@@ -539,6 +574,7 @@ void GradScaler::load_state_dict(const GradScalerState& state) {
   growth_interval_ = state.growth_interval;
   init_growth_tracker_ = state.growth_tracker;
   if (growth_tracker_.defined()) growth_tracker_.fill_(state.growth_tracker);
+  scale_written_locked();
 }
 
 }  // namespace roundpipe::amp

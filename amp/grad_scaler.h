@@ -251,6 +251,8 @@ class GradScaler {
                     int64_t growth_interval) const;
   void update_locked(std::optional<double> new_scale);
   void complete_deferred_update_locked() const;
+  void scale_written_locked() const;  // Note [Scale across streams]
+  void scale_ready_locked() const;
   void collect_posted_flags_locked() const;
   bool flags_complete_locked(int64_t generation) const;
   std::vector<at::Tensor> take_flags_locked(int64_t generation) const;
