@@ -364,18 +364,7 @@ std::shared_ptr<const GradScaler::Executor> GradScaler::executor() const {
 
 at::Tensor GradScaler::scale(const at::Tensor& outputs) {
   if (!enabled_) return outputs;
-  at::Tensor device_scale;
-  int64_t generation = 0;
-  {
-    std::lock_guard<std::mutex> lock(xt_->mutex);
-    complete_deferred_update_locked();
-    if (!scale_.defined()) lazy_init(outputs.device());
-    scale_ready_locked();
-    device_scale = scale_.to(at::TensorOptions().device(outputs.device()), /*non_blocking=*/true, /*copy=*/true);
-    generation = xt_->generation;
-  }
-  if (current_observer != nullptr) current_observer->on_scale(*this, generation);
-  return outputs * device_scale;
+  return scale(std::vector<at::Tensor>{outputs}).front();
 }
 
 std::vector<at::Tensor> GradScaler::scale(const std::vector<at::Tensor>& outputs) {

@@ -264,7 +264,7 @@ struct RoundPipe::Impl {
   // snapshots the iteration's scale for its step, and (re)installs the executor.
   void attach_scaler(amp::GradScaler& s, const detail::RunContext& ctx) {
     s.expect_found_inf(ctx.scaler_generation.load(), ctx.flag_batch, ctx.flags_posted.load());
-    if (&s != scaler || !scaler_executor) {
+    if (&s != scaler) {
       scaler = &s;
       scaler_executor = std::make_shared<const amp::GradScaler::Executor>(
           [this, &s](const std::function<void()>& call) { run_marshalled(s, call); });
@@ -630,7 +630,6 @@ void RoundPipe::step(std::function<void()> step_fn, StepMode mode) {
       amp::GradScaler::IterationScope scope(*scaler, iteration);
       if (fn) fn();
     };
-    m.pending_iteration.reset();
   }
   if (mode == StepMode::kSync) {
     m.drain();

@@ -159,15 +159,17 @@ DeviceIo::~DeviceIo() {
 
 void DeviceIo::upload_layer(torch::nn::Module& shell, torch::nn::Module& layer) {
   at::NoGradGuard no_grad;
-  if (trace_) {
-    for_each_tensor_pair(shell, layer, [&](at::Tensor&, const at::Tensor& src) { trace_->span.upload_bytes += src.nbytes(); });
-  }
+  int64_t bytes = 0;
   if (!cuda_) {
     if (trace_ && !trace_->uploading) trace_->span.upload_begin_ms = trace_host_ms();
-    for_each_tensor_pair(shell, layer, [](at::Tensor& dst, const at::Tensor& src) { dst.set_data(src.detach().clone()); });
+    for_each_tensor_pair(shell, layer, [&](at::Tensor& dst, const at::Tensor& src) {
+      bytes += src.nbytes();
+      dst.set_data(src.detach().clone());
+    });
     if (trace_) {
       trace_->uploading = true;
       trace_->span.upload_end_ms = trace_host_ms();
+      trace_->span.upload_bytes += bytes;
     }
     return;
   }
@@ -180,12 +182,16 @@ void DeviceIo::upload_layer(torch::nn::Module& shell, torch::nn::Module& layer) 
   {
     c10::cuda::CUDAStreamGuard guard(s.param_upload);
     for_each_tensor_pair(shell, layer, [&](at::Tensor& dst, const at::Tensor& src) {
+      bytes += src.nbytes();
       at::Tensor copy = src.detach().to(device_, /*non_blocking=*/true, /*copy=*/true);
       copy.record_stream(s.compute);
       dst.set_data(copy);
     });
   }
-  if (trace_) trace_->upload_end = Trace::record(s.param_upload);
+  if (trace_) {
+    trace_->upload_end = Trace::record(s.param_upload);
+    trace_->span.upload_bytes += bytes;
+  }
   at::cuda::CUDAEvent uploaded;
   uploaded.record(s.param_upload);
   cuda_->pending_uploads.emplace_back(&shell, std::move(uploaded));
