@@ -48,6 +48,16 @@ namespace roundpipe {
 // masters, so afterwards compute copies hold the values after the last step. kSync drains, then
 // does (2), fn and a publish inline: exactly a plain loop.
 //
+// Note [Gradient hand-over]:
+// A stage job's parameter gradients reach the model without copies. On a CPU device the job hands
+// over its shell's .grad tensors: the shell drops its reference at its next lease (before any
+// backward), so nothing else ever writes them; on CUDA they are fresh host tensors from the
+// download. forward_backward makes them the compute copies' .grad (or adds them into an existing
+// .grad), and the step job makes them the master .grad when the dtypes match. Otherwise the step
+// job casts into one persistent buffer per master (allocated at the first step), so no step
+// allocates, page-faults or clones gradient-sized memory. As with PyTorch's zero_grad(false), a
+// master .grad tensor kept by the caller across steps may be overwritten by a later step.
+//
 // Note [Buffers in recompute]:
 // A forward stage snapshots its layers' buffers before its first microbatch; backward stages
 // recompute from that snapshot, in the same microbatch order, and discard the result. Only the
@@ -99,6 +109,9 @@ struct RoundPipe::Impl {
   std::vector<std::vector<torch::Tensor>> params;
   std::vector<std::vector<std::string>> param_names;
   std::vector<std::vector<torch::Tensor>> masters;
+  // Per master: the fp32 gradient buffer reused by every step whose compute copy grads have
+  // another dtype (Note [Gradient hand-over]); lazy. Owned by whoever runs consume_grads_layer.
+  std::vector<std::vector<torch::Tensor>> master_grad_buffers;
   std::vector<std::unique_ptr<detail::DeviceWorker>> workers;
   int64_t device_cursor = 0;  // round-robin position, continues across calls
   int64_t iteration = 0;
@@ -161,17 +174,25 @@ struct RoundPipe::Impl {
     torch::NoGradGuard no_grad;
     for (size_t k = 0; k < params[l].size(); ++k) params[l][k].copy_(masters[l][k]);
   }
+  // Moves layer l's gradients from the compute copies into the master .grad (Note [Gradient
+  // hand-over]): accumulated in place if the master has one, taken over if dtypes match, else cast
+  // into the master's persistent gradient buffer. Optimizer thread (or the caller after drain()).
   void consume_grads_layer(size_t l) {
     torch::NoGradGuard no_grad;
     for (size_t k = 0; k < params[l].size(); ++k) {
       auto& p = params[l][k];
       auto& master = masters[l][k];
       if (!p.grad().defined()) continue;
-      auto g = p.grad().to(master.device(), master.scalar_type());
+      const torch::Tensor& g = p.grad();
       if (master.grad().defined()) {
-        master.mutable_grad().add_(g);
+        master.mutable_grad().add_(g);  // add_ casts a bf16/fp16 g in the same pass
+      } else if (g.scalar_type() == master.scalar_type() && g.device() == master.device()) {
+        master.mutable_grad() = g;
       } else {
-        master.mutable_grad() = g.clone();
+        torch::Tensor& buffer = master_grad_buffers[l][k];
+        if (!buffer.defined()) buffer = torch::empty_like(master, torch::MemoryFormat::Contiguous);
+        buffer.copy_(g);
+        master.mutable_grad() = buffer;
       }
       p.mutable_grad().reset();
     }
@@ -250,12 +271,14 @@ struct RoundPipe::Impl {
     if (!masters.empty()) return;
     torch::NoGradGuard no_grad;
     masters.resize(params.size());
+    master_grad_buffers.resize(params.size());
     for (size_t l = 0; l < params.size(); ++l) {
       for (const auto& p : params[l]) {
         auto dtype = options.optim_dtype().value_or(p.scalar_type());
         auto master = p.detach().to(c10::kCPU, dtype, /*non_blocking=*/false, /*copy=*/true);
         master.requires_grad_(p.requires_grad());
         masters[l].push_back(master);
+        master_grad_buffers[l].emplace_back();
       }
     }
   }
@@ -532,9 +555,9 @@ torch::Tensor RoundPipe::forward_backward(const std::vector<torch::Tensor>& inpu
       auto& p = m.params[l][k];
       if (!g.defined() || !p.requires_grad()) continue;
       if (p.grad().defined()) {
-        p.mutable_grad().add_(g.to(p.grad().device(), p.grad().scalar_type()));
+        p.mutable_grad().add_(g);  // add_ casts in the same pass
       } else {
-        p.mutable_grad() = g.to(p.device(), p.scalar_type()).clone();
+        p.mutable_grad() = g.to(p.device(), p.scalar_type());  // handed over, no copy (Note [Gradient hand-over])
       }
     }
     auto buffers = m.layer_set.layers[l].ptr()->buffers();

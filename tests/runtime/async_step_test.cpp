@@ -72,6 +72,63 @@ TEST(AsyncStepTest, StepError_IsRethrownAtNextSyncPoint_ModelStaysUsable) {
   EXPECT_NO_THROW(rp.synchronize());
 }
 
+// Note [Gradient hand-over]: gradients of two forward_backward calls reach the master .grad
+// accumulated and without copies: the compute copies' own tensors when dtypes match, one reused
+// fp32 buffer per master for bf16 compute copies. The step function clips them in place; the next
+// iteration must not see that (a plain model on the same parameters is the reference).
+TEST(AsyncStepTest, GradientHandOver_AccumulatesWithoutCopies) {
+  for (auto dtype : {torch::kFloat, torch::kBFloat16}) {
+    SCOPED_TRACE(::testing::Message() << "compute dtype " << dtype);
+    auto model = testing::make_mlp(31);
+    model->to(dtype);
+    RoundPipe rp(model, RoundPipeOptions().devices({c10::kCPU, c10::kCPU}).optim_dtype(torch::kFloat));
+    const auto masters = rp.optim_parameters();
+    RunConfig cfg;
+    cfg.num_microbatch = 1;
+    std::vector<const void*> first_buffers;
+    const double atol = dtype == torch::kFloat ? 1e-6 : 1e-2;
+    for (int it = 0; it < 4; ++it) {
+      auto plain = deep_copy(rp.module());  // kSync: the compute copies hold the current values
+      std::vector<torch::Tensor> expected(masters.size());
+      for (int call = 0; call < 2; ++call) {
+        torch::manual_seed(700 + 10 * it + call);
+        auto x = torch::randn({6, 8}).to(dtype), y = torch::randn({6, 4}).to(dtype);
+        rp.forward_backward({x}, y, mse_over(y.numel()), cfg);
+        mse_over(y.numel())(plain->forward(x), y).backward();
+      }
+      const auto compute = rp.module()->parameters();
+      const auto reference = plain->parameters();
+      std::vector<const void*> handed(compute.size());
+      for (size_t i = 0; i < compute.size(); ++i) {
+        ASSERT_TRUE(compute[i].grad().defined());
+        handed[i] = compute[i].grad().data_ptr();
+        expected[i] = reference[i].grad().to(torch::kFloat);
+      }
+      rp.step(
+          [&] {
+            for (size_t i = 0; i < masters.size(); ++i) {
+              const auto& g = masters[i].grad();
+              ASSERT_TRUE(testing::tensors_close(g, expected[i], atol)) << "iteration " << it << " param " << i;
+              if (dtype == torch::kFloat) {
+                EXPECT_EQ(g.data_ptr(), handed[i]) << "fp32 gradients are handed over, not copied";
+              } else if (it == 0) {
+                first_buffers.push_back(g.data_ptr());
+              } else {
+                EXPECT_EQ(g.data_ptr(), first_buffers[i]) << "the fp32 gradient buffer is reused";
+              }
+            }
+            torch::nn::utils::clip_grad_norm_(masters, 1e-3);  // in place
+            torch::NoGradGuard no_grad;
+            for (const auto& p : masters) {
+              p.sub_(p.grad(), 0.5);
+              p.mutable_grad().reset();
+            }
+          },
+          StepMode::kSync);
+    }
+  }
+}
+
 // Many iterations, random layer sizes, 3 CPU devices, async steps: must finish, match the
 // staleness-one reference, and be clean under ThreadSanitizer.
 TEST(AsyncStepTest, Stress_RandomLayers200Iterations) {
