@@ -4,6 +4,8 @@
 # machine's PyTorch (python3 -c 'import torch; print(torch.utils.cmake_prefix_path)').
 # Usage: scripts/build-offline.sh [debs_dir=.debs] [python=python3]; env ROUNDPIPE_BUILD_DIR
 # (default build-offline), ROUNDPIPE_JOBS. Then: ctest --test-dir $ROUNDPIPE_BUILD_DIR.
+# Executables get an RPATH (not RUNPATH) to the prefix, so the libraries' own dependencies (e.g.
+# spdlog's libfmt) are found there too, without LD_LIBRARY_PATH.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 debs="${1:-$root/.debs}"
@@ -22,6 +24,7 @@ cmake -S "$root" -B "$build" "${generator[@]}" \
   -DCMAKE_PREFIX_PATH="$prefix/usr;$libdir/cmake;$torch_prefix" \
   -DCMAKE_CXX_FLAGS="-isystem $prefix/usr/include" \
   -DCMAKE_BUILD_RPATH="$libdir" \
+  -DCMAKE_EXE_LINKER_FLAGS="-Wl,--disable-new-dtags" \
   -DROUNDPIPE_PYTHON="$(command -v "$python")" \
   -DGTest_DIR="$libdir/cmake/GTest" "${@:3}"
 cmake --build "$build" -j "${ROUNDPIPE_JOBS:-$(nproc)}"

@@ -17,5 +17,11 @@ packages=(
 )
 cd "$out"
 apt-get download "${packages[@]}"
+# NVIDIA's compute-sanitizer for CUDA 13.0 (PyPI wheel, ~14 MiB), for GPU images without it;
+# scripts/gpu-validate.sh unpacks it when `compute-sanitizer` is not installed there.
+pip=("$root/.venv/bin/python" -m pip)
+[ -x "$root/.venv/bin/python" ] || pip=(python3 -m pip)
+"${pip[@]}" download -q --no-deps --only-binary=:all: -d "$out" "nvidia-cuda-sanitizer-api==13.0.85" ||
+  echo "pack-offline-deps: could not download nvidia-cuda-sanitizer-api (optional; the sanitize phase needs it where CUDA has no compute-sanitizer)" >&2
 du -sh "$out"
 ls -1 "$out"

@@ -8,9 +8,19 @@ function(run_step)
 endfunction()
 
 file(REMOVE_RECURSE "${WORK_DIR}/prefix" "${WORK_DIR}/build")
+# The parent build's prefixes reach the consumer's find_package through the environment (a list
+# argument would be split by run_step's ARGN).
+string(REPLACE "|" ":" parent_prefix_path "${PARENT_PREFIX_PATH}")
+set(ENV{CMAKE_PREFIX_PATH} "${parent_prefix_path}")
+find_program(CCACHE_PROGRAM ccache)
+set(launcher "")
+if(CCACHE_PROGRAM)
+  set(launcher "-DCMAKE_CXX_COMPILER_LAUNCHER=${CCACHE_PROGRAM}")
+endif()
 run_step(${CMAKE_COMMAND} --install "${ROUNDPIPE_BUILD_DIR}" --prefix "${WORK_DIR}/prefix")
 run_step(${CMAKE_COMMAND} -S "${CONSUMER_SOURCE_DIR}" -B "${WORK_DIR}/build" -G "${GENERATOR}"
-  "-DCMAKE_PREFIX_PATH=${WORK_DIR}/prefix" "-DTorch_DIR=${TORCH_DIR}" -DCMAKE_BUILD_TYPE=Release
-  -DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
+  "-DCMAKE_PREFIX_PATH=${WORK_DIR}/prefix" "-DTorch_DIR=${TORCH_DIR}"
+  "-DCMAKE_CXX_FLAGS=${PARENT_CXX_FLAGS}" "-DCMAKE_EXE_LINKER_FLAGS=${PARENT_LINKER_FLAGS}"
+  -DCMAKE_BUILD_TYPE=Release ${launcher})
 run_step(${CMAKE_COMMAND} --build "${WORK_DIR}/build")
 run_step("${WORK_DIR}/build/consumer")
