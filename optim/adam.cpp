@@ -231,11 +231,13 @@ torch::Tensor Adam::step(LossClosure closure) {
       torch::Tensor grad = p.grad();
       TORCH_CHECK(!grad.is_sparse(), "roundpipe::optim::Adam does not support sparse gradients; "
                   "use torch::optim::SparseAdam");
-      TORCH_CHECK(grad.device().is_cpu() && grad.scalar_type() == torch::kFloat &&
+      const auto grad_type = grad.scalar_type();
+      TORCH_CHECK(grad.device().is_cpu() &&
+                      (grad_type == torch::kFloat || grad_type == torch::kHalf || grad_type == torch::kBFloat16) &&
                       grad.sizes() == p.sizes(),
                   "roundpipe::optim::Adam: the gradient of a parameter of shape ", p.sizes(),
-                  " must be a float32 CPU tensor of the same shape, got ", grad.toString(),
-                  " of shape ", grad.sizes(), " on ", grad.device(),
+                  " must be a float32, float16 or bfloat16 CPU tensor of the same shape, got ",
+                  grad.toString(), " of shape ", grad.sizes(), " on ", grad.device(),
                   "; convert gradients to the master dtype before step()");
       if (!grad.is_contiguous()) {
         grad = grad.contiguous();
@@ -267,7 +269,10 @@ torch::Tensor Adam::step(LossClosure closure) {
       const double bias_correction2 = 1 - std::pow(beta2, step);
       detail::AdamTensor job;
       job.param = p.data_ptr<float>();
-      job.grad = grad.const_data_ptr<float>();
+      job.grad = grad.const_data_ptr();
+      job.grad_dtype = grad_type == torch::kHalf       ? detail::GradDtype::kHalf
+                       : grad_type == torch::kBFloat16 ? detail::GradDtype::kBFloat16
+                                                       : detail::GradDtype::kFloat;
       job.exp_avg = state.exp_avg().data_ptr<float>();
       job.exp_avg_sq = state.exp_avg_sq().data_ptr<float>();
       job.max_exp_avg_sq = options.amsgrad() ? state.max_exp_avg_sq().data_ptr<float>() : nullptr;

@@ -69,7 +69,10 @@ struct AdamParamState : public torch::optim::OptimizerCloneableParamState<AdamPa
 /// to PyTorch's `torch.optim.Adam` / `torch.optim.AdamW` (single-tensor path).
 ///
 /// Each step is one pass per element: read p, g, m, v (and max_v), write p, m, v (and max_v, and
-/// optionally a compute copy). The kernel is the best of AVX-512 / AVX2+FMA / scalar supported by
+/// optionally a compute copy). Gradients may be float32, float16 or bfloat16: fp16/bf16 ones are
+/// widened (exactly) in the same pass, so the result equals a step on their fp32 values while
+/// reading 2 instead of 4 bytes per element and skipping a separate cast pass (RoundPipe hands its
+/// compute copies' gradients over this way with `RoundPipeOptions::master_grad_dtype`). The kernel is the best of AVX-512 / AVX2+FMA / scalar supported by
 /// the running CPU, and the element range of all parameters together is split across up to
 /// `num_threads()` threads of its own (Note [Why not at::parallel_for] in optim/detail/).
 ///

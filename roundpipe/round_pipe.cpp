@@ -55,7 +55,9 @@ namespace roundpipe {
 // download. forward_backward makes them the compute copies' .grad (or adds them into an existing
 // .grad), and the step job makes them the master .grad when the dtypes match. Otherwise the step
 // job casts into one persistent buffer per master (allocated at the first step), so no step
-// allocates, page-faults or clones gradient-sized memory. As with PyTorch's zero_grad(false), a
+// allocates, page-faults or clones gradient-sized memory. "Match" means the master gradient dtype:
+// the master's own, or RoundPipeOptions::master_grad_dtype, which lets bf16/fp16 compute
+// gradients through uncast to an optimizer that widens them itself (roundpipe::optim::Adam). As with PyTorch's zero_grad(false), a
 // master .grad tensor kept by the caller across steps may be overwritten by a later step.
 //
 // Note [Buffers in recompute]:
@@ -184,13 +186,14 @@ struct RoundPipe::Impl {
       auto& master = masters[l][k];
       if (!p.grad().defined()) continue;
       const torch::Tensor& g = p.grad();
+      const auto grad_dtype = options.master_grad_dtype().value_or(master.scalar_type());
       if (master.grad().defined()) {
         master.mutable_grad().add_(g);  // add_ casts a bf16/fp16 g in the same pass
-      } else if (g.scalar_type() == master.scalar_type() && g.device() == master.device()) {
+      } else if (g.scalar_type() == grad_dtype && g.device() == master.device()) {
         master.mutable_grad() = g;
       } else {
         torch::Tensor& buffer = master_grad_buffers[l][k];
-        if (!buffer.defined()) buffer = torch::empty_like(master, torch::MemoryFormat::Contiguous);
+        if (!buffer.defined()) buffer = torch::empty(master.sizes(), master.options().dtype(grad_dtype));
         buffer.copy_(g);
         master.mutable_grad() = buffer;
       }
@@ -277,6 +280,8 @@ struct RoundPipe::Impl {
         auto dtype = options.optim_dtype().value_or(p.scalar_type());
         auto master = p.detach().to(c10::kCPU, dtype, /*non_blocking=*/false, /*copy=*/true);
         master.requires_grad_(p.requires_grad());
+        const auto grad_dtype = options.master_grad_dtype().value_or(dtype);
+        if (grad_dtype != dtype && master.requires_grad()) master.set_grad_dtype(grad_dtype);
         masters[l].push_back(master);
         master_grad_buffers[l].emplace_back();
       }
@@ -405,6 +410,11 @@ RoundPipe::RoundPipe(torch::nn::Sequential model, RoundPipeOptions options) : im
     auto gen = at::detail::getDefaultCPUGenerator();
     std::lock_guard<std::mutex> lock(gen.mutex());
     m.seed = gen.get<at::CPUGeneratorImpl>()->random64();
+  }
+  if (options.master_grad_dtype()) {
+    TORCH_CHECK(c10::isFloatingType(*options.master_grad_dtype()),
+                "RoundPipeOptions::master_grad_dtype must be a floating-point dtype (e.g. torch::kBFloat16), got ",
+                *options.master_grad_dtype());
   }
   if (options.device_memory_budget_bytes()) {
     TORCH_CHECK(*options.device_memory_budget_bytes() > 0, "RoundPipeOptions::device_memory_budget_bytes must be > 0, got ",

@@ -22,6 +22,14 @@ namespace roundpipe {
 struct RoundPipeOptions {
   /// dtype of the master weights the optimizer updates; default: each parameter's own dtype.
   TORCH_ARG(std::optional<c10::ScalarType>, optim_dtype) = std::nullopt;
+  /// dtype of the master gradients step functions see; default: the master's own dtype (each step
+  /// casts the compute copies' gradients into one reused buffer per master). Set it to the compute
+  /// dtype (e.g. kBFloat16 with bf16 compute copies and fp32 masters) to hand the compute
+  /// gradients over as they are: no cast pass and no fp32 gradient buffer (4 B/param of host
+  /// memory), and the masters get set_grad_dtype(). The step function's optimizer must read such
+  /// gradients: roundpipe::optim::Adam does (widened in its own pass, same result); torch::optim
+  /// optimizers do not, and GradScaler::unscale_ refuses fp16 gradients (as torch's does).
+  TORCH_ARG(std::optional<c10::ScalarType>, master_grad_dtype) = std::nullopt;
   /// Devices of the pool; each entry is one worker thread (CPU entries may repeat). Default:
   /// every visible CUDA device, else one CPU device.
   TORCH_ARG(std::vector<c10::Device>, devices) = {};
@@ -87,8 +95,8 @@ class RoundPipe {
   /// config.output_device, default CPU). Runs in the module's current train/eval mode.
   torch::Tensor forward(const std::vector<torch::Tensor>& inputs, const RunConfig& config = {});
 
-  /// Moves this iteration's gradients into the master copies (cast to optim_dtype, added to
-  /// their .grad), runs `step_fn` (optimizer step, zero_grad, ...), then writes the master values
+  /// Moves this iteration's gradients into the master copies (cast to master_grad_dtype, by
+  /// default optim_dtype, added to their .grad; Note [Gradient hand-over]), runs `step_fn` (optimizer step, zero_grad, ...), then writes the master values
   /// back into the compute copies. kSync: before returning. kAsync: on the optimizer thread
   /// (docs/user-guide.md, "Async vs sync step": staleness one).
   void step(std::function<void()> step_fn, StepMode mode = StepMode::kAsync);

@@ -14,6 +14,10 @@ enum class CpuIsa { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
 /// Element type of an optional compute copy written in the same pass.
 enum class CopyDtype { kNone, kFloat, kHalf, kBFloat16 };
 
+/// Element type of the gradient the kernel reads; fp16/bf16 are widened to float exactly in the
+/// same pass, so results equal those of an fp32 gradient holding the widened values.
+enum class GradDtype { kFloat, kHalf, kBFloat16 };
+
 /// Per-tensor scalars, precomputed in double and rounded to float the way PyTorch's
 /// `_single_tensor_adam` hands Python floats to its float kernels.
 struct AdamScalars {
@@ -35,7 +39,8 @@ struct AdamScalars {
 /// amsgrad; `copy` is null unless a compute copy of dtype `copy_dtype` is to be written.
 struct AdamTensor {
   float* param = nullptr;
-  const float* grad = nullptr;
+  const void* grad = nullptr;  ///< `numel` elements of `grad_dtype`
+  GradDtype grad_dtype = GradDtype::kFloat;
   float* exp_avg = nullptr;
   float* exp_avg_sq = nullptr;
   float* max_exp_avg_sq = nullptr;

@@ -14,6 +14,11 @@ struct VecAvx2 {
   static constexpr uintptr_t kAlignBytes = 32;
   using reg = __m256;
   static reg load(const float* p) { return _mm256_loadu_ps(p); }
+  static reg load_half(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static reg load_bf16(const uint16_t* p) {
+    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+  }
   static void store(float* p, reg x) { _mm256_storeu_ps(p, x); }
   static void stream(float* p, reg x) { _mm256_stream_ps(p, x); }
   static void fence() { _mm_sfence(); }
@@ -47,6 +52,7 @@ struct VecAvx2 {
   static uint16_t half_from_float(float f) {
     return static_cast<uint16_t>(_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT));
   }
+  static float float_from_half(uint16_t h) { return _cvtsh_ss(h); }
 };
 
 }  // namespace

@@ -14,6 +14,11 @@ struct VecAvx512 {
   static constexpr uintptr_t kAlignBytes = 64;
   using reg = __m512;
   static reg load(const float* p) { return _mm512_loadu_ps(p); }
+  static reg load_half(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+  static reg load_bf16(const uint16_t* p) {
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+  }
   static void store(float* p, reg x) { _mm512_storeu_ps(p, x); }
   static void stream(float* p, reg x) { _mm512_stream_ps(p, x); }
   static void fence() { _mm_sfence(); }
@@ -47,6 +52,7 @@ struct VecAvx512 {
   static uint16_t half_from_float(float f) {
     return static_cast<uint16_t>(_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT));
   }
+  static float float_from_half(uint16_t h) { return _cvtsh_ss(h); }
 };
 
 }  // namespace

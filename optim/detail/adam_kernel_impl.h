@@ -50,18 +50,49 @@ inline uint16_t bf16_from_float(float f) {
   return static_cast<uint16_t>((u + ((u >> 16) & 1u) + UINT32_C(0x7FFF)) >> 16);
 }
 
-struct ElementOut {
-  float param, exp_avg, exp_avg_sq;
-};
+inline float float_from_bits(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+/// bf16 -> float is exact: the bf16 bits are the float's upper half.
+inline float float_from_bf16(uint16_t h) { return float_from_bits(static_cast<uint32_t>(h) << 16); }
+
+/// fp16 -> float, exact (the FP16 library's algorithm, as c10::Half uses); for the scalar TU,
+/// which has no F16C.
+inline float float_from_half_soft(uint16_t h) {
+  const uint32_t w = static_cast<uint32_t>(h) << 16;
+  const uint32_t sign = w & UINT32_C(0x80000000);
+  const uint32_t two_w = w + w;
+  const float normalized = float_from_bits((two_w >> 4) + (UINT32_C(0xE0) << 23)) * 0x1.0p-112f;
+  const float denormalized = float_from_bits((two_w >> 17) | (UINT32_C(126) << 23)) - 0.5f;
+  const uint32_t magnitude = two_w < (UINT32_C(1) << 27) ? float_bits(denormalized) : float_bits(normalized);
+  return float_from_bits(sign | magnitude);
+}
+
+/// Gradient element i of `t`, widened to float.
+template <typename V>
+inline float grad_element(const AdamTensor& t, int64_t i) {
+  switch (t.grad_dtype) {
+    case GradDtype::kHalf:
+      return V::float_from_half(static_cast<const uint16_t*>(t.grad)[i]);
+    case GradDtype::kBFloat16:
+      return float_from_bf16(static_cast<const uint16_t*>(t.grad)[i]);
+    case GradDtype::kFloat:
+      break;
+  }
+  return static_cast<const float*>(t.grad)[i];
+}
 
 /// One element of Note [Adam element order], scalar. `lerp_coeff`/`lerp_from_grad` come from
 /// ATen's lerp: weight < 0.5 ? m + w*(g-m) : g + (w-1)*(g-m).
-template <typename HalfFromFloat>
+template <typename V>
 inline void adam_element(const AdamTensor& t, int64_t i, float lerp_coeff, bool lerp_from_grad,
                          float beta2, float one_minus_beta2, float neg_step, float bc2_sqrt,
-                         float eps, HalfFromFloat half_from_float) {
+                         float eps) {
   const AdamScalars& s = t.scalars;
-  float g = t.grad[i];
+  float g = grad_element<V>(t, i);
   if (s.maximize) {
     g = -g;
   }
@@ -95,7 +126,7 @@ inline void adam_element(const AdamTensor& t, int64_t i, float lerp_coeff, bool 
       static_cast<float*>(t.copy)[i] = p;
       break;
     case CopyDtype::kHalf:
-      static_cast<uint16_t*>(t.copy)[i] = half_from_float(p);
+      static_cast<uint16_t*>(t.copy)[i] = V::half_from_float(p);
       break;
     case CopyDtype::kBFloat16:
       static_cast<uint16_t*>(t.copy)[i] = bf16_from_float(p);
@@ -103,8 +134,20 @@ inline void adam_element(const AdamTensor& t, int64_t i, float lerp_coeff, bool 
   }
 }
 
+/// A vector of gradient elements from i on, widened to float.
+template <typename V, GradDtype G>
+inline typename V::reg load_grad(const AdamTensor& t, int64_t i) {
+  if constexpr (G == GradDtype::kHalf) {
+    return V::load_half(static_cast<const uint16_t*>(t.grad) + i);
+  } else if constexpr (G == GradDtype::kBFloat16) {
+    return V::load_bf16(static_cast<const uint16_t*>(t.grad) + i);
+  } else {
+    return V::load(static_cast<const float*>(t.grad) + i);
+  }
+}
+
 /// The vector part of `adam_update`: whole vectors from `i` on; returns where it stopped.
-template <typename V, bool kStream>
+template <typename V, bool kStream, GradDtype G>
 int64_t adam_vector_loop(const AdamTensor& t, int64_t i, int64_t end, float lerp_coeff,
                          bool lerp_from_grad) {
   const AdamScalars& s = t.scalars;
@@ -125,7 +168,7 @@ int64_t adam_vector_loop(const AdamTensor& t, int64_t i, int64_t end, float lerp
   const reg wd = V::set1(s.weight_decay);
   const reg decay = V::set1(s.decay_factor);
   for (; i + V::kWidth <= end; i += V::kWidth) {
-    reg g = V::load(t.grad + i);
+    reg g = load_grad<V, G>(t, i);
     if (s.maximize) {
       g = V::neg(g);
     }
@@ -168,10 +211,25 @@ int64_t adam_vector_loop(const AdamTensor& t, int64_t i, int64_t end, float lerp
   return i;
 }
 
-/// The kernel. `V` provides: kWidth (0 = no vector loop), kAlignBytes, reg, load, store, stream
-/// (non-temporal store), fence, set1, add, sub, mul, div, sqrt, max (NaN-propagating, b on
-/// ties), neg, fmadd(a, b, c) = a*b + c, store_half, store_bf16; and a static half_from_float
-/// for scalar tails.
+/// The vector loop for the gradient dtype of `t`.
+template <typename V, bool kStream>
+int64_t adam_vector_loop_any(const AdamTensor& t, int64_t i, int64_t end, float lerp_coeff,
+                             bool lerp_from_grad) {
+  switch (t.grad_dtype) {
+    case GradDtype::kHalf:
+      return adam_vector_loop<V, kStream, GradDtype::kHalf>(t, i, end, lerp_coeff, lerp_from_grad);
+    case GradDtype::kBFloat16:
+      return adam_vector_loop<V, kStream, GradDtype::kBFloat16>(t, i, end, lerp_coeff, lerp_from_grad);
+    case GradDtype::kFloat:
+      break;
+  }
+  return adam_vector_loop<V, kStream, GradDtype::kFloat>(t, i, end, lerp_coeff, lerp_from_grad);
+}
+
+/// The kernel. `V` provides: kWidth (0 = no vector loop), kAlignBytes, reg, load, load_half and
+/// load_bf16 (widening loads), store, stream (non-temporal store), fence, set1, add, sub, mul,
+/// div, sqrt, max (NaN-propagating, b on ties), neg, fmadd(a, b, c) = a*b + c, store_half,
+/// store_bf16; and static half_from_float / float_from_half for scalar elements.
 template <typename V>
 void adam_update(const AdamTensor& t, int64_t begin, int64_t end) {
   const AdamScalars& s = t.scalars;
@@ -189,20 +247,20 @@ void adam_update(const AdamTensor& t, int64_t begin, int64_t end) {
       stream = reinterpret_cast<uintptr_t>(t.param) % sizeof(float) == 0 && apart(t.exp_avg) &&
                apart(t.exp_avg_sq) && apart(t.max_exp_avg_sq);
       for (; stream && i < end && reinterpret_cast<uintptr_t>(t.param + i) % V::kAlignBytes != 0; ++i) {
-        adam_element(t, i, lerp_coeff, lerp_from_grad, s.beta2, s.one_minus_beta2, s.neg_step_size,
-                     s.bias_correction2_sqrt, s.eps, &V::half_from_float);
+        adam_element<V>(t, i, lerp_coeff, lerp_from_grad, s.beta2, s.one_minus_beta2, s.neg_step_size,
+                        s.bias_correction2_sqrt, s.eps);
       }
     }
     if (stream) {
-      i = adam_vector_loop<V, true>(t, i, end, lerp_coeff, lerp_from_grad);
+      i = adam_vector_loop_any<V, true>(t, i, end, lerp_coeff, lerp_from_grad);
       V::fence();
     } else {
-      i = adam_vector_loop<V, false>(t, i, end, lerp_coeff, lerp_from_grad);
+      i = adam_vector_loop_any<V, false>(t, i, end, lerp_coeff, lerp_from_grad);
     }
   }
   for (; i < end; ++i) {
-    adam_element(t, i, lerp_coeff, lerp_from_grad, s.beta2, s.one_minus_beta2, s.neg_step_size,
-                 s.bias_correction2_sqrt, s.eps, &V::half_from_float);
+    adam_element<V>(t, i, lerp_coeff, lerp_from_grad, s.beta2, s.one_minus_beta2, s.neg_step_size,
+                    s.bias_correction2_sqrt, s.eps);
   }
 }
 

@@ -32,6 +32,7 @@ uint16_t half_from_float_soft(float f) {
 struct NoVec {
   static constexpr int kWidth = 0;
   static uint16_t half_from_float(float f) { return half_from_float_soft(f); }
+  static float float_from_half(uint16_t h) { return float_from_half_soft(h); }
 };
 
 }  // namespace

@@ -1,6 +1,7 @@
 // The Adam kernel paths: every ISA the CPU supports gives bitwise the same results as the scalar
-// path (odd lengths exercise the vector tails), the thread count does not change results, and the
-// compute copy written in the same pass equals PyTorch's own dtype conversion.
+// path (odd lengths exercise the vector tails), the thread count does not change results, the
+// compute copy written in the same pass equals PyTorch's own dtype conversion, and fp16/bf16
+// gradients read directly equal their fp32 values.
 #include "optim/adam.h"
 #include "optim/detail/adam_kernel.h"
 
@@ -27,8 +28,10 @@ struct AdamRun {
 const std::vector<int64_t> kLengths = {0, 1, 3, 7, 8, 9, 15, 16, 17, 31, 33, 100, 200003,
                                        (1 << 20) + 13, (1 << 20) + 5};
 
+// `grad_dtype`: the gradients are rounded to it; `widen` hands them to the optimizer widened back
+// to float32 (the reference for the kernel's own widening of fp16/bf16 gradients).
 AdamRun run_adam(const AdamOptions& options, const std::string& isa, int64_t threads, bool with_copies,
-             bool streaming = false) {
+                 bool streaming = false, torch::Dtype grad_dtype = torch::kFloat, bool widen = false) {
   torch::manual_seed(11);
   AdamRun run;
   for (size_t i = 0; i < kLengths.size(); ++i) {
@@ -40,7 +43,12 @@ AdamRun run_adam(const AdamOptions& options, const std::string& isa, int64_t thr
     grads.emplace_back();
     for (int64_t n : kLengths) {
       // Some large and tiny values so fp16 rounding covers overflow and subnormals.
-      grads.back().push_back(torch::randn({n}) * (s == 2 ? 1e4 : 1.0));
+      auto g = torch::randn({n}) * (s == 2 ? 1e4 : 1.0);
+      if (grad_dtype != torch::kFloat) {
+        g = g.to(grad_dtype);
+        if (widen) g = g.to(torch::kFloat);
+      }
+      grads.back().push_back(g);
     }
   }
   Adam opt(run.params, options);
@@ -120,6 +128,36 @@ TEST(AdamKernelTest, ComputeCopyEqualsTorchConversion_EveryIsa) {
       EXPECT_TENSOR_EQ(run.copies[i], run.params[i].to(run.copies[i].scalar_type()))
           << isa << ", length " << kLengths[i] << ", dtype " << run.copies[i].scalar_type();
     }
+  }
+}
+
+// fp16/bf16 gradients are widened in the kernel's pass: bitwise the same as a step on their fp32
+// values, on every ISA (vector bodies and scalar tails), with and without compute copies.
+TEST(AdamKernelTest, LowPrecisionGradsEqualTheirFp32Values_EveryIsa) {
+  for (const auto& isa : supported_isas()) {
+    for (auto dtype : {torch::kHalf, torch::kBFloat16}) {
+      for (const auto& options : option_sets()) {
+        const AdamRun low = run_adam(options, isa, 2, /*with_copies=*/true, /*streaming=*/false, dtype);
+        const AdamRun ref = run_adam(options, isa, 2, /*with_copies=*/true, /*streaming=*/false, dtype, /*widen=*/true);
+        for (size_t i = 0; i < kLengths.size(); ++i) {
+          EXPECT_TENSOR_EQ(low.params[i], ref.params[i]) << isa << ", " << dtype << ", length " << kLengths[i];
+          EXPECT_TENSOR_EQ(low.copies[i], ref.copies[i]) << isa << ", " << dtype << ", length " << kLengths[i];
+        }
+      }
+    }
+  }
+}
+
+TEST(AdamKernelTest, GradDtypeMustBeFloatingCpu) {
+  auto p = torch::zeros({4});
+  Adam opt({p});
+  p.mutable_grad() = torch::zeros({4}, torch::kDouble);
+  try {
+    opt.step();
+    FAIL() << "expected an error for a float64 gradient";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("must be a float32, float16 or bfloat16 CPU tensor"), std::string::npos)
+        << e.what();
   }
 }
 

@@ -3,6 +3,8 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <atomic>
+
 #include "optim/adam.h"
 #include "roundpipe/round_pipe.h"
 #include "tests/common/tensor_compare.h"
@@ -126,6 +128,57 @@ TEST(AsyncStepTest, GradientHandOver_AccumulatesWithoutCopies) {
           },
           StepMode::kSync);
     }
+  }
+}
+
+// RoundPipeOptions::master_grad_dtype(kBFloat16): bf16 compute gradients reach roundpipe::optim::Adam
+// uncast (no fp32 buffer), and training is bitwise the same as with fp32 master gradients.
+TEST(AsyncStepTest, MasterGradDtype_Bf16GradsReachAdamUncast_SameResult) {
+  for (StepMode mode : {StepMode::kSync, StepMode::kAsync}) {
+    SCOPED_TRACE(mode == StepMode::kSync ? "kSync" : "kAsync");
+    std::vector<std::vector<torch::Tensor>> finals;
+    for (bool uncast : {false, true}) {
+      auto model = testing::make_mlp(41);
+      model->to(torch::kBFloat16);
+      auto options = RoundPipeOptions().devices({c10::kCPU, c10::kCPU}).optim_dtype(torch::kFloat);
+      if (uncast) options.master_grad_dtype(torch::kBFloat16);
+      RoundPipe rp(model, options);
+      auto opt = [&] {
+        OptimizerCtx ctx;
+        return optim::Adam(rp.parameters(), optim::AdamOptions(1e-2).weight_decay(0.01));
+      }();
+      const auto masters = rp.optim_parameters();
+      std::atomic<int> wrong_dtype{0};
+      for (int it = 0; it < 6; ++it) {
+        torch::manual_seed(900 + it);
+        auto x = torch::randn({6, 8}).to(torch::kBFloat16), y = torch::randn({6, 4}).to(torch::kBFloat16);
+        rp.forward_backward({x}, y, mse_over(y.numel()));
+        rp.step(
+            [&] {
+              for (const auto& p : masters) {
+                if (p.grad().scalar_type() != (uncast ? torch::kBFloat16 : torch::kFloat)) ++wrong_dtype;
+              }
+              opt.step();
+              opt.zero_grad();
+            },
+            mode);
+      }
+      rp.synchronize();
+      EXPECT_EQ(wrong_dtype.load(), 0);
+      finals.emplace_back();
+      for (const auto& p : masters) finals.back().push_back(p.detach().clone());
+    }
+    ASSERT_EQ(finals[0].size(), finals[1].size());
+    for (size_t i = 0; i < finals[0].size(); ++i) EXPECT_TENSOR_EQ(finals[1][i], finals[0][i]) << "param " << i;
+  }
+}
+
+TEST(AsyncStepTest, MasterGradDtype_MustBeFloating) {
+  try {
+    RoundPipe rp(testing::make_mlp(1), RoundPipeOptions().devices({c10::kCPU}).master_grad_dtype(torch::kInt));
+    FAIL() << "expected an error";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("master_grad_dtype must be a floating-point dtype"), std::string::npos);
   }
 }
 
