@@ -4,12 +4,15 @@
 //     (event simulation of the dispatch order with zero overhead), our bubble fraction, and the
 //     bubble fraction GPipe and 1F1B have for the same layers ((p-1)/(m+p-1), p = devices).
 //  2. Dispatch overhead: parameter-free empty layers, one stage per layer; time per (stage, mb).
-//  3. Async vs sync step: the sleeping model with 64M fp32 parameters and roundpipe::optim::Adam.
+//  3. Async vs sync step: the sleeping model with 64M fp32 parameters and roundpipe::optim::Adam;
+//     3b: the step() call with bf16 compute copies, fp32 masters and fp32 vs uncast bf16 master
+//     gradients (RoundPipeOptions::master_grad_dtype).
 //  4. Per-job layer copy on a CPU device: Cloneable::clone(device) (what stage jobs did before
 //     Note [Layer shells]: reset() re-initializes every parameter, then the values are copied)
 //     vs leasing a reused shell and uploading the values; the floor is one plain copy (clone()) of
 //     the same parameters.
 // Usage: pipeline_bench [sleep_ms=2] [layers=12]
+#include <ATen/ops/_fused_adam.h>
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -192,6 +195,60 @@ int main(int argc, char** argv) {
       std::printf("async speed-up: %.2fx (medians), %.2fx (best iterations); perfect overlap: %.2fx\n", sync_ms / it,
                   sync_min / best, sync_min / (sync_min - sync_step));
     }
+  }
+
+  std::printf("\n== 3b. step() with bf16 compute copies and fp32 masters: %d sleeping layers, 64M parameters, "
+              "roundpipe::optim::Adam, kSync\n", layers);
+  std::printf("%-34s %-14s %-10s\n", "master gradients, optimizer", "step_call_ms", "best_ms");
+  for (int variant : {0, 1, 2}) {  // 0: ATen's fused Adam (fp32 grads), 1: ours (fp32 grads), 2: ours (bf16 grads)
+    const bool uncast = variant == 2;
+    torch::set_num_threads(2);
+    auto net = sleep_model(layers, t, (int64_t{64} << 20) / layers);
+    net->to(torch::kBFloat16);
+    auto options = RoundPipeOptions().devices({c10::kCPU, c10::kCPU, c10::kCPU}).optim_dtype(torch::kFloat);
+    if (uncast) options.master_grad_dtype(torch::kBFloat16);
+    RoundPipe model(net, options);
+    auto optimizer = [&] {
+      OptimizerCtx ctx;
+      return optim::Adam(model.parameters(), optim::AdamOptions(1e-4));
+    }();
+    RunConfig cfg;
+    cfg.num_microbatch = 4;
+    cfg.preserve_rng_state = false;
+    auto x = torch::ones({4, 4}, torch::kBFloat16);
+    // ATen's fused kernel on the same masters, as a step function would call it.
+    const auto masters = model.optim_parameters();
+    std::vector<torch::Tensor> exp_avgs, exp_avg_sqs, state_steps;
+    for (const auto& p : masters) {
+      exp_avgs.push_back(torch::zeros_like(p));
+      exp_avg_sqs.push_back(torch::zeros_like(p));
+      state_steps.push_back(torch::zeros({}, torch::kFloat));
+    }
+    const auto aten_step = [&] {
+      std::vector<torch::Tensor> params, grads;
+      for (const auto& p : masters) {
+        params.push_back(p.detach());
+        grads.push_back(p.grad());
+      }
+      at::_fused_adam_(params, grads, exp_avgs, exp_avg_sqs, {}, state_steps, 1e-4, 0.9, 0.999, 0, 1e-8, false, false);
+      for (const auto& p : masters) p.mutable_grad().reset();
+    };
+    std::vector<double> steps;
+    for (int rep = 0; rep < 8; ++rep) {
+      model.forward_backward({x}, torch::Tensor(), sum_loss(), cfg);
+      auto t1 = Clock::now();
+      model.step([&] {
+        if (variant == 0) {
+          aten_step();
+        } else {
+          optimizer.step();
+          optimizer.zero_grad();
+        }
+      }, StepMode::kSync);
+      if (rep > 0) steps.push_back(ms_since(t1));
+    }
+    const char* names[] = {"fp32, at::_fused_adam_", "fp32, roundpipe Adam", "bf16 uncast, roundpipe Adam"};
+    std::printf("%-34s %-14.1f %-10.1f\n", names[variant], median(steps), *std::min_element(steps.begin(), steps.end()));
   }
 
   std::printf("\n== 4. per-job layer copy on a CPU device: Linear(2048, 2048), 4.2M fp32 parameters\n");
