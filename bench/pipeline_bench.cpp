@@ -65,6 +65,19 @@ torch::nn::Sequential sleep_model(int layers, double ms, int64_t numel_per_layer
   return model;
 }
 
+// Sections 3 and 3b: roundpipe::optim::Adam on the masters, and the run configuration.
+roundpipe::optim::Adam master_adam(roundpipe::RoundPipe& model) {
+  roundpipe::OptimizerCtx ctx;
+  return roundpipe::optim::Adam(model.parameters(), roundpipe::optim::AdamOptions(1e-4));
+}
+
+roundpipe::RunConfig sleep_run_config() {
+  roundpipe::RunConfig cfg;
+  cfg.num_microbatch = 4;
+  cfg.preserve_rng_state = false;
+  return cfg;
+}
+
 // Zero-overhead event simulation of `plan` dispatched round-robin: stage jobs run their
 // microbatches in order; a microbatch starts when its input is ready and the previous one is done;
 // a stage starts when its device finished its previous stage.
@@ -161,13 +174,8 @@ int main(int argc, char** argv) {
     torch::set_num_threads(2);
     RoundPipe model(sleep_model(layers, t, (int64_t{64} << 20) / layers),
                     RoundPipeOptions().devices({c10::kCPU, c10::kCPU, c10::kCPU}));
-    auto optimizer = [&] {
-      OptimizerCtx ctx;
-      return optim::Adam(model.parameters(), optim::AdamOptions(1e-4));
-    }();
-    RunConfig cfg;
-    cfg.num_microbatch = 4;
-    cfg.preserve_rng_state = false;
+    auto optimizer = master_adam(model);
+    const RunConfig cfg = sleep_run_config();
     auto x = torch::ones({4, 4});
     std::vector<double> iters, steps;
     for (int rep = 0; rep < 12; ++rep) {  // the first is a warm-up (masters, state, plan)
@@ -208,13 +216,8 @@ int main(int argc, char** argv) {
     auto options = RoundPipeOptions().devices({c10::kCPU, c10::kCPU, c10::kCPU}).optim_dtype(torch::kFloat);
     if (uncast) options.master_grad_dtype(torch::kBFloat16);
     RoundPipe model(net, options);
-    auto optimizer = [&] {
-      OptimizerCtx ctx;
-      return optim::Adam(model.parameters(), optim::AdamOptions(1e-4));
-    }();
-    RunConfig cfg;
-    cfg.num_microbatch = 4;
-    cfg.preserve_rng_state = false;
+    auto optimizer = master_adam(model);
+    const RunConfig cfg = sleep_run_config();
     auto x = torch::ones({4, 4}, torch::kBFloat16);
     // ATen's fused kernel on the same masters, as a step function would call it.
     const auto masters = model.optim_parameters();
