@@ -1,7 +1,8 @@
 // Training throughput of a Llama-style decoder (issue 6's GPU benchmark; a dedicated executable
 // printing a table). Two runs side by side on the same model, data and device kind:
-//   roundpipe: RoundPipe on every listed device, bf16 compute copies, fp32 master weights and
-//              roundpipe::optim::Adam on the CPU, asynchronous step, full recompute;
+//   roundpipe: RoundPipe on every listed device, bf16 compute copies, fp32 master weights, bf16
+//              master gradients and roundpipe::optim::Adam on the CPU, asynchronous step, full
+//              recompute;
 //   plain:     the whole model on one device in fp32 under bf16 autocast, torch::optim::AdamW on
 //              that device, no recompute (the upper bound where the model fits).
 // Reported per run: tokens/s, MFU, peak device memory (CUDA); for roundpipe, from the stage trace
@@ -224,7 +225,13 @@ Result run_roundpipe(const Config& c, const std::vector<c10::Device>& devices) {
   auto net = build_model(c);
   const int64_t p = flop_params(net);
   net->to(torch::kBFloat16);
-  auto options = rp::RoundPipeOptions().devices(devices).optim_dtype(torch::kFloat).name("llama");
+  // bf16 gradients go to the optimizer uncast: no fp32 gradient buffers (4 B/param of host memory)
+  // and no cast pass in the step (optim::Adam widens them in its own pass).
+  auto options = rp::RoundPipeOptions()
+                     .devices(devices)
+                     .optim_dtype(torch::kFloat)
+                     .master_grad_dtype(torch::kBFloat16)
+                     .name("llama");
   // Under a memory cap the default budget (half the device's total memory) would ignore the cap:
   // give stages a third of it, leaving the rest for activations.
   if (c.mem_cap_gib > 0) options.device_memory_budget_bytes(static_cast<int64_t>(c.mem_cap_gib * (1 << 30) / 3));
