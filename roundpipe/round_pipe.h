@@ -26,9 +26,10 @@ struct RoundPipeOptions {
   /// casts the compute copies' gradients into one reused buffer per master). Set it to the compute
   /// dtype (e.g. kBFloat16 with bf16 compute copies and fp32 masters) to hand the compute
   /// gradients over as they are: no cast pass and no fp32 gradient buffer (4 B/param of host
-  /// memory), and the masters get set_grad_dtype(). The step function's optimizer must read such
-  /// gradients: roundpipe::optim::Adam does (widened in its own pass, same result); torch::optim
-  /// optimizers do not, and GradScaler::unscale_ refuses fp16 gradients (as torch's does).
+  /// memory), and the masters get set_grad_dtype(). The step function's optimizer must accept
+  /// such gradients: roundpipe::optim::Adam reads them in its fused pass (bitwise the same result,
+  /// tested); other optimizers are untested with it, and GradScaler::unscale_ refuses fp16
+  /// gradients (as torch's does).
   TORCH_ARG(std::optional<c10::ScalarType>, master_grad_dtype) = std::nullopt;
   /// Devices of the pool; each entry is one worker thread (CPU entries may repeat). Default:
   /// every visible CUDA device, else one CPU device.
