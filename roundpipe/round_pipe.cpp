@@ -176,6 +176,13 @@ struct RoundPipe::Impl {
     torch::NoGradGuard no_grad;
     for (size_t k = 0; k < params[l].size(); ++k) params[l][k].copy_(masters[l][k]);
   }
+  // The dtype of `master`'s .grad: RoundPipeOptions::master_grad_dtype for parameters whose
+  // compute copy has that dtype (their gradients go over uncast), else the master's own dtype (so
+  // e.g. fp32 norm weights in a bf16 model keep fp32 gradients).
+  c10::ScalarType master_grad_dtype(const torch::Tensor& compute, const torch::Tensor& master) const {
+    const auto& wanted = options.master_grad_dtype();
+    return wanted && compute.scalar_type() == *wanted ? *wanted : master.scalar_type();
+  }
   // Moves layer l's gradients from the compute copies into the master .grad (Note [Gradient
   // hand-over]): accumulated in place if the master has one, taken over if dtypes match, else cast
   // into the master's persistent gradient buffer. Optimizer thread (or the caller after drain()).
@@ -186,7 +193,7 @@ struct RoundPipe::Impl {
       auto& master = masters[l][k];
       if (!p.grad().defined()) continue;
       const torch::Tensor& g = p.grad();
-      const auto grad_dtype = options.master_grad_dtype().value_or(master.scalar_type());
+      const auto grad_dtype = master_grad_dtype(p, master);
       if (master.grad().defined()) {
         master.mutable_grad().add_(g);  // add_ casts a bf16/fp16 g in the same pass
       } else if (g.scalar_type() == grad_dtype && g.device() == master.device()) {
@@ -280,7 +287,7 @@ struct RoundPipe::Impl {
         auto dtype = options.optim_dtype().value_or(p.scalar_type());
         auto master = p.detach().to(c10::kCPU, dtype, /*non_blocking=*/false, /*copy=*/true);
         master.requires_grad_(p.requires_grad());
-        const auto grad_dtype = options.master_grad_dtype().value_or(dtype);
+        const auto grad_dtype = master_grad_dtype(p, master);
         if (grad_dtype != dtype && master.requires_grad()) master.set_grad_dtype(grad_dtype);
         masters[l].push_back(master);
         master_grad_buffers[l].emplace_back();

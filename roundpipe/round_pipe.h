@@ -26,7 +26,8 @@ struct RoundPipeOptions {
   /// casts the compute copies' gradients into one reused buffer per master). Set it to the compute
   /// dtype (e.g. kBFloat16 with bf16 compute copies and fp32 masters) to hand the compute
   /// gradients over as they are: no cast pass and no fp32 gradient buffer (4 B/param of host
-  /// memory), and the masters get set_grad_dtype(). The step function's optimizer must accept
+  /// memory), and the masters get set_grad_dtype(). It applies to the parameters whose compute
+  /// copies have this dtype; the others (e.g. fp32 norm weights) keep master-dtype gradients. The step function's optimizer must accept
   /// such gradients: roundpipe::optim::Adam reads them in its fused pass (bitwise the same result,
   /// tested); other optimizers are untested with it, and GradScaler::unscale_ refuses fp16
   /// gradients (as torch's does).

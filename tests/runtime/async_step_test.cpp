@@ -173,6 +173,24 @@ TEST(AsyncStepTest, MasterGradDtype_Bf16GradsReachAdamUncast_SameResult) {
   }
 }
 
+// master_grad_dtype applies only to parameters whose compute copies have that dtype: an fp32 model
+// keeps fp32 master gradients (no lossy rounding to bf16).
+TEST(AsyncStepTest, MasterGradDtype_OtherComputeDtypesKeepMasterDtypeGrads) {
+  RoundPipe rp(testing::make_mlp(43),
+               RoundPipeOptions().devices({c10::kCPU}).optim_dtype(torch::kFloat).master_grad_dtype(torch::kBFloat16));
+  auto x = torch::randn({6, 8}), y = torch::randn({6, 4});
+  rp.forward_backward({x}, y, mse_over(y.numel()));
+  const auto masters = rp.optim_parameters();
+  std::vector<torch::Tensor> expected;
+  for (const auto& p : rp.module()->parameters()) expected.push_back(p.grad().clone());
+  rp.step([&] {
+    for (size_t i = 0; i < masters.size(); ++i) {
+      EXPECT_EQ(masters[i].grad().scalar_type(), torch::kFloat);
+      EXPECT_TENSOR_EQ(masters[i].grad(), expected[i]);
+    }
+  }, StepMode::kSync);
+}
+
 TEST(AsyncStepTest, MasterGradDtype_MustBeFloating) {
   try {
     RoundPipe rp(testing::make_mlp(1), RoundPipeOptions().devices({c10::kCPU}).master_grad_dtype(torch::kInt));
