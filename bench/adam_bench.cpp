@@ -7,8 +7,8 @@
 //
 // Bytes counted (no write-allocate, like STREAM): Adam 28 B/param (read p, g, m, v; write p, m, v);
 // triad a[i] = b[i] + s*c[i] 12 B/element (16 B really move: the store's line is read first; Adam
-// reads every line it writes anyway, so its 28 B are all real). GB/s = bytes / seconds / 1e9. The time per
-// implementation is the median of --reps steps after one warm-up step.
+// reads every line it writes anyway, so its 28 B are all real). GB/s = bytes / seconds / 1e9.
+// The time per implementation is the median of --reps steps after one warm-up step.
 #include "optim/adam.h"
 #include "optim/detail/parallel_tasks.h"
 

@@ -72,9 +72,10 @@ struct AdamParamState : public torch::optim::OptimizerCloneableParamState<AdamPa
 /// optionally a compute copy). Gradients may be float32, float16 or bfloat16: fp16/bf16 ones are
 /// widened (exactly) in the same pass, so the result equals a step on their fp32 values while
 /// reading 2 instead of 4 bytes per element and skipping a separate cast pass (RoundPipe hands its
-/// compute copies' gradients over this way with `RoundPipeOptions::master_grad_dtype`). The kernel is the best of AVX-512 / AVX2+FMA / scalar supported by
-/// the running CPU, and the element range of all parameters together is split across up to
-/// `num_threads()` threads of its own (Note [Why not at::parallel_for] in optim/detail/).
+/// compute copies' gradients over this way with `RoundPipeOptions::master_grad_dtype`). The
+/// kernel is the best of AVX-512 / AVX2+FMA / scalar supported by the running CPU, and the
+/// element range of all parameters together is split across up to `num_threads()` threads of its
+/// own (Note [Why not at::parallel_for] in optim/detail/).
 ///
 /// Thread-safety: an Adam is used from one thread at a time (RoundPipe's optimizer thread); the
 /// parameters, gradients and compute copies must not be touched by other threads during `step`.

@@ -57,8 +57,9 @@ namespace roundpipe {
 // job casts into one persistent buffer per master (allocated at the first step), so no step
 // allocates, page-faults or clones gradient-sized memory. "Match" means the master gradient dtype:
 // the master's own, or RoundPipeOptions::master_grad_dtype, which lets bf16/fp16 compute
-// gradients through uncast to an optimizer that widens them itself (roundpipe::optim::Adam). As with PyTorch's zero_grad(false), a
-// master .grad tensor kept by the caller across steps may be overwritten by a later step.
+// gradients through uncast to an optimizer that widens them itself (roundpipe::optim::Adam).
+// As with PyTorch's zero_grad(false), a master .grad tensor kept by the caller across steps may
+// be overwritten by a later step.
 //
 // Note [Buffers in recompute]:
 // A forward stage snapshots its layers' buffers before its first microbatch; backward stages
@@ -111,8 +112,9 @@ struct RoundPipe::Impl {
   std::vector<std::vector<torch::Tensor>> params;
   std::vector<std::vector<std::string>> param_names;
   std::vector<std::vector<torch::Tensor>> masters;
-  // Per master: the fp32 gradient buffer reused by every step whose compute copy grads have
-  // another dtype (Note [Gradient hand-over]); lazy. Owned by whoever runs consume_grads_layer.
+  // Per master: the gradient buffer (in master_grad_dtype()) reused by every step whose compute
+  // copy grads have another dtype (Note [Gradient hand-over]); lazy. Owned by whoever runs
+  // consume_grads_layer.
   std::vector<std::vector<torch::Tensor>> master_grad_buffers;
   std::vector<std::unique_ptr<detail::DeviceWorker>> workers;
   int64_t device_cursor = 0;  // round-robin position, continues across calls

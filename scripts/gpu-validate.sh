@@ -47,39 +47,39 @@ fi
 export LD_LIBRARY_PATH="$build/deps/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 
 if wants test; then
-ctest --test-dir "$build" --output-on-failure -j 4 > "$out/ctest.log" 2>&1
-log "ctest: $(grep -E 'tests passed|tests failed' "$out/ctest.log" | tail -1)"
-"$build/tests/runtime/runtime_tests" --gtest_filter='*_CUDA' > "$out/cuda_tests.log" 2>&1
-"$build/tests/amp/amp_tests" --gtest_filter='*_CUDA' >> "$out/cuda_tests.log" 2>&1
-log "CUDA tests: $(grep -cE '^\[       OK \]' "$out/cuda_tests.log") passed, $(grep -cE '^\[  FAILED  \].*\(' "$out/cuda_tests.log") failed"
+  ctest --test-dir "$build" --output-on-failure -j 4 > "$out/ctest.log" 2>&1
+  log "ctest: $(grep -E 'tests passed|tests failed' "$out/ctest.log" | tail -1)"
+  "$build/tests/runtime/runtime_tests" --gtest_filter='*_CUDA' > "$out/cuda_tests.log" 2>&1
+  "$build/tests/amp/amp_tests" --gtest_filter='*_CUDA' >> "$out/cuda_tests.log" 2>&1
+  log "CUDA tests: $(grep -cE '^\[       OK \]' "$out/cuda_tests.log") passed, $(grep -cE '^\[  FAILED  \].*\(' "$out/cuda_tests.log") failed"
 fi
 
-sanitizer="$(command -v compute-sanitizer || true)"
-[ -n "$sanitizer" ] || [ ! -x /usr/local/cuda/bin/compute-sanitizer ] || sanitizer=/usr/local/cuda/bin/compute-sanitizer
-wheel="$(ls "$root"/.debs/nvidia_cuda_sanitizer_api-*.whl 2>/dev/null | head -1)"
-if [ -z "$sanitizer" ] && [ -n "$wheel" ] && wants sanitize; then  # packed by pack-offline-deps.sh
-  rm -rf "$build/deps/sanitizer"
-  "$python" -m zipfile -e "$wheel" "$build/deps/sanitizer"
-  sanitizer="$(find "$build/deps/sanitizer" -type f -name compute-sanitizer | head -1)"
-  chmod +x "$sanitizer"
-fi
-if ! wants sanitize; then
-  :
-elif [ -n "$sanitizer" ]; then
-  for tool in memcheck racecheck; do
-    "$sanitizer" --tool "$tool" --error-exitcode 9 "$build/tests/runtime/runtime_tests" \
-      --gtest_filter='RoundPipeTest.Equivalence_MlpOnGpus_CUDA:CudaEngineTest.AsyncStress*' > "$out/sanitizer-$tool.log" 2>&1
-    log "compute-sanitizer $tool: exit $? ($(grep -E 'ERROR SUMMARY' "$out/sanitizer-$tool.log" | tail -1))"
-  done
-else
-  log "compute-sanitizer not found: skipped"
+if wants sanitize; then
+  sanitizer="$(command -v compute-sanitizer || true)"
+  [ -n "$sanitizer" ] || [ ! -x /usr/local/cuda/bin/compute-sanitizer ] || sanitizer=/usr/local/cuda/bin/compute-sanitizer
+  wheel="$(ls "$root"/.debs/nvidia_cuda_sanitizer_api-*.whl 2>/dev/null | head -1)"
+  if [ -z "$sanitizer" ] && [ -n "$wheel" ]; then  # packed by pack-offline-deps.sh
+    rm -rf "$build/deps/sanitizer"
+    "$python" -m zipfile -e "$wheel" "$build/deps/sanitizer"
+    sanitizer="$(find "$build/deps/sanitizer" -type f -name compute-sanitizer | head -1)"
+    chmod +x "$sanitizer"
+  fi
+  if [ -n "$sanitizer" ]; then
+    for tool in memcheck racecheck; do
+      "$sanitizer" --tool "$tool" --error-exitcode 9 "$build/tests/runtime/runtime_tests" \
+        --gtest_filter='RoundPipeTest.Equivalence_MlpOnGpus_CUDA:CudaEngineTest.AsyncStress*' > "$out/sanitizer-$tool.log" 2>&1
+      log "compute-sanitizer $tool: exit $? ($(grep -E 'ERROR SUMMARY' "$out/sanitizer-$tool.log" | tail -1))"
+    done
+  else
+    log "compute-sanitizer not found: skipped"
+  fi
 fi
 
 bench="$build/bench/llama_bench"
 if wants bench; then
-LLAMA_BENCH_TIMELINE=1 "$bench" --hidden 2048 --layers 16 --heads 16 --ffn 5632 --seq 2048 --batch 8 --micro 4 \
-  > "$out/llama_1b.txt" 2>&1
-log "llama ~1B: $(grep -E '^(roundpipe|plain) |pinned|/ plain' "$out/llama_1b.txt" | tr '\n' ';')"
+  LLAMA_BENCH_TIMELINE=1 "$bench" --hidden 2048 --layers 16 --heads 16 --ffn 5632 --seq 2048 --batch 8 --micro 4 \
+    > "$out/llama_1b.txt" 2>&1
+  log "llama ~1B: $(grep -E '^(roundpipe|plain) |pinned|/ plain' "$out/llama_1b.txt" | tr '\n' ';')"
 fi
 
 if wants scale-model; then

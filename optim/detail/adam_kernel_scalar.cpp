@@ -18,10 +18,7 @@ uint16_t half_from_float_soft(float f) {
   if (bias < UINT32_C(0x71000000)) {
     bias = UINT32_C(0x71000000);
   }
-  const uint32_t bias_bits = (bias >> 1) + UINT32_C(0x07800000);
-  float bias_f;
-  std::memcpy(&bias_f, &bias_bits, sizeof(bias_f));
-  base = bias_f + base;
+  base = float_from_bits((bias >> 1) + UINT32_C(0x07800000)) + base;
   const uint32_t bits = float_bits(base);
   const uint32_t exp_bits = (bits >> 13) & UINT32_C(0x00007C00);
   const uint32_t mantissa_bits = bits & UINT32_C(0x00000FFF);
