@@ -9,7 +9,8 @@
 // of the last iteration (roundpipe/stage_trace.h), the parameter upload bandwidth (bytes over the
 // summed per-job upload spans) and the fraction of upload time hidden under compute on the same
 // worker; and once the host->device bandwidth of one large pinned copy (the physical limit of
-// parameter uploads). LLAMA_BENCH_TIMELINE=1 prints the per-job timeline.
+// parameter uploads); after the RoundPipe run, the process's peak host RSS and the training state
+// (16 B/param) as a multiple of --mem-cap-gib. LLAMA_BENCH_TIMELINE=1 prints the per-job timeline.
 //
 // FLOPs per token: 8 x P for roundpipe (forward 2P + backward 4P + recompute 2P), 6 x P for plain
 // (no recompute), P = parameters without the input embedding (a gather); attention's S^2 term is
@@ -202,11 +203,34 @@ double pinned_h2d_gbs(const c10::Device& device) {
 #endif
 }
 
-int64_t flop_params(torch::nn::Sequential model) {
-  int64_t n = 0;
-  for (size_t l = 1; l < model->size(); ++l) {  // layer 0 is the embedding (a gather)
-    for (const auto& p : model[l]->parameters()) n += p.numel();
+// The process's peak resident host memory in GiB (Linux VmHWM), 0 where unknown.
+double host_peak_rss_gib() {
+  std::FILE* f = std::fopen("/proc/self/status", "r");
+  if (f == nullptr) return 0;
+  char line[256];
+  long long kib = 0;
+  while (std::fgets(line, sizeof line, f) != nullptr) {
+    if (std::sscanf(line, "VmHWM: %lld kB", &kib) == 1) break;
   }
+  std::fclose(f);
+  return static_cast<double>(kib) / (1 << 20);
+}
+
+// build_model(c)'s parameter count, without building it (a model built only to count would raise
+// the host's peak RSS by 4 B/param); checked against the built model by flop_params.
+int64_t param_count(const Config& c, bool with_embedding) {
+  const int64_t block = 2 * c.hidden + 4 * c.hidden * c.hidden + 3 * c.hidden * c.ffn;
+  return (with_embedding ? c.vocab * c.hidden : 0) + c.layers * block + c.hidden + c.hidden * c.vocab;
+}
+
+// Parameters counted in FLOPs: all but layer 0, the input embedding (a gather).
+int64_t flop_params(torch::nn::Sequential model, const Config& c) {
+  int64_t n = 0, all = 0;
+  for (size_t l = 0; l < model->size(); ++l) {
+    for (const auto& p : model[l]->parameters()) (l > 0 ? n : all) += p.numel();
+  }
+  all += n;
+  TORCH_INTERNAL_ASSERT(n == param_count(c, false) && all == param_count(c, true), "llama_bench: param_count is off");
   return n;
 }
 
@@ -223,7 +247,7 @@ Batch make_batch(const Config& c, int64_t step) {
 Result run_roundpipe(const Config& c, const std::vector<c10::Device>& devices) {
   torch::manual_seed(1);
   auto net = build_model(c);
-  const int64_t p = flop_params(net);
+  const int64_t p = flop_params(net, c);
   net->to(torch::kBFloat16);
   // bf16 gradients go to the optimizer uncast: no fp32 gradient buffers (4 B/param of host memory)
   // and no cast pass in the step (optim::Adam widens them in its own pass).
@@ -292,7 +316,7 @@ Result run_roundpipe(const Config& c, const std::vector<c10::Device>& devices) {
 Result run_plain(const Config& c, const c10::Device& device) {
   torch::manual_seed(1);
   auto net = build_model(c);
-  const int64_t p = flop_params(net);
+  const int64_t p = flop_params(net, c);
   net->to(device);
   torch::optim::AdamW optimizer(net->parameters(), torch::optim::AdamWOptions(1e-4).weight_decay(0));
   const auto loss_fn = token_loss(c.vocab, c.batch * c.seq);
@@ -388,19 +412,28 @@ int main(int argc, char** argv) {
     } else {
       devices.assign(2, c10::Device(c10::kCPU));
     }
-    auto probe = build_model(c);
-    int64_t total = 0;
-    for (const auto& p : probe->parameters()) total += p.numel();
+    const int64_t total = param_count(c, /*with_embedding=*/true), counted = param_count(c, false);
     std::printf("llama_bench: %lld parameters (%lld in FLOP count), hidden %lld, %lld blocks, seq %lld, batch %lld "
                 "(%lld microbatches), %zu x %s\n",
-                static_cast<long long>(total), static_cast<long long>(flop_params(probe)),
+                static_cast<long long>(total), static_cast<long long>(counted),
                 static_cast<long long>(c.hidden), static_cast<long long>(c.layers), static_cast<long long>(c.seq),
                 static_cast<long long>(c.batch), static_cast<long long>(c.micro), devices.size(), c.device.c_str());
     if (devices[0].is_cuda()) {
       std::printf("pinned host->device copy (1 GiB): %.1f GB/s\n", pinned_h2d_gbs(devices[0]));
     }
     std::vector<Result> results;
-    if (c.mode != "plain") results.push_back(run_roundpipe(c, devices));
+    if (c.mode != "plain") {
+      results.push_back(run_roundpipe(c, devices));
+      // Host memory of the RoundPipe run (the scale limit once the GPU no longer is), and its
+      // training state by the usual mixed-precision accounting (ZeRO: 16 B/param = 2 bf16
+      // weights + 2 bf16 gradients + 12 fp32 master, m, v), as a multiple of the GPU cap.
+      const double rss = host_peak_rss_gib();
+      const double state_gib = 16.0 * static_cast<double>(total) / (1 << 30);
+      std::printf("host memory (roundpipe): peak RSS %.1f GiB = %.1f B/param; training state at 16 B/param %.1f GiB",
+                  rss, rss * (1 << 30) / static_cast<double>(total), state_gib);
+      if (c.mem_cap_gib > 0) std::printf(" = %.2f x the %.0f GiB cap", state_gib / c.mem_cap_gib, c.mem_cap_gib);
+      std::printf("\n");
+    }
     if (c.mode != "roundpipe") results.push_back(run_plain(c, devices[0]));
     std::printf("%-10s %-12s %-8s %-14s %-12s %-12s %-14s %-14s\n", "run", "tokens/s", "MFU", "peak_mem_GiB",
                 "loss_first", "loss_last", "upload_GB/s", "upload_hidden");

@@ -89,7 +89,7 @@ if wants scale-model; then
   for layers in 8 16 24 28 32; do
     if "$bench" --mode roundpipe --mem-cap-gib 24 --hidden 4096 --heads 32 --ffn 11008 --layers "$layers" \
       --seq 2048 --batch 4 --micro 4 --iters 2 > "$out/scale_layers_$layers.txt" 2>&1; then
-      log "24 GiB cap, hidden 4096 x $layers blocks: trains ($(grep -E '^llama_bench:' "$out/scale_layers_$layers.txt" | head -1 | cut -d' ' -f2) params)"
+      log "24 GiB cap, hidden 4096 x $layers blocks: trains ($(grep -E '^llama_bench:' "$out/scale_layers_$layers.txt" | head -1 | cut -d' ' -f2) params; $(grep -E '^host memory' "$out/scale_layers_$layers.txt"))"
     else
       log "24 GiB cap, hidden 4096 x $layers blocks: failed ($(tail -1 "$out/scale_layers_$layers.txt"))"
       break

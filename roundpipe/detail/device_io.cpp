@@ -128,6 +128,20 @@ DeviceIo::DeviceIo(const c10::Device& device, std::string job) : device_(device)
 }
 
 DeviceIo::~DeviceIo() {
+#if ROUNDPIPE_WITH_CUDA
+  // A job that failed between a layer's upload and its first compute leaves that upload in
+  // flight; it reads the layer's pinned host copy, which the optimizer may overwrite as soon as
+  // the job has ended. Wait for it (never happens on the normal path: compute waited for all).
+  if (cuda_) {
+    for (auto& pending : cuda_->pending_uploads) {
+      try {
+        pending.second.synchronize();
+      } catch (...) {
+        // The job is failing already; its error is the one to report.
+      }
+    }
+  }
+#endif
   if (!trace_) return;
   try {
     detail::TraceEntry entry{trace_->span, {}};
@@ -139,6 +153,9 @@ DeviceIo::~DeviceIo() {
       trace_->compute_end = Trace::record(cuda_->streams.compute);
       entry.resolve = [anchor = trace_->anchor, ub = trace_->upload_begin, ue = trace_->upload_end,
                        cb = trace_->compute_begin, ce = trace_->compute_end](trace::StageSpan& span) {
+        // elapsed_time() requires both events complete: the anchor too (it is on another stream
+        // than the upload events, so `e` completing does not imply it).
+        anchor.event->synchronize();
         auto at = [&](const std::shared_ptr<at::cuda::CUDAEvent>& e) {
           if (!e) return 0.0;
           e->synchronize();
