@@ -1,29 +1,30 @@
-// roundpipe::amp — mixed-precision training support: dynamic loss scaling (GradScaler, a C++ port
-// of `torch.amp.GradScaler` with identical scale trajectory and error messages) and autocast
-// guards. Depends only on LibTorch and roundpipe::logging; the hooks of the cross-thread protocol
-// that RoundPipe drives (DESIGN §3, Note [Cross-thread GradScaler]) are declared here too.
+// roundpipe::amp — dynamic loss scaling: GradScaler, a C++ port of `torch.amp.GradScaler` with
+// the same scale trajectory, state and error messages. Sits above base, below the runtime; the
+// hooks the runtime uses to drive it across threads are internal (amp/detail/, see
+// docs/amp.md "With RoundPipe").
 #pragma once
 
 #include <ATen/core/Tensor.h>
-#include <c10/core/Device.h>
-#include <c10/core/ScalarType.h>
 #include <torch/arg.h>
-#include <torch/optim/optimizer.h>
 
 #include <cstdint>
-#include <functional>
 #include <memory>
 #include <optional>
-#include <unordered_map>
-#include <utility>
 #include <vector>
 
+namespace torch::optim {
+class Optimizer;
+}  // namespace torch::optim
 namespace torch::serialize {
 class OutputArchive;
 class InputArchive;
 }  // namespace torch::serialize
 
 namespace roundpipe::amp {
+namespace detail {
+struct ScalerCore;
+class GradScalerAccess;
+}  // namespace detail
 
 /// Options of a GradScaler. Defaults are torch's: `torch.amp.GradScaler(init_scale=2**16,
 /// growth_factor=2.0, backoff_factor=0.5, growth_interval=2000, enabled=True)`.
@@ -68,16 +69,6 @@ torch::serialize::OutputArchive& operator<<(torch::serialize::OutputArchive& arc
 torch::serialize::InputArchive& operator>>(torch::serialize::InputArchive& archive,
                                            GradScalerState& state);
 
-/// Unscales `grads` in place by `inv_scale` and checks them for inf/NaN, one
-/// `at::_amp_foreach_non_finite_check_and_unscale_` per (device, dtype) bucket, in order of first
-/// appearance. Returns one 0-dim float32 found_inf per device (0: all finite, non-zero: some
-/// inf/NaN), on that device. `inv_scale` is a 1-element float32 tensor (copied to each device);
-/// pass 1.0 to check without unscaling. Undefined tensors are skipped; sparse gradients unscale
-/// their values (fp16 sparse ones must be coalesced by the caller). With `allow_fp16 = false` an
-/// fp16 gradient fails with "Attempting to unscale FP16 gradients.". No host sync.
-std::vector<std::pair<c10::Device, at::Tensor>> non_finite_check_and_unscale(
-    const std::vector<at::Tensor>& grads, const at::Tensor& inv_scale, bool allow_fp16);
-
 /// Dynamic loss scaling for mixed-precision training; behaves exactly like
 /// `torch.amp.GradScaler` (same ATen ops, same scale trajectory, same error messages) for CPU
 /// and CUDA tensors and plain `torch::optim` optimizers.
@@ -106,7 +97,7 @@ std::vector<std::pair<c10::Device, at::Tensor>> non_finite_check_and_unscale(
 /// Per-optimizer state has one owner: the thread running an IterationScope for its iteration
 /// (the runtime's optimizer thread), or else the caller, who must not race `unscale_`/`step`
 /// with `update()`. Setters are for the thread that calls `update()`. Inside RoundPipe
-/// (Note [Cross-thread GradScaler]): `scale()` in loss_fn on device workers, `unscale_`/`step`
+/// (docs/amp.md, "With RoundPipe"): `scale()` in loss_fn on device workers, `unscale_`/`step`
 /// in step functions on the optimizer thread (calls from the caller's thread are marshalled
 /// there), `update()` on the caller's thread, which never waits for the optimizer thread.
 class GradScaler {
@@ -170,94 +161,11 @@ class GradScaler {
   void load_state_dict(const GradScalerState& state);
 
   /// A copy of the current scale tensor (0-dim float32 on the scale's device), undefined before
-  /// the first `scale()`.
+  /// the first `scale()` (torch's `_get_scale_async()`, without the sync of get_scale()).
   at::Tensor scale_tensor() const;
 
-  // ---- Cross-thread protocol (Note [Cross-thread GradScaler] in grad_scaler.cpp) -------------
-  // Used by the runtime; a plain training loop never needs these.
-
-  /// Notified by every `scale()` call made on the thread where it is installed (see
-  /// `ScopedScaleObserver`), with the scaler and its update generation (the number of `update()`
-  /// calls so far): the runtime learns which scaler a loss_fn used and tags that run's flags.
-  class ScaleObserver {
-   public:
-    virtual ~ScaleObserver() = default;
-    virtual void on_scale(GradScaler& scaler, int64_t generation) = 0;
-  };
-  /// Installs `observer` on the calling thread for its lifetime (restores the previous one).
-  class ScopedScaleObserver {
-   public:
-    explicit ScopedScaleObserver(ScaleObserver* observer);
-    ~ScopedScaleObserver();
-    ScopedScaleObserver(const ScopedScaleObserver&) = delete;
-    ScopedScaleObserver& operator=(const ScopedScaleObserver&) = delete;
-
-   private:
-    ScaleObserver* previous_;
-  };
-
-  /// Any thread, lock-free: posts the found_inf (1 element, any device; non-zero = inf/NaN) of
-  /// one backward stage of run `batch`, scaled in update generation `generation`. Flags count
-  /// only once their run is announced with `expect_found_inf`; flags of runs never announced
-  /// (a failed run) are dropped.
-  void post_found_inf(int64_t generation, uint64_t batch, const at::Tensor& found_inf);
-  /// Any thread: run `batch` of generation `generation` posts `count` flags. The update() of that
-  /// generation combines them; if some are still in flight it returns at once and the update
-  /// completes when the last arrives, at the latest in the next `scale()`, `get_scale()`,
-  /// `state_dict()`, `load_state_dict()` or `update()` (which wait for it, up to 10 minutes).
-  void expect_found_inf(int64_t generation, uint64_t batch, int64_t count);
-
-  /// The scale snapshot and per-optimizer states of one iteration, for its optimizer step job.
-  class Iteration;
-  /// A new Iteration holding a copy of the current scale (completes a pending update first).
-  std::shared_ptr<Iteration> capture_iteration();
-  /// While alive on a thread, `unscale_`/`step` of `scaler` called on that thread use the
-  /// iteration's scale and per-optimizer states instead of the live ones, so they may run on an
-  /// optimizer thread while another thread runs `update()` and the next `scale()`. Nestable.
-  class IterationScope {
-   public:
-    IterationScope(const GradScaler& scaler, std::shared_ptr<Iteration> iteration);
-    ~IterationScope();
-    IterationScope(const IterationScope&) = delete;
-    IterationScope& operator=(const IterationScope&) = delete;
-
-   private:
-    friend class GradScaler;
-    const GradScaler* scaler_;
-    std::shared_ptr<Iteration> iteration_;
-    IterationScope* previous_;
-  };
-
-  /// Runs a call on the optimizer thread, inside the right IterationScope, and returns when it
-  /// has run (rethrowing its error).
-  using Executor = std::function<void(const std::function<void()>& call)>;
-  /// `unscale_`/`step` called outside any IterationScope of this scaler are marshalled through
-  /// `executor` while it is alive (the runtime owns it; a weak reference is kept).
-  void set_executor(std::weak_ptr<const Executor> executor);
-
  private:
-  enum class OptState { kReady, kUnscaled, kStepped };
-  struct PerOptimizerState {
-    OptState stage = OptState::kReady;
-    std::vector<std::pair<c10::Device, at::Tensor>> found_inf_per_device;
-  };
-
-  void lazy_init(const c10::Device& device);
-  const at::Tensor& checked_scale(const char* funcname) const;
-  using OptimizerStates = std::unordered_map<const void*, PerOptimizerState>;
-  static void unscale_in(OptimizerStates& states, const at::Tensor& scale, torch::optim::Optimizer& optimizer);
-  static bool step_in(OptimizerStates& states, const at::Tensor& scale, torch::optim::Optimizer& optimizer);
-  void apply_update(std::vector<at::Tensor> found_infs, double growth_factor, double backoff_factor,
-                    int64_t growth_interval) const;
-  void update_locked(std::optional<double> new_scale);
-  void complete_deferred_update_locked() const;
-  void scale_written_locked() const;  // Note [Scale across streams]
-  void scale_ready_locked() const;
-  void collect_posted_flags_locked() const;
-  bool flags_complete_locked(int64_t generation) const;
-  std::vector<at::Tensor> take_flags_locked(int64_t generation) const;
-  std::shared_ptr<const Executor> executor() const;
-  Iteration* scope_iteration() const;  // the innermost IterationScope of this scaler on this thread
+  friend class detail::GradScalerAccess;  // the runtime's cross-thread hooks (amp/detail/)
 
   bool enabled_;
   double init_scale_;
@@ -265,13 +173,9 @@ class GradScaler {
   double backoff_factor_;
   int64_t growth_interval_;
   int64_t init_growth_tracker_ = 0;
-  // Guarded by xt_->mutex. Mutable: a const reader completes a deferred update first.
-  mutable at::Tensor scale_;           // 0-dim float32, undefined until the first scale()
-  mutable at::Tensor growth_tracker_;  // 0-dim int32, created with scale_
-  OptimizerStates per_optimizer_states_;  // used outside IterationScopes
-  // Cross-thread state, behind a pointer so the scaler stays movable.
-  struct CrossThread;
-  std::unique_ptr<CrossThread> xt_;
+  // The scale, growth tracker, per-optimizer states and cross-thread state, behind a pointer so
+  // the scaler stays movable and this header free of internals.
+  std::unique_ptr<detail::ScalerCore> core_;
 };
 
 }  // namespace roundpipe::amp

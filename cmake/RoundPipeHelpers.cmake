@@ -31,10 +31,24 @@ function(roundpipe_use_pch target)
   target_precompile_headers(${target} REUSE_FROM roundpipe_pch)
 endfunction()
 
-# roundpipe_add_module(<module> SOURCES ... [PUBLIC_DEPS ...] [PRIVATE_DEPS ...])
+# Installed headers live under one project folder, <prefix>/include/roundpipe/<module>/..., and
+# consumers get <prefix>/include/roundpipe on their include path: `#include <roundpipe/roundpipe.h>`
+# works and no top-level folder (amp/, optim/, ...) can collide with another package's.
+set(ROUNDPIPE_INSTALL_INCLUDEDIR "${CMAKE_INSTALL_INCLUDEDIR}/roundpipe")
+
+# Installs the calling folder's public headers (*.h, not detail/) under the project folder.
+function(roundpipe_install_headers)
+  file(GLOB headers CONFIGURE_DEPENDS "${CMAKE_CURRENT_SOURCE_DIR}/*.h")
+  file(RELATIVE_PATH rel "${PROJECT_SOURCE_DIR}" "${CMAKE_CURRENT_SOURCE_DIR}")
+  install(FILES ${headers} DESTINATION ${ROUNDPIPE_INSTALL_INCLUDEDIR}/${rel})
+  set_property(GLOBAL APPEND PROPERTY ROUNDPIPE_PUBLIC_HEADERS ${headers})
+endfunction()
+
+# roundpipe_add_module(<module> SOURCES ... [C10_ONLY] [PUBLIC_DEPS ...] [PRIVATE_DEPS ...])
 # Creates static library roundpipe_<module>, alias roundpipe::<module>, headers root-relative.
+# Links LibTorch (and the shared PCH) unless C10_ONLY: then only c10 (TORCH_CHECK, ScalarType).
 function(roundpipe_add_module module)
-  cmake_parse_arguments(ARG "NO_TORCH" "" "SOURCES;PUBLIC_DEPS;PRIVATE_DEPS" ${ARGN})
+  cmake_parse_arguments(ARG "C10_ONLY" "" "SOURCES;PUBLIC_DEPS;PRIVATE_DEPS" ${ARGN})
   set(target roundpipe_${module})
   add_library(${target} STATIC ${ARG_SOURCES})
   add_library(roundpipe::${module} ALIAS ${target})
@@ -42,24 +56,23 @@ function(roundpipe_add_module module)
   target_include_directories(${target} PUBLIC
     $<BUILD_INTERFACE:${PROJECT_SOURCE_DIR}>
     $<BUILD_INTERFACE:${PROJECT_BINARY_DIR}/generated>
-    $<INSTALL_INTERFACE:${CMAKE_INSTALL_INCLUDEDIR}>)
+    $<INSTALL_INTERFACE:${ROUNDPIPE_INSTALL_INCLUDEDIR}>)
   target_link_libraries(${target} PUBLIC ${ARG_PUBLIC_DEPS} PRIVATE ${ARG_PRIVATE_DEPS})
-  if(NOT ARG_NO_TORCH)
+  if(ARG_C10_ONLY)
+    target_link_libraries(${target} PUBLIC c10)
+  else()
     target_link_libraries(${target} PUBLIC torch)
     roundpipe_use_pch(${target})
   endif()
   set_property(GLOBAL APPEND PROPERTY ROUNDPIPE_INSTALL_TARGETS ${target})
-  # Public headers: the module folder's *.h, not detail/.
-  file(GLOB headers CONFIGURE_DEPENDS "${CMAKE_CURRENT_SOURCE_DIR}/*.h")
-  file(RELATIVE_PATH rel "${PROJECT_SOURCE_DIR}" "${CMAKE_CURRENT_SOURCE_DIR}")
-  install(FILES ${headers} DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/${rel})
+  roundpipe_install_headers()
 endfunction()
 
-# roundpipe_add_gtest(<name> SOURCES ... [LIBS ...] [SHARDS n] [LABELS ...])
+# roundpipe_add_gtest(<name> SOURCES ... [NO_TORCH] [LIBS ...] [SHARDS n] [LABELS ...])
 # One test binary; registered per shard (GTEST_TOTAL_SHARDS) because every LibTorch process costs
 # ~1 s to start, or per case with ROUNDPIPE_TEST_PER_CASE=ON (gtest_discover_tests).
 function(roundpipe_add_gtest name)
-  cmake_parse_arguments(ARG "" "SHARDS;TIMEOUT" "SOURCES;LIBS;LABELS" ${ARGN})
+  cmake_parse_arguments(ARG "NO_TORCH" "SHARDS;TIMEOUT" "SOURCES;LIBS;LABELS" ${ARGN})
   if(NOT ARG_SHARDS)
     set(ARG_SHARDS 1)
   endif()
@@ -67,8 +80,13 @@ function(roundpipe_add_gtest name)
     set(ARG_TIMEOUT 900)
   endif()
   add_executable(${name} ${ARG_SOURCES})
-  target_link_libraries(${name} PRIVATE roundpipe_test_common ${ARG_LIBS})
-  roundpipe_use_pch(${name})
+  if(ARG_NO_TORCH)
+    # Tests of the c10-only modules: GoogleTest's main, no LibTorch, no PCH.
+    target_link_libraries(${name} PRIVATE roundpipe_test_main_plain ${ARG_LIBS})
+  else()
+    target_link_libraries(${name} PRIVATE roundpipe_test_common ${ARG_LIBS})
+    roundpipe_use_pch(${name})
+  endif()
   if(ROUNDPIPE_TEST_PER_CASE)
     include(GoogleTest)
     gtest_discover_tests(${name} DISCOVERY_TIMEOUT 120 PROPERTIES LABELS "${ARG_LABELS}" TIMEOUT ${ARG_TIMEOUT})

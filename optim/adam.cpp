@@ -2,7 +2,7 @@
 
 #include "optim/detail/adam_kernel.h"
 #include "optim/detail/parallel_tasks.h"
-#include "roundpipe/logging.h"
+#include "base/logging.h"
 
 #include <ATen/Parallel.h>
 #include <c10/util/irange.h>

@@ -75,7 +75,7 @@ struct AdamParamState : public torch::optim::OptimizerCloneableParamState<AdamPa
 /// compute copies' gradients over this way with `RoundPipeOptions::master_grad_dtype`). The
 /// kernel is the best of AVX-512 / AVX2+FMA / scalar supported by the running CPU, and the
 /// element range of all parameters together is split across up to `num_threads()` threads of its
-/// own (Note [Why not at::parallel_for] in optim/detail/).
+/// own (docs/optimizer.md, "Threading").
 ///
 /// Thread-safety: an Adam is used from one thread at a time (RoundPipe's optimizer thread); the
 /// parameters, gradients and compute copies must not be touched by other threads during `step`.

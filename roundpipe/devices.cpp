@@ -4,7 +4,7 @@
 #include <c10/util/Exception.h>
 #include <torch/cuda.h>
 
-#include "roundpipe/config.h"
+#include "base/config.h"
 #if ROUNDPIPE_WITH_CUDA
 #include <ATen/cuda/CUDAContext.h>
 #endif

@@ -39,7 +39,7 @@ struct RoundPipeOptions {
   TORCH_ARG(RunConfig, run_config) = {};
   /// Name used in log lines and error messages.
   TORCH_ARG(std::string, name) = "model";
-  /// Base seed of the per-layer RNG scheme (Note [Layer RNG]); default: drawn from torch's default
+  /// Base seed of the per-layer RNG scheme (docs/user-guide.md, "Dropout and reproducibility"); default: drawn from torch's default
   /// CPU generator at construction, so torch::manual_seed controls it.
   TORCH_ARG(std::optional<uint64_t>, seed) = std::nullopt;
   /// Automatic plans start from size-based cost estimates; with this on, the first
@@ -58,7 +58,7 @@ struct RoundPipeOptions {
 /// Runs on a device worker thread. Normalize inside it (e.g. sum-reduced loss / full batch size).
 using LossFn = std::function<torch::Tensor(const torch::Tensor& output, const torch::Tensor& label)>;
 
-/// The seed a layer's forward on a microbatch runs with (Note [Layer RNG]). A plain loop that
+/// The seed a layer's forward on a microbatch runs with (docs/user-guide.md, "Dropout and reproducibility"). A plain loop that
 /// calls torch::manual_seed(layer_seed(seed, iteration, microbatch, layer)) before each layer
 /// reproduces RoundPipe's dropout masks exactly. `iteration` counts forward_backward calls from 0.
 uint64_t layer_seed(uint64_t base_seed, int64_t iteration, int64_t microbatch, int64_t layer);
@@ -98,8 +98,8 @@ class RoundPipe {
   torch::Tensor forward(const std::vector<torch::Tensor>& inputs, const RunConfig& config = {});
 
   /// Moves this iteration's gradients into the master copies (cast to master_grad_dtype, by
-  /// default optim_dtype, added to their .grad; Note [Gradient hand-over]), runs `step_fn` (optimizer step, zero_grad, ...), then writes the master values
-  /// back into the compute copies. kSync: before returning. kAsync: on the optimizer thread
+  /// default optim_dtype, added to their .grad; docs/architecture.md, "step"), runs `step_fn`
+  /// (optimizer step, zero_grad, ...), then writes the master values back into the compute copies. kSync: before returning. kAsync: on the optimizer thread
   /// (docs/user-guide.md, "Async vs sync step": staleness one).
   void step(std::function<void()> step_fn, StepMode mode = StepMode::kAsync);
 
@@ -122,9 +122,9 @@ class RoundPipe {
   std::vector<scheduler::LayerCost> layer_costs() const;
   /// The wrapped model (its parameters are the compute copies).
   torch::nn::Sequential module();
-  /// Number of completed forward_backward calls (the iteration index of Note [Layer RNG]).
+  /// Number of completed forward_backward calls (the iteration index of layer_seed).
   int64_t iteration() const;
-  /// The base seed of Note [Layer RNG].
+  /// The base seed of layer_seed.
   uint64_t seed() const;
 
  private:

@@ -4,11 +4,11 @@
 
 #include "amp/autocast_guard.h"
 #include "amp/grad_scaler.h"
+#include "base/config.h"
+#include "base/logging.h"
 #include "comm/launch_env.h"
 #include "optim/adam.h"
-#include "roundpipe/config.h"
 #include "roundpipe/devices.h"
-#include "roundpipe/logging.h"
 #include "roundpipe/round_pipe.h"
 #include "roundpipe/run_config.h"
 #include "roundpipe/stage_trace.h"

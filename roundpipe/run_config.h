@@ -25,7 +25,7 @@ enum class StepMode { kSync, kAsync };
 struct RunConfig {
   std::optional<int64_t> num_microbatch;          ///< default: number of devices + 1
   std::optional<RecomputeGrain> recompute_grain;  ///< default: kStage
-  std::optional<bool> preserve_rng_state;         ///< default: true (see Note [Layer RNG])
+  std::optional<bool> preserve_rng_state;         ///< default: true (docs/user-guide.md, "Dropout and reproducibility")
   std::optional<scheduler::ExecutePlan> execute_plan;  ///< default: automatic
   std::optional<c10::Device> output_device;       ///< default: CPU (forward() outputs)
 

@@ -49,7 +49,7 @@ export LD_LIBRARY_PATH="$build/deps/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:
 if wants test; then
   ctest --test-dir "$build" --output-on-failure -j 4 > "$out/ctest.log" 2>&1
   log "ctest: $(grep -E 'tests passed|tests failed' "$out/ctest.log" | tail -1)"
-  "$build/tests/runtime/runtime_tests" --gtest_filter='*_CUDA' > "$out/cuda_tests.log" 2>&1
+  "$build/tests/roundpipe/runtime_tests" --gtest_filter='*_CUDA' > "$out/cuda_tests.log" 2>&1
   "$build/tests/amp/amp_tests" --gtest_filter='*_CUDA' >> "$out/cuda_tests.log" 2>&1
   log "CUDA tests: $(grep -cE '^\[       OK \]' "$out/cuda_tests.log") passed, $(grep -cE '^\[  FAILED  \].*\(' "$out/cuda_tests.log") failed"
 fi
@@ -66,7 +66,7 @@ if wants sanitize; then
   fi
   if [ -n "$sanitizer" ]; then
     for tool in memcheck racecheck; do
-      "$sanitizer" --tool "$tool" --error-exitcode 9 "$build/tests/runtime/runtime_tests" \
+      "$sanitizer" --tool "$tool" --error-exitcode 9 "$build/tests/roundpipe/runtime_tests" \
         --gtest_filter='RoundPipeTest.Equivalence_MlpOnGpus_CUDA:CudaEngineTest.AsyncStress*' > "$out/sanitizer-$tool.log" 2>&1
       log "compute-sanitizer $tool: exit $? ($(grep -E 'ERROR SUMMARY' "$out/sanitizer-$tool.log" | tail -1))"
     done

@@ -1,7 +1,7 @@
 // CUDA streams and events of one device worker (internal). Only compiled with CUDA.
 #pragma once
 
-#include "roundpipe/config.h"
+#include "base/config.h"
 
 #if ROUNDPIPE_WITH_CUDA
 #include <c10/cuda/CUDAStream.h>

@@ -7,7 +7,7 @@
 #include <utility>
 #include <vector>
 
-#include "roundpipe/config.h"
+#include "base/config.h"
 #include "roundpipe/detail/trace_recorder.h"
 #if ROUNDPIPE_WITH_CUDA
 #include <ATen/cuda/CUDAEvent.h>

@@ -18,8 +18,9 @@ namespace roundpipe::detail {
 //  - Parameters: each layer's tensors are copied host -> device on the parameter-upload stream
 //    (from pinned host memory, so the copies are asynchronous) as soon as the job starts, and
 //    one event per layer is recorded after them. Compute waits for that event right before the
-//    layer's first kernel, so the upload of layer l+1 overlaps the compute of layer l, and the
-//    uploads of a job overlap the compute of the job before it on the GPU.
+//    layer's first kernel, so the upload of layer l+1 overlaps the compute of layer l. Uploads of
+//    a job begin only when its worker starts it, after the previous job on that worker has its
+//    results in host memory: there is no cross-job prefetch (docs/user-guide.md, "Limitations").
 //  - Activations come in on the activation-upload stream (event -> compute) and go out on the
 //    download stream (compute event -> download) into pinned host memory; the job waits for the
 //    download's event before it hands the host tensor to another job.

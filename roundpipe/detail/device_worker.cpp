@@ -3,7 +3,7 @@
 #include <boost/asio/post.hpp>
 #include <boost/asio/thread_pool.hpp>
 
-#include "roundpipe/config.h"
+#include "base/config.h"
 #if ROUNDPIPE_WITH_CUDA
 #include <c10/cuda/CUDAFunctions.h>
 #endif

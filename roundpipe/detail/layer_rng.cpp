@@ -8,10 +8,44 @@
 #include <mutex>
 #include <optional>
 
-#include "roundpipe/config.h"
+#include "base/config.h"
+#include "roundpipe/round_pipe.h"
 #if ROUNDPIPE_WITH_CUDA
 #include <ATen/cuda/CUDAGeneratorImpl.h>
 #endif
+
+namespace roundpipe {
+
+// Note [Layer RNG]:
+// Every layer's forward on a microbatch runs with its device's default generator seeded with
+// layer_seed(base seed, iteration, microbatch index, layer index), and the generator's previous
+// state is restored afterwards. Recompute seeds the same way, so it replays the forward's dropout
+// masks, whichever device or thread runs it and whatever the grain: results are independent of
+// the device count for a fixed num_microbatch. A plain loop reproduces it by calling
+// torch::manual_seed(layer_seed(...)) before each layer. The cost on CPU devices: they share one
+// generator, so seeded layer forwards are serialized by a mutex (set preserve_rng_state=false to
+// run CPU workers fully in parallel, without deterministic dropout).
+
+namespace {
+
+uint64_t splitmix64(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ULL;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+  return x ^ (x >> 31);
+}
+
+}  // namespace
+
+uint64_t layer_seed(uint64_t base_seed, int64_t iteration, int64_t microbatch, int64_t layer) {
+  uint64_t h = splitmix64(base_seed);
+  h = splitmix64(h ^ static_cast<uint64_t>(iteration));
+  h = splitmix64(h ^ static_cast<uint64_t>(microbatch));
+  h = splitmix64(h ^ static_cast<uint64_t>(layer));
+  return h >> 1;  // keep it representable as a non-negative int64 (Python's manual_seed range)
+}
+
+}  // namespace roundpipe
 
 namespace roundpipe::detail {
 namespace {

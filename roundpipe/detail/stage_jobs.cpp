@@ -4,9 +4,12 @@
 #include <c10/util/Exception.h>
 #include <torch/autograd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <sstream>
 
+#include "amp/detail/grad_scaler_access.h"
+#include "amp/detail/unscale.h"
 #include "amp/grad_scaler.h"
 #include "roundpipe/detail/device_io.h"
 #include "roundpipe/detail/layer_rng.h"
@@ -147,16 +150,33 @@ Activations run_layer(RunContext& ctx, ShellLease& shell, int64_t l, int64_t j, 
 
 std::vector<at::Tensor> buffer_copies(ShellLease& shell, DeviceIo& io) { return io.download_copy(shell.module().ptr()->buffers()); }
 
-// The shell's gradients in host memory. No copy on CPU: release only drops the shell's reference.
-std::vector<at::Tensor> param_grads(ShellLease& shell, DeviceIo& io) {
-  std::vector<at::Tensor> grads;
-  for (const auto& p : shell.module().ptr()->parameters()) grads.push_back(p.grad());
+// The shell's gradients per parameter the layer uses (LayerSet::uses[l]), in host memory. A
+// parameter at several positions of the layer (a module held twice) gets the sum of the
+// gradients of its positions: the shell is a clone and may hold a separate copy for each (or one
+// shared tensor, counted once). No copy on CPU when each parameter has one position: release
+// only drops the shell's reference.
+std::vector<at::Tensor> param_grads(const RunContext& ctx, int64_t l, ShellLease& shell, DeviceIo& io) {
+  const auto& use_of = ctx.model->use_of_position[l];
+  const auto params = shell.module().ptr()->parameters();
+  TORCH_INTERNAL_ASSERT(params.size() == use_of.size(), "layer ", ctx.model->names[l], ": its shell has ",
+                        params.size(), " parameters, the layer ", use_of.size());
+  std::vector<at::Tensor> grads(ctx.model->uses[l].size());
+  std::vector<std::vector<const c10::TensorImpl*>> counted(grads.size());
+  for (size_t pos = 0; pos < params.size(); ++pos) {
+    const int64_t u = use_of[pos];
+    const c10::TensorImpl* impl = params[pos].unsafeGetTensorImpl();
+    if (std::find(counted[u].begin(), counted[u].end(), impl) != counted[u].end()) continue;
+    counted[u].push_back(impl);
+    const at::Tensor& g = params[pos].grad();
+    if (!g.defined()) continue;
+    grads[u] = grads[u].defined() ? grads[u] + g : g;
+  }
   return io.download(grads);
 }
 
 // Records which GradScaler the loss_fn used (Note [Cross-thread GradScaler]). Runs on the fused
 // job's thread, the only one that calls loss_fn.
-class RunScaleObserver final : public amp::GradScaler::ScaleObserver {
+class RunScaleObserver final : public amp::detail::ScaleObserver {
  public:
   explicit RunScaleObserver(RunContext& ctx) : ctx_(ctx) {}
   void on_scale(amp::GradScaler& scaler, int64_t generation) override {
@@ -189,10 +209,10 @@ void post_found_inf(RunContext& ctx, std::vector<ShellLease>& shells, const c10:
     }
   }
   const auto one = at::ones({}, at::TensorOptions().dtype(at::kFloat).device(device));
-  auto per_device = amp::non_finite_check_and_unscale(grads, one, /*allow_fp16=*/true);
+  auto per_device = amp::detail::non_finite_check_and_unscale(grads, one, /*allow_fp16=*/true);
   at::Tensor found_inf = at::zeros({}, at::TensorOptions().dtype(at::kFloat).device(device));
   for (const auto& entry : per_device) found_inf.add_(entry.second.to(device));
-  scaler->post_found_inf(ctx.scaler_generation.load(), ctx.flag_batch, found_inf);
+  amp::detail::GradScalerAccess::post_found_inf(*scaler, ctx.scaler_generation.load(), ctx.flag_batch, found_inf);
   ctx.flags_posted.fetch_add(1);
 }
 
@@ -261,7 +281,7 @@ void run_fused_stage(RunContext& ctx, scheduler::LayerRange r, c10::Device devic
       at::Tensor label = ctx.labels[j].defined() ? ctx.labels[j].to(device) : ctx.labels[j];
       at::Tensor loss;
       {
-        amp::GradScaler::ScopedScaleObserver observe(&observer);
+        amp::detail::ScopedScaleObserver observe(&observer);
         loss = (*ctx.loss_fn)(acts[0], label);
       }
       TORCH_CHECK(loss.defined() && loss.numel() == 1, "loss_fn must return a one-element tensor, got ",
@@ -277,7 +297,7 @@ void run_fused_stage(RunContext& ctx, scheduler::LayerRange r, c10::Device devic
     post_found_inf(ctx, shells, device);
     pos.step = "";
     for (int64_t l = r.begin; l < r.end; ++l) {
-      ctx.grads[l] = param_grads(shells[l - r.begin], io);
+      ctx.grads[l] = param_grads(ctx, l, shells[l - r.begin], io);
       ctx.buffers[l] = buffer_copies(shells[l - r.begin], io);
     }
   });
@@ -336,7 +356,7 @@ void run_backward_stage(RunContext& ctx, size_t stage, scheduler::LayerRange r, 
     pos.step = "checking gradients for inf/NaN";
     post_found_inf(ctx, shells, device);
     pos.step = "";
-    for (int64_t l = r.begin; l < r.end; ++l) ctx.grads[l] = param_grads(shells[l - r.begin], io);
+    for (int64_t l = r.begin; l < r.end; ++l) ctx.grads[l] = param_grads(ctx, l, shells[l - r.begin], io);
   });
 }
 

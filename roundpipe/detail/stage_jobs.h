@@ -48,6 +48,12 @@ class Channel {
 };
 using ChannelPtr = std::shared_ptr<Channel>;
 
+/// A parameter of the model: entry `index` of the parameter list of layer `layer`, its owner.
+struct ParamRef {
+  int64_t layer = 0;
+  int64_t index = 0;
+};
+
 /// The model's layers as the engine runs them. Immutable after construction, except
 /// `call_modes` (atomics) and the tensors' data (written only by the caller thread between
 /// calls, or by the optimizer through the per-layer protocol) and `shells` (its own mutex).
@@ -55,6 +61,11 @@ struct LayerSet {
   std::vector<torch::nn::AnyModule> layers;
   std::vector<std::string> names;  // "3 (Linear)"
   std::unique_ptr<std::atomic<int>[]> call_modes;
+  /// [layer][u]: the distinct parameters layer l uses, in order of first appearance in
+  /// layers[l]->parameters() (a module held twice by a layer is one parameter here).
+  std::vector<std::vector<ParamRef>> uses;
+  /// [layer][position in layers[l]->parameters()] -> u, the index into uses[l].
+  std::vector<std::vector<int64_t>> use_of_position;
   mutable LayerShells shells{&layers};  // the stage jobs' module copies (Note [Layer shells])
 };
 
@@ -100,7 +111,7 @@ struct RunContext {
 
   std::vector<at::Tensor> losses;                // [mb]                 fused job
   std::vector<Activations> outputs;              // [mb]                 last forward job (inference)
-  std::vector<std::vector<at::Tensor>> grads;    // [layer][param]       job running its backward
+  std::vector<std::vector<at::Tensor>> grads;    // [layer][u] (uses[l]) job running its backward
   std::vector<std::vector<at::Tensor>> buffers;  // [layer][buffer]      job running its forward
 };
 

@@ -12,6 +12,8 @@
 #include <thread>
 #include <vector>
 
+#include "amp/detail/grad_scaler_access.h"
+#include "amp/detail/scaler_core.h"
 #include "amp/grad_scaler.h"
 #include "tests/common/test_macros.h"
 
@@ -21,7 +23,7 @@ namespace {
 torch::TensorOptions f32(const c10::Device& device) { return torch::TensorOptions().dtype(torch::kFloat).device(device); }
 
 // Records the generation of the last scale() call on this thread.
-struct GenerationProbe final : GradScaler::ScaleObserver {
+struct GenerationProbe final : detail::ScaleObserver {
   GradScaler* scaler = nullptr;
   int64_t generation = -1;
   void on_scale(GradScaler& s, int64_t g) override {
@@ -32,7 +34,7 @@ struct GenerationProbe final : GradScaler::ScaleObserver {
 
 int64_t scale_and_get_generation(GradScaler& scaler, const c10::Device& device) {
   GenerationProbe probe;
-  GradScaler::ScopedScaleObserver observe(&probe);
+  detail::ScopedScaleObserver observe(&probe);
   scaler.scale(torch::ones({}, f32(device)));
   EXPECT_EQ(probe.scaler, &scaler);
   return probe.generation;
@@ -60,10 +62,10 @@ void flags_drive_update_case(const c10::Device& device) {
     const int64_t g = scale_and_get_generation(scaler, device);
     EXPECT_EQ(g, static_cast<int64_t>(it));
     // Three stages of an announced run; the bad value in the middle one.
-    for (int stage = 0; stage < 3; ++stage) scaler.post_found_inf(g, run, flag(stage == 1 ? pattern[it] : 0.0, device));
-    scaler.expect_found_inf(g, run, 3);
+    for (int stage = 0; stage < 3; ++stage) detail::GradScalerAccess::post_found_inf(scaler, g, run, flag(stage == 1 ? pattern[it] : 0.0, device));
+    detail::GradScalerAccess::expect_found_inf(scaler, g, run, 3);
     // A failed run: posted an inf, never announced, must not count.
-    scaler.post_found_inf(g, run + 1, flag(inf, device));
+    detail::GradScalerAccess::post_found_inf(scaler, g, run + 1, flag(inf, device));
     run += 2;
     scaler.update();
 
@@ -82,16 +84,16 @@ void iteration_scope_case(const c10::Device& device) {
   auto param = torch::zeros({2}, f32(device)).set_requires_grad(true);
   torch::optim::SGD opt({param}, 1.0);
   param.mutable_grad() = scaler.scale(torch::ones({2}, f32(device)));  // grads scaled by 8
-  auto iteration = scaler.capture_iteration();
+  auto iteration = detail::GradScalerAccess::capture_iteration(scaler);
   scaler.update(64.0);  // the live scale moves on
   {
-    GradScaler::IterationScope scope(scaler, iteration);
+    detail::IterationScope scope(scaler, iteration);
     scaler.unscale_(opt);  // with the iteration's 8, not the live 64
     EXPECT_THROW_WITH(scaler.unscale_(opt), "unscale_() has already been called on this optimizer");
   }
   EXPECT_TRUE(torch::equal(param.grad().cpu(), torch::ones({2})));
   {
-    GradScaler::IterationScope scope(scaler, iteration);  // the same iteration: state carries over
+    detail::IterationScope scope(scaler, iteration);  // the same iteration: state carries over
     EXPECT_TRUE(scaler.step(opt));                         // no second unscale
     EXPECT_THROW_WITH(scaler.step(opt), "step() has already been called since the last update().");
   }
@@ -102,7 +104,7 @@ void iteration_scope_case(const c10::Device& device) {
   EXPECT_TRUE(torch::equal(param.grad().cpu(), torch::ones({2})));
   // A scope of an iteration that was never scaled fails like torch.
   GradScaler fresh;
-  GradScaler::IterationScope scope(fresh, fresh.capture_iteration());
+  detail::IterationScope scope(fresh, detail::GradScalerAccess::capture_iteration(fresh));
   EXPECT_THROW_WITH(fresh.step(opt), "Attempted step but _scale is None.");
 }
 ROUNDPIPE_DEVICE_TEST(GradScalerCrossThreadTest, IterationScope_UsesSnapshotAndPrivateStates, iteration_scope_case)
@@ -111,13 +113,13 @@ TEST(GradScalerCrossThreadTest, Update_ReturnsBeforeFlagsArriveAndCompletesInNex
   const c10::Device cpu(c10::kCPU);
   GradScaler scaler(GradScalerOptions().init_scale(1024.0).growth_interval(1));
   const int64_t g = scale_and_get_generation(scaler, cpu);
-  scaler.post_found_inf(g, 7, flag(0.0, cpu));
-  scaler.expect_found_inf(g, 7, 2);
+  detail::GradScalerAccess::post_found_inf(scaler, g, 7, flag(0.0, cpu));
+  detail::GradScalerAccess::expect_found_inf(scaler, g, 7, 2);
   std::promise<void> update_returned;
   // The second flag is posted only after update() has returned: update() must not wait for it.
   std::thread late_worker([&, f = update_returned.get_future()]() mutable {
     f.wait();
-    scaler.post_found_inf(g, 7, flag(std::numeric_limits<double>::infinity(), cpu));
+    detail::GradScalerAccess::post_found_inf(scaler, g, 7, flag(std::numeric_limits<double>::infinity(), cpu));
   });
   scaler.update();
   update_returned.set_value();
@@ -126,7 +128,7 @@ TEST(GradScalerCrossThreadTest, Update_ReturnsBeforeFlagsArriveAndCompletesInNex
   int64_t next_generation = -1;
   std::thread next_iteration([&] {
     GenerationProbe probe;
-    GradScaler::ScopedScaleObserver observe(&probe);
+    detail::ScopedScaleObserver observe(&probe);
     scaled = scaler.scale(torch::ones({})).item<double>();
     next_generation = probe.generation;
   });
@@ -137,8 +139,8 @@ TEST(GradScalerCrossThreadTest, Update_ReturnsBeforeFlagsArriveAndCompletesInNex
   EXPECT_EQ(scaler.get_scale(), 512.0);
   EXPECT_EQ(scaler.state_dict().growth_tracker, 0);
   // The following update uses this iteration's flags only.
-  scaler.post_found_inf(1, 8, flag(0.0, cpu));
-  scaler.expect_found_inf(1, 8, 1);
+  detail::GradScalerAccess::post_found_inf(scaler, 1, 8, flag(0.0, cpu));
+  detail::GradScalerAccess::expect_found_inf(scaler, 1, 8, 1);
   scaler.update();
   EXPECT_EQ(scaler.get_scale(), 1024.0);
 }
@@ -147,11 +149,11 @@ TEST(GradScalerCrossThreadTest, Update_NewScaleIgnoresFlagsStillInFlight) {
   const c10::Device cpu(c10::kCPU);
   GradScaler scaler(GradScalerOptions().init_scale(1024.0).growth_interval(1));
   const int64_t g = scale_and_get_generation(scaler, cpu);
-  scaler.expect_found_inf(g, 1, 1);
+  detail::GradScalerAccess::expect_found_inf(scaler, g, 1, 1);
   scaler.update(100.0);  // like torch: an explicit scale ignores found_inf
-  scaler.post_found_inf(g, 1, flag(std::numeric_limits<double>::infinity(), cpu));  // late, dropped
+  detail::GradScalerAccess::post_found_inf(scaler, g, 1, flag(std::numeric_limits<double>::infinity(), cpu));  // late, dropped
   EXPECT_EQ(scaler.get_scale(), 100.0);
-  EXPECT_THROW_WITH(scaler.expect_found_inf(g, 2, 1), "already ran");
+  EXPECT_THROW_WITH(detail::GradScalerAccess::expect_found_inf(scaler, g, 2, 1), "already ran");
 }
 
 // Many workers post at once (lock-free queue), the caller updates; run under ThreadSanitizer.
@@ -168,12 +170,12 @@ TEST(GradScalerCrossThreadTest, ConcurrentPosts_TrajectoryMatchesStandalone) {
       workers.emplace_back([&, t] {
         for (int k = 0; k < kFlagsPerThread; ++k) {
           const bool poison = bad && t == 2 && k == 11;
-          scaler.post_found_inf(g, static_cast<uint64_t>(it), flag(poison ? 1.0 : 0.0, cpu));
+          detail::GradScalerAccess::post_found_inf(scaler, g, static_cast<uint64_t>(it), flag(poison ? 1.0 : 0.0, cpu));
         }
       });
     }
     // Announced while the posts are in flight; update() may defer, get_scale() completes it.
-    scaler.expect_found_inf(g, static_cast<uint64_t>(it), kThreads * kFlagsPerThread);
+    detail::GradScalerAccess::expect_found_inf(scaler, g, static_cast<uint64_t>(it), kThreads * kFlagsPerThread);
     scaler.update();
     for (auto& w : workers) w.join();
     standalone_iteration(reference, bad ? std::numeric_limits<double>::infinity() : 0.0, cpu);
@@ -188,16 +190,16 @@ TEST(GradScalerCrossThreadTest, Executor_MarshalsCallsOutsideScopes) {
   auto param = torch::zeros({2}).set_requires_grad(true);
   torch::optim::SGD opt({param}, 1.0);
   param.mutable_grad() = scaler.scale(torch::ones({2}));
-  auto iteration = scaler.capture_iteration();
+  auto iteration = detail::GradScalerAccess::capture_iteration(scaler);
   std::vector<std::thread::id> ran_on;
-  auto executor = std::make_shared<const GradScaler::Executor>([&](const std::function<void()>& call) {
+  auto executor = std::make_shared<const detail::Executor>([&](const std::function<void()>& call) {
     std::thread([&] {
       ran_on.push_back(std::this_thread::get_id());
-      GradScaler::IterationScope scope(scaler, iteration);
+      detail::IterationScope scope(scaler, iteration);
       call();
     }).join();
   });
-  scaler.set_executor(executor);
+  detail::GradScalerAccess::set_executor(scaler, executor);
   scaler.unscale_(opt);
   EXPECT_TRUE(torch::equal(param.grad(), torch::ones({2})));
   EXPECT_TRUE(scaler.step(opt));  // continues the iteration's state: no second unscale

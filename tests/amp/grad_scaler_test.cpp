@@ -1,5 +1,6 @@
 // GradScaler: PyTorch's own GradScaler tests (test_torch.py / test_cuda.py) ported to C++, with
 // closed-form or fp32-control references, on CPU and (as *_CUDA twins) on the GPU.
+#include "amp/detail/unscale.h"
 #include "amp/grad_scaler.h"
 
 #include <gtest/gtest.h>
@@ -108,7 +109,7 @@ TEST(GradScalerTest, NonFiniteCheck_BucketsPerDevice) {
   auto inv = torch::full({}, 0.5, torch::kFloat);
   std::vector<torch::Tensor> grads = {torch::full({3}, 2.0), torch::Tensor(), torch::full({2}, 4.0, torch::kDouble),
                                       torch::full({2}, 6.0, torch::kBFloat16)};
-  auto found = non_finite_check_and_unscale(grads, inv, /*allow_fp16=*/false);
+  auto found = detail::non_finite_check_and_unscale(grads, inv, /*allow_fp16=*/false);
   ASSERT_EQ(found.size(), 1u);
   EXPECT_EQ(found[0].first, c10::Device(c10::kCPU));
   EXPECT_EQ(found[0].second.item<float>(), 0.0f);
@@ -116,14 +117,14 @@ TEST(GradScalerTest, NonFiniteCheck_BucketsPerDevice) {
   EXPECT_TRUE(torch::equal(grads[2], torch::full({2}, 2.0, torch::kDouble)));
   EXPECT_TRUE(torch::equal(grads[3], torch::full({2}, 3.0, torch::kBFloat16)));
   grads[3][0] = kInf;
-  EXPECT_EQ(non_finite_check_and_unscale(grads, torch::ones({}), false)[0].second.item<float>(), 1.0f);
-  EXPECT_TRUE(non_finite_check_and_unscale({torch::Tensor()}, inv, false).empty());
+  EXPECT_EQ(detail::non_finite_check_and_unscale(grads, torch::ones({}), false)[0].second.item<float>(), 1.0f);
+  EXPECT_TRUE(detail::non_finite_check_and_unscale({torch::Tensor()}, inv, false).empty());
 }
 
 TEST(GradScalerTest, NonFiniteCheck_MixedDevices_CUDA) {
   std::vector<torch::Tensor> grads = {torch::full({3}, 2.0), torch::full({3}, 2.0, f32(c10::Device(c10::kCUDA, 0)))};
   grads[1][2] = kInf;
-  auto found = non_finite_check_and_unscale(grads, torch::full({}, 0.5), false);
+  auto found = detail::non_finite_check_and_unscale(grads, torch::full({}, 0.5), false);
   ASSERT_EQ(found.size(), 2u);
   EXPECT_TRUE(found[0].first.is_cpu());
   EXPECT_EQ(found[0].second.item<float>(), 0.0f);

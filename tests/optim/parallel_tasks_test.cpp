@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <map>
 #include <mutex>
 #include <set>
 #include <stdexcept>
@@ -13,19 +14,19 @@
 namespace roundpipe::optim {
 namespace {
 
-TEST(ParallelTasksTest, RunsEveryTaskOnceOnDistinctThreads) {
+TEST(ParallelTasksTest, RunsEveryTaskOnce_Task0OnCallerOthersOnHelperThreads) {
   std::mutex mutex;
   std::multiset<int64_t> ran;
-  std::set<std::thread::id> threads;
+  std::map<int64_t, std::thread::id> thread_of;
   detail::run_tasks(4, [&](int64_t task) {
     std::lock_guard<std::mutex> lock(mutex);
     ran.insert(task);
-    threads.insert(std::this_thread::get_id());
+    thread_of[task] = std::this_thread::get_id();
   });
   EXPECT_EQ(ran, (std::multiset<int64_t>{0, 1, 2, 3}));
-  // Task 0 runs on the caller; the helpers are other threads (the pool has at least one).
-  EXPECT_EQ(threads.count(std::this_thread::get_id()), 1u);
-  EXPECT_GE(threads.size(), 2u);
+  // The contract: task 0 on the caller, every other task on a helper thread (not the caller).
+  EXPECT_EQ(thread_of[0], std::this_thread::get_id());
+  for (int64_t task = 1; task < 4; ++task) EXPECT_NE(thread_of[task], std::this_thread::get_id()) << "task " << task;
   std::set<std::thread::id> single;
   detail::run_tasks(1, [&](int64_t) { single.insert(std::this_thread::get_id()); });
   EXPECT_EQ(single, std::set<std::thread::id>{std::this_thread::get_id()});

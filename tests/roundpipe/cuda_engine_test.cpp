@@ -11,7 +11,7 @@
 #include "roundpipe/round_pipe.h"
 #include "roundpipe/stage_trace.h"
 #include "tests/common/tensor_compare.h"
-#include "tests/runtime/test_models.h"
+#include "tests/roundpipe/test_models.h"
 
 namespace roundpipe {
 namespace {

@@ -1,4 +1,4 @@
-#include "roundpipe/logging.h"
+#include "base/logging.h"
 
 #include <gtest/gtest.h>
 

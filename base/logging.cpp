@@ -1,5 +1,5 @@
 // The only translation unit that includes spdlog (see logging.h).
-#include "roundpipe/logging.h"
+#include "base/logging.h"
 
 #include <spdlog/sinks/stdout_color_sinks.h>
 #include <spdlog/spdlog.h>

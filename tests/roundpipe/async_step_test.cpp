@@ -8,7 +8,7 @@
 #include "optim/adam.h"
 #include "roundpipe/round_pipe.h"
 #include "tests/common/tensor_compare.h"
-#include "tests/runtime/test_models.h"
+#include "tests/roundpipe/test_models.h"
 
 namespace roundpipe {
 namespace {

@@ -1,6 +1,6 @@
-// Logging for every RoundPipe module: one named logger per module ("scheduler", "amp", "optim",
-// "comm", "runtime", "launcher"), backed by spdlog. This header deliberately does not include
-// spdlog or fmt (LibTorch ships its own fmt; keeping spdlog in one translation unit avoids mixing
+// roundpipe::base logging, at the bottom of the module graph: one named logger per module that
+// logs ("amp", "optim", "runtime", ...), backed by spdlog. This header deliberately does not
+// include spdlog or fmt (LibTorch ships its own fmt; keeping spdlog in one translation unit avoids mixing
 // the two), so it is safe to include anywhere.
 #pragma once
 

@@ -8,7 +8,7 @@
 #include <set>
 
 #include "roundpipe/round_pipe.h"
-#include "tests/runtime/test_models.h"
+#include "tests/roundpipe/test_models.h"
 
 namespace roundpipe {
 namespace {

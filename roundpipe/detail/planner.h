@@ -1,0 +1,51 @@
+// The runtime's glue to the scheduler: per-layer costs, the per-device memory budget and the
+// cache of automatic plans (internal).
+#pragma once
+
+#include <cstdint>
+#include <limits>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "scheduler/execute_plan.h"
+#include "scheduler/partitioner.h"
+
+namespace roundpipe::detail {
+
+/// Chooses the plan of each run: the call's (or model's) own, else an automatic plan partitioned
+/// from the layer costs, size-based until measured forward times replace them.
+///
+/// Thread-safety: the caller thread only (plans are computed between runs).
+class Planner {
+ public:
+  /// `param_bytes[l]` / `grad_bytes[l]`: layer l's parameter + buffer bytes / trainable parameter
+  /// bytes. `memory_budget_bytes`: per stage and device (max() = unlimited).
+  Planner(std::vector<int64_t> param_bytes, std::vector<int64_t> grad_bytes, int64_t num_devices,
+          int64_t memory_budget_bytes);
+
+  int64_t num_layers() const { return static_cast<int64_t>(param_bytes_.size()); }
+  int64_t memory_budget_bytes() const { return memory_budget_bytes_; }
+  /// `plan` validated against the model (a given plan), else the automatic plan for `type`.
+  scheduler::ExecutePlan plan_for(const std::optional<scheduler::ExecutePlan>& plan, scheduler::RunType type) const;
+  /// The automatic plan for `type` (cached until the costs change).
+  scheduler::ExecutePlan auto_plan(scheduler::RunType type) const;
+  const std::vector<scheduler::LayerCost>& layer_costs() const;
+  /// Whether layer times were measured (RoundPipeOptions::measure_layer_times).
+  bool measured() const { return measured_; }
+  /// Replaces the costs by measured forward times (`forward_ms[l]` summed over `num_microbatch`
+  /// microbatches; backward taken as 3x forward, like the size-based model) and drops the cached
+  /// plans. Returns a line describing the new plan and the old one, for the log.
+  std::string use_measured_times(const std::vector<double>& forward_ms, int64_t num_microbatch);
+
+ private:
+  std::vector<int64_t> param_bytes_;
+  std::vector<int64_t> grad_bytes_;
+  int64_t num_devices_;
+  int64_t memory_budget_bytes_;
+  bool measured_ = false;
+  mutable std::vector<scheduler::LayerCost> costs_;  // lazy
+  mutable std::optional<scheduler::ExecutePlan> auto_fused_plan_, auto_infer_plan_;
+};
+
+}  // namespace roundpipe::detail

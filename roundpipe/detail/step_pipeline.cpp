@@ -1,0 +1,266 @@
+#include "roundpipe/detail/step_pipeline.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+
+#include "amp/detail/scaler_core.h"
+#include "amp/grad_scaler.h"
+
+namespace roundpipe::detail {
+
+// Note [Async step protocol]:
+// step(fn, kAsync) number k queues one job on the optimizer thread (FIFO) and returns. The job
+// (1) publishes the master values (after step k-1) into the compute copies, layer by layer,
+// raising published[l] to k; (2) moves iteration k's gradients from the compute copies' .grad
+// into the master .grad (cast to optim_dtype), raising consumed[l] to k; (3) runs fn.
+// The next forward_backward (iteration k+1) runs concurrently with that job: a stage job waits,
+// per layer, for published[l] >= k before it copies the layer (so iteration k+1 computes with
+// the parameters after step k-1: staleness one, as in the Python original), and the caller waits
+// for consumed[l] >= k before it adds iteration k+1's gradients to the layer's .grad. Stage jobs
+// of iteration k+1 only read compute copies after their publish; the optimizer thread writes
+// them only in (1), so no tensor is read and written concurrently. A failed job records its
+// error, raises every counter (nobody waits forever) and the error is rethrown at the next
+// forward_backward, step or synchronize. synchronize() drains the queue and publishes the
+// masters, so afterwards compute copies hold the values after the last step. kSync drains, then
+// does (2), fn and a publish inline: exactly a plain loop.
+//
+// Note [Gradient hand-over]:
+// A stage job's parameter gradients reach the model without copies. On a CPU device the job hands
+// over its shell's .grad tensors: the shell drops its reference at its next lease (before any
+// backward), so nothing else ever writes them; on CUDA they are fresh host tensors from the
+// download. forward_backward makes them the compute copies' .grad (or adds them into an existing
+// .grad), and the step job makes them the master .grad when the dtypes match. Otherwise the step
+// job casts into one persistent buffer per master (allocated at the first step), so no step
+// allocates, page-faults or clones gradient-sized memory. "Match" means the master gradient dtype:
+// the master's own, or RoundPipeOptions::master_grad_dtype, which lets bf16/fp16 compute
+// gradients through uncast to an optimizer that widens them itself (roundpipe::optim::Adam).
+// As with PyTorch's zero_grad(false), a master .grad tensor kept by the caller across steps may
+// be overwritten by a later step.
+
+StepPipeline::StepPipeline(const std::vector<std::vector<at::Tensor>>* params,
+                           std::optional<c10::ScalarType> optim_dtype,
+                           std::optional<c10::ScalarType> master_grad_dtype)
+    : params_(params),
+      optim_dtype_(optim_dtype),
+      master_grad_dtype_(master_grad_dtype),
+      published_(params->size(), 0),
+      consumed_(params->size(), 0) {}
+
+StepPipeline::~StepPipeline() {
+  // Queued steps reference this object: finish them (errors are dropped: a destructor cannot throw).
+  drain();
+}
+
+void StepPipeline::wait_counter(const std::vector<int64_t>& counter, int64_t l, int64_t target) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  cv_.wait(lock, [&] { return counter[l] >= target; });
+}
+
+void StepPipeline::raise_counter(std::vector<int64_t>& counter, int64_t l, int64_t value) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    counter[l] = std::max(counter[l], value);
+  }
+  cv_.notify_all();
+}
+
+void StepPipeline::raise_all(int64_t value) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (auto& c : published_) c = std::max(c, value);
+    for (auto& c : consumed_) c = std::max(c, value);
+  }
+  cv_.notify_all();
+}
+
+void StepPipeline::rethrow_async_error() {
+  std::exception_ptr error;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    std::swap(error, async_error_);
+  }
+  if (error) std::rethrow_exception(error);
+}
+
+void StepPipeline::drain() {
+  for (auto& f : pending_steps_) f.wait();
+  pending_steps_.clear();
+}
+
+void StepPipeline::wait_published(int64_t l, int64_t step) { wait_counter(published_, l, step); }
+
+// Writes master values into the compute copies of layer l (caller holds no lock).
+void StepPipeline::publish_layer(size_t l) {
+  at::NoGradGuard no_grad;
+  const auto& params = (*params_)[l];
+  for (size_t k = 0; k < params.size(); ++k) params[k].copy_(masters_[l][k]);
+}
+
+// The dtype of `master`'s .grad: RoundPipeOptions::master_grad_dtype for parameters whose
+// compute copy has that dtype (their gradients go over uncast), else the master's own dtype (so
+// e.g. fp32 norm weights in a bf16 model keep fp32 gradients).
+c10::ScalarType StepPipeline::master_grad_dtype(const at::Tensor& compute, const at::Tensor& master) const {
+  return master_grad_dtype_ && compute.scalar_type() == *master_grad_dtype_ ? *master_grad_dtype_
+                                                                             : master.scalar_type();
+}
+
+// Moves layer l's gradients from the compute copies into the master .grad (Note [Gradient
+// hand-over]): accumulated in place if the master has one, taken over if dtypes match, else cast
+// into the master's persistent gradient buffer. Optimizer thread (or the caller after drain()).
+void StepPipeline::consume_grads_layer(size_t l) {
+  at::NoGradGuard no_grad;
+  const auto& params = (*params_)[l];
+  for (size_t k = 0; k < params.size(); ++k) {
+    at::Tensor p = params[k];
+    at::Tensor& master = masters_[l][k];
+    if (!p.grad().defined()) continue;
+    const at::Tensor& g = p.grad();
+    const auto grad_dtype = master_grad_dtype(p, master);
+    if (master.grad().defined()) {
+      master.mutable_grad().add_(g);  // add_ casts a bf16/fp16 g in the same pass
+    } else if (g.scalar_type() == grad_dtype && g.device() == master.device()) {
+      master.mutable_grad() = g;
+    } else {
+      at::Tensor& buffer = master_grad_buffers_[l][k];
+      if (!buffer.defined()) buffer = at::empty(master.sizes(), master.options().dtype(grad_dtype));
+      buffer.copy_(g);
+      master.mutable_grad() = buffer;
+    }
+    p.mutable_grad().reset();
+  }
+}
+
+const std::vector<std::vector<at::Tensor>>& StepPipeline::masters() {
+  if (!masters_.empty() || params_->empty()) return masters_;
+  at::NoGradGuard no_grad;
+  masters_.resize(params_->size());
+  master_grad_buffers_.resize(params_->size());
+  for (size_t l = 0; l < params_->size(); ++l) {
+    for (const auto& p : (*params_)[l]) {
+      auto dtype = optim_dtype_.value_or(p.scalar_type());
+      auto master = p.detach().to(c10::kCPU, dtype, /*non_blocking=*/false, /*copy=*/true);
+      master.requires_grad_(p.requires_grad());
+      const auto grad_dtype = master_grad_dtype(p, master);
+      if (grad_dtype != dtype && master.requires_grad()) master.set_grad_dtype(grad_dtype);
+      masters_[l].push_back(master);
+      master_grad_buffers_[l].emplace_back();
+    }
+  }
+  return masters_;
+}
+
+void StepPipeline::accept_grads(const LayerSet& layers, std::vector<std::vector<at::Tensor>>& grads,
+                                int64_t steps_before) {
+  at::NoGradGuard no_grad;
+  for (size_t l = 0; l < grads.size(); ++l) {
+    const auto& uses = layers.uses[l];
+    TORCH_INTERNAL_ASSERT(grads[l].empty() || grads[l].size() == uses.size(), "layer ", layers.names[l], ": ",
+                          grads[l].size(), " gradients for ", uses.size(), " parameters");
+    for (size_t u = 0; u < grads[l].size(); ++u) {
+      const auto& g = grads[l][u];
+      at::Tensor p = (*params_)[uses[u].layer][uses[u].index];
+      if (!g.defined() || !p.requires_grad()) continue;
+      wait_counter(consumed_, uses[u].layer, steps_before);  // the previous step has taken its grads
+      if (p.grad().defined()) {
+        p.mutable_grad().add_(g);  // add_ casts in the same pass
+      } else {
+        p.mutable_grad() = g.to(p.device(), p.scalar_type());  // handed over, no copy (Note [Gradient hand-over])
+      }
+    }
+  }
+}
+
+DeviceWorker& StepPipeline::optimizer_thread() {
+  if (!optimizer_thread_) optimizer_thread_ = std::make_unique<DeviceWorker>(c10::Device(c10::kCPU));
+  return *optimizer_thread_;
+}
+
+void StepPipeline::attach_scaler(amp::GradScaler& scaler, int64_t generation, uint64_t flag_batch,
+                                 int64_t flags_posted) {
+  using amp::detail::GradScalerAccess;
+  GradScalerAccess::expect_found_inf(scaler, generation, flag_batch, flags_posted);
+  if (&scaler != scaler_) {
+    scaler_ = &scaler;
+    scaler_executor_ = std::make_shared<const amp::detail::Executor>(
+        [this, &scaler](const std::function<void()>& call) { run_marshalled(scaler, call); });
+  }
+  GradScalerAccess::set_executor(scaler, scaler_executor_);
+  if (!pending_iteration_) pending_iteration_ = GradScalerAccess::capture_iteration(scaler);
+}
+
+// The scaler's unscale_/step called outside a step function: run on the optimizer thread, after
+// queued steps, on this iteration's gradients (moved into the master copies first) and inside
+// its IterationScope; a later step function continues the same per-optimizer state.
+void StepPipeline::run_marshalled(amp::GradScaler& scaler, const std::function<void()>& call) {
+  using amp::detail::GradScalerAccess;
+  if (optimizer_thread_ && optimizer_thread_->is_current()) {
+    // A step function queued without a scaled iteration (no forward_backward since the last step).
+    amp::detail::IterationScope scope(scaler, GradScalerAccess::capture_iteration(scaler));
+    call();
+    return;
+  }
+  rethrow_async_error();
+  masters();
+  if (!pending_iteration_) pending_iteration_ = GradScalerAccess::capture_iteration(scaler);
+  optimizer_thread()
+      .post([this, &scaler, &call, iteration = pending_iteration_] {
+        for (size_t l = params_->size(); l-- > 0;) consume_grads_layer(l);
+        amp::detail::IterationScope scope(scaler, iteration);
+        call();
+      })
+      .get();
+}
+
+void StepPipeline::step(std::function<void()> step_fn, StepMode mode) {
+  rethrow_async_error();
+  masters();
+  const int64_t k = ++steps_;
+  if (pending_iteration_) {
+    // The step function runs inside the scope of the iteration its gradients come from.
+    step_fn = [scaler = scaler_, iteration = std::move(pending_iteration_), fn = std::move(step_fn)] {
+      amp::detail::IterationScope scope(*scaler, iteration);
+      if (fn) fn();
+    };
+  }
+  if (mode == StepMode::kSync) {
+    drain();
+    rethrow_async_error();
+    for (size_t l = 0; l < params_->size(); ++l) consume_grads_layer(l);
+    if (step_fn) step_fn();
+    for (size_t l = 0; l < params_->size(); ++l) publish_layer(l);
+    raise_all(k);
+    return;
+  }
+  pending_steps_.push_back(optimizer_thread().post([this, k, fn = std::move(step_fn)] {
+    try {
+      for (size_t l = 0; l < params_->size(); ++l) {
+        publish_layer(l);
+        raise_counter(published_, static_cast<int64_t>(l), k);
+      }
+      for (size_t l = params_->size(); l-- > 0;) {
+        consume_grads_layer(l);
+        raise_counter(consumed_, static_cast<int64_t>(l), k);
+      }
+      if (fn) fn();
+    } catch (...) {
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        if (!async_error_) async_error_ = std::current_exception();
+      }
+      raise_all(k);
+    }
+  }));
+}
+
+void StepPipeline::synchronize() {
+  drain();
+  if (!masters_.empty()) {
+    for (size_t l = 0; l < params_->size(); ++l) publish_layer(l);
+  }
+  raise_all(steps_);
+  rethrow_async_error();
+}
+
+}  // namespace roundpipe::detail

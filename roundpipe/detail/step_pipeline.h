@@ -1,0 +1,110 @@
+// The optimizer side of RoundPipe: master copies, the hand-over of gradients, queued steps and the
+// per-layer publish/consume protocol between them and the stage jobs (internal).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/ScalarType.h>
+
+#include <condition_variable>
+#include <cstdint>
+#include <exception>
+#include <functional>
+#include <future>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "amp/detail/grad_scaler_access.h"
+#include "roundpipe/detail/device_worker.h"
+#include "roundpipe/detail/stage_jobs.h"
+#include "roundpipe/run_config.h"
+
+namespace roundpipe::amp {
+class GradScaler;
+}  // namespace roundpipe::amp
+
+namespace roundpipe::detail {
+
+/// Owns the master copies and runs step functions (Note [Async step protocol], Note [Gradient
+/// hand-over]). Per layer l it keeps two counters: published[l] (the last step whose master
+/// values are in the compute copies) and consumed[l] (the last step that took the layer's
+/// gradients); stage jobs and the caller wait on them per layer.
+///
+/// Thread-safety: the caller thread calls everything except `wait_published`, which stage jobs
+/// call from worker threads. The counters and the async error are guarded by `mutex_`; the
+/// masters, their gradient buffers and the compute copies' .grad are owned by whoever runs the
+/// current step (the optimizer thread while a step is queued, else the caller), as the protocol
+/// orders. Queued steps are drained by the destructor (their errors dropped).
+class StepPipeline {
+ public:
+  /// `params[l]`: layer l's parameters (the compute copies), owned by the caller and alive as long
+  /// as this object.
+  StepPipeline(const std::vector<std::vector<at::Tensor>>* params, std::optional<c10::ScalarType> optim_dtype,
+               std::optional<c10::ScalarType> master_grad_dtype);
+  ~StepPipeline();
+  StepPipeline(const StepPipeline&) = delete;
+  StepPipeline& operator=(const StepPipeline&) = delete;
+
+  /// RoundPipe::step: queues (kAsync) or runs (kSync) step number steps()+1.
+  void step(std::function<void()> step_fn, StepMode mode);
+  /// RoundPipe::synchronize: drains the queue, publishes the masters, rethrows a step's error.
+  void synchronize();
+  /// Rethrows (once) the error of a failed queued step.
+  void rethrow_async_error();
+  /// Number of step() calls so far.
+  int64_t steps() const { return steps_; }
+  /// The master copies, [layer][param]; created on first call.
+  const std::vector<std::vector<at::Tensor>>& masters();
+
+  /// Any thread: blocks until layer l's compute copy holds the values after step `step` - 1
+  /// (for a run that started after `step` steps were queued: staleness one).
+  void wait_published(int64_t l, int64_t step);
+  /// Adds a successful run's gradients (RunContext::grads, per LayerSet::uses) to the compute
+  /// copies' .grad, each layer once step `steps_before` has taken the previous ones.
+  void accept_grads(const LayerSet& layers, std::vector<std::vector<at::Tensor>>& grads, int64_t steps_before);
+
+  /// After a successful run whose loss_fn used `scaler`: announces the flags its jobs posted,
+  /// snapshots the iteration's scale for its step, and (re)installs the executor.
+  void attach_scaler(amp::GradScaler& scaler, int64_t generation, uint64_t flag_batch, int64_t flags_posted);
+
+ private:
+  void wait_counter(const std::vector<int64_t>& counter, int64_t l, int64_t target);
+  void raise_counter(std::vector<int64_t>& counter, int64_t l, int64_t value);
+  void raise_all(int64_t value);
+  void drain();
+  void publish_layer(size_t l);
+  void consume_grads_layer(size_t l);
+  c10::ScalarType master_grad_dtype(const at::Tensor& compute, const at::Tensor& master) const;
+  DeviceWorker& optimizer_thread();
+  void run_marshalled(amp::GradScaler& scaler, const std::function<void()>& call);
+
+  const std::vector<std::vector<at::Tensor>>* params_;
+  const std::optional<c10::ScalarType> optim_dtype_;
+  const std::optional<c10::ScalarType> master_grad_dtype_;
+  std::vector<std::vector<at::Tensor>> masters_;  // lazy
+  // Per master: the gradient buffer (in master_grad_dtype()) reused by every step whose compute
+  // copy grads have another dtype (Note [Gradient hand-over]); lazy.
+  std::vector<std::vector<at::Tensor>> master_grad_buffers_;
+
+  std::unique_ptr<DeviceWorker> optimizer_thread_;
+  std::vector<std::future<void>> pending_steps_;  // caller thread only
+  int64_t steps_ = 0;                              // caller thread only
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  std::vector<int64_t> published_;  // guarded by mutex_
+  std::vector<int64_t> consumed_;   // guarded by mutex_
+  std::exception_ptr async_error_;  // guarded by mutex_
+
+  // Cross-thread GradScaler (Note [Cross-thread GradScaler]). Caller thread only. `scaler_`: the
+  // one the last run's loss_fn used; `pending_iteration_`: the scale and per-optimizer states of
+  // the gradients awaiting step(); `scaler_executor_`: marshals the scaler's unscale_/step calls
+  // made outside step functions onto the optimizer thread (the scaler holds a weak reference,
+  // which expires with this object).
+  amp::GradScaler* scaler_ = nullptr;
+  std::shared_ptr<amp::detail::Iteration> pending_iteration_;
+  std::shared_ptr<const amp::detail::Executor> scaler_executor_;
+};
+
+}  // namespace roundpipe::detail
