@@ -158,15 +158,18 @@ RoundPipe::RoundPipe(torch::nn::Sequential model, RoundPipeOptions options) : im
     std::vector<int64_t> use_of_position;
     for (const auto& p : layer.ptr()->named_parameters()) {
       const detail::ParamRef ref{l, static_cast<int64_t>(ps.size())};
+      // Note [Shared parameters]: a parameter belongs to the first layer that holds it (its master,
+      // optimizer state and name are that layer's); a later layer that holds it too (tied
+      // embeddings) or a second position in the same layer is one more use of it. Each stage job
+      // sends one gradient per use (LayerSet::uses), which the caller adds into the owner's .grad:
+      // the gradient is the sum over all uses. The owner comes first, so the async protocol's
+      // per-layer waits cover it: published[l] >= k implies published[owner] >= k (the step job
+      // publishes in layer order), and the caller waits for consumed[owner] before adding.
       auto [it, inserted] = owner.emplace(p.value().unsafeGetTensorImpl(), ref);
-      TORCH_CHECK(inserted || it->second.layer == l, "RoundPipe '", options.name(), "': parameter '", p.key(),
-                  "' of layer ", m.layer_set.names.back(), " is shared with layer ", it->second.layer,
-                  "; parameters shared between layers are not supported (put both uses in one layer)");
       if (inserted) {
         ps.push_back(p.value());
         names.push_back(std::to_string(l) + "." + p.key());
       }
-      // A parameter held twice by this layer is one use; both positions map to it.
       const detail::ParamRef& used = it->second;
       auto u = std::find_if(uses.begin(), uses.end(), [&](const detail::ParamRef& r) {
         return r.layer == used.layer && r.index == used.index;
