@@ -1,5 +1,6 @@
 #include "roundpipe/models/layers.h"
 
+#include <ATen/core/grad_mode.h>
 #include <ATen/ops/embedding.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/linear.h>
@@ -7,7 +8,8 @@
 #include <ATen/ops/scaled_dot_product_attention.h>
 #include <ATen/ops/silu.h>
 #include <c10/util/Exception.h>
-#include <torch/csrc/autograd/grad_mode.h>
+
+#include <set>
 
 #include "roundpipe/models/detail/rotary.h"
 
@@ -226,7 +228,13 @@ at::Tensor LmHeadImpl::forward(const at::Tensor& hidden) { return lm_head(norm(h
 
 void init_weights(torch::nn::Module& module, double std) {
   at::NoGradGuard no_grad;
-  auto init_one = [std](torch::nn::Module& m) {
+  // A tied weight is initialised once, by its first owner (the embedding, whose padding row
+  // must stay zero).
+  std::set<const void*> done;
+  auto init_one = [std, &done](torch::nn::Module& m) {
+    for (const auto& p : m.parameters(/*recurse=*/false)) {
+      if (!done.insert(p.unsafeGetTensorImpl()).second) return;
+    }
     if (auto* linear = dynamic_cast<LinearImpl*>(&m)) {
       linear->weight.normal_(0.0, std);
       if (linear->bias.defined()) linear->bias.zero_();

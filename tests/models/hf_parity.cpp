@@ -4,6 +4,8 @@
 
 #include <gtest/gtest.h>
 
+#include <cmath>
+#include <cstdio>
 #include <map>
 
 #include "roundpipe/models/pretrained.h"
@@ -69,11 +71,17 @@ std::string reload_snippet(const std::string& dir) {
 
 double max_abs(const at::Tensor& t) { return t.abs().max().item<double>(); }
 
+std::string sci(double v) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%.3g", v);
+  return buf;
+}
+
 }  // namespace
 
 void expect_matches_transformers(const TinyModelSpec& spec) {
   using namespace roundpipe::models;
-  ModelScratchDir scratch;
+  ScratchDir scratch;
   const std::string hf_dir = scratch.file("hf");
   const std::string our_dir = scratch.file("ours");
   torch::manual_seed(7);
@@ -87,8 +95,12 @@ void expect_matches_transformers(const TinyModelSpec& spec) {
   pre.model->eval();
   const at::Tensor logits = pre.model->forward(ids);
   EXPECT_EQ(logits.scalar_type(), at::kFloat);
-  EXPECT_LE(max_abs_diff(logits, ref.at("logits")), 1e-4) << "max |logit| " << max_abs(ref.at("logits"));
+  const double fp32_diff = max_abs_diff(logits, ref.at("logits"));
+  ::testing::Test::RecordProperty("fp32_logits_max_abs_diff", sci(fp32_diff));
+  EXPECT_LE(fp32_diff, 1e-4) << "max |logit| " << max_abs(ref.at("logits"));
   const at::Tensor loss = causal_lm_loss(logits, ids);
+  ::testing::Test::RecordProperty("loss_abs_diff",
+                                   sci(std::abs(loss.item<double>() - ref.at("loss").item<double>())));
   EXPECT_NEAR(loss.item<double>(), ref.at("loss").item<double>(), 1e-5);
   loss.backward();
   std::map<std::string, at::Tensor> params;
@@ -124,7 +136,9 @@ void expect_matches_transformers(const TinyModelSpec& spec) {
   }
   EXPECT_EQ(logits16.scalar_type(), at::kBFloat16);
   const double scale = max_abs(ref.at("logits_bf16"));
-  EXPECT_LE(max_abs_diff(logits16.to(at::kFloat), ref.at("logits_bf16")), 5e-2 * scale);
+  const double bf16_diff = max_abs_diff(logits16.to(at::kFloat), ref.at("logits_bf16"));
+  ::testing::Test::RecordProperty("bf16_logits_max_abs_diff_over_max_logit", sci(bf16_diff / scale));
+  EXPECT_LE(bf16_diff, 5e-2 * scale);
 
   // save_pretrained, read back by transformers.
   save_pretrained(pre.model, pre.config, our_dir);

@@ -128,7 +128,7 @@ TEST(ModelConfigTest, Parse_InconsistentSizesNameKeys) {
 }
 
 TEST(ModelConfigTest, Load_ReadsDirectoryOrFile) {
-  ModelScratchDir dir;
+  ScratchDir dir;
   std::ofstream(dir.file("config.json")) << kNewForm;
   EXPECT_TRUE(models::load_model_config(dir.path()) == parse_model_config(kNewForm));
   EXPECT_TRUE(models::load_model_config(dir.file("config.json")) == parse_model_config(kNewForm));
@@ -139,7 +139,7 @@ TEST(ModelConfigTest, Load_ReadsDirectoryOrFile) {
 // serialisation of LlamaConfig(), Qwen3Config(), MistralConfig() and compare with a minimal file.
 TEST(ModelConfigTest, Defaults_MatchTransformers) {
   ROUNDPIPE_REQUIRE_TRANSFORMERS();
-  ModelScratchDir dir;
+  ScratchDir dir;
   run_python(
       "from transformers import LlamaConfig, Qwen3Config, MistralConfig\n"
       "for cls, name in [(LlamaConfig, 'llama'), (Qwen3Config, 'qwen3'), (MistralConfig, 'mistral')]:\n"

@@ -82,7 +82,7 @@ TEST(PretrainedTest, Build_InitLikeTransformers) {
 }
 
 TEST(PretrainedTest, SaveLoad_RoundTripsShardedAndDtype) {
-  ModelScratchDir dir;
+  ScratchDir dir;
   torch::manual_seed(1);
   const ModelConfig config = tiny_config("qwen3", /*tied=*/false);
   const Pretrained pre = build(config);
@@ -104,7 +104,7 @@ TEST(PretrainedTest, SaveLoad_RoundTripsShardedAndDtype) {
     EXPECT_TENSOR_EQ(b[i].second, a[i].second);
   }
   // bf16 on save; the load takes the config's dtype by default, and an explicit one wins.
-  ModelScratchDir dir16;
+  ScratchDir dir16;
   save_pretrained(pre.model, config, dir16.path(), SaveOptions().dtype(at::kBFloat16));
   const Pretrained b16 = load_pretrained(dir16.path());
   EXPECT_EQ(b16.config.dtype, c10::kBFloat16);
@@ -115,7 +115,7 @@ TEST(PretrainedTest, SaveLoad_RoundTripsShardedAndDtype) {
 }
 
 TEST(PretrainedTest, Load_MissingTensorNamesIt) {
-  ModelScratchDir dir;
+  ScratchDir dir;
   const ModelConfig config = tiny_config("llama", /*tied=*/false);
   save_pretrained(build(config).model, config, dir.path());
   auto state = hf_state_dict(build(config).model, config);
@@ -135,7 +135,7 @@ TEST(PretrainedTest, Load_MissingTensorNamesIt) {
 }
 
 TEST(PretrainedTest, Load_TiedAcceptsWithOrWithoutLmHead) {
-  ModelScratchDir dir;
+  ScratchDir dir;
   torch::manual_seed(2);
   const ModelConfig config = tiny_config("llama", /*tied=*/true);
   const Pretrained pre = build(config);
@@ -152,7 +152,7 @@ TEST(PretrainedTest, Load_TiedAcceptsWithOrWithoutLmHead) {
 }
 
 TEST(PretrainedTest, Load_UnexpectedTensorNamesIt) {
-  ModelScratchDir dir;
+  ScratchDir dir;
   const ModelConfig config = tiny_config("llama", /*tied=*/false);
   save_pretrained(build(config).model, config, dir.path());
   auto state = hf_state_dict(build(config).model, config);
@@ -163,7 +163,7 @@ TEST(PretrainedTest, Load_UnexpectedTensorNamesIt) {
 }
 
 TEST(PretrainedTest, Load_ShapeMismatchNamesIt) {
-  ModelScratchDir dir;
+  ScratchDir dir;
   const ModelConfig config = tiny_config("llama", /*tied=*/false);
   save_pretrained(build(config).model, config, dir.path());
   auto state = hf_state_dict(build(config).model, config);
@@ -178,7 +178,7 @@ TEST(PretrainedTest, Load_ShapeMismatchNamesIt) {
 TEST(PretrainedTest, Clone_LayerComputesTheSame) {
   torch::manual_seed(3);
   const ModelConfig config = tiny_config("qwen3", /*tied=*/false);
-  const Pretrained pre = build(config);
+  Pretrained pre = build(config);
   auto layer = pre.model->ptr(1);
   auto copy = layer->clone();
   auto* a = layer->as<DecoderLayerImpl>();
