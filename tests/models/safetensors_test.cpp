@@ -268,7 +268,7 @@ TEST(SafetensorsTest, Save_NonContiguousAndConjugate_WritesLogicalValues) {
                                 {"strided", base.slice(1, 0, 8, 3)},
                                 {"expanded", at::randn({1, 5}).expand({4, 5})},
                                 {"conj", complex.conj()},
-                                {"neg", complex.conj().imag()}};
+                                {"neg", at::imag(complex.conj())}};
   save_safetensors(dir.file("m"), tensors);
   const auto file = SafetensorsFile::open(dir.file("m"));
   for (const auto& [name, t] : tensors) {

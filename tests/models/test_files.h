@@ -13,6 +13,7 @@
 #include <cstdlib>
 #include <fstream>
 #include <iterator>
+#include <map>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -99,11 +100,17 @@ inline std::vector<std::string> list_dir(const std::string& dir) {
   return names;
 }
 
-/// True when the oracle Python imports every module in `modules` (space-separated).
+/// True when the oracle Python imports every module in `modules` (space-separated). Cached per
+/// process (each check starts an interpreter).
 inline bool python_has_modules(const std::string& modules) {
+  static std::map<std::string, bool> cache;
+  const auto cached = cache.find(modules);
+  if (cached != cache.end()) {
+    return cached->second;
+  }
   const std::string python = ROUNDPIPE_TEST_PYTHON;
   if (python.empty()) {
-    return false;
+    return cache[modules] = false;
   }
   std::string imports;
   for (size_t start = 0; start < modules.size();) {
@@ -112,7 +119,7 @@ inline bool python_has_modules(const std::string& modules) {
     start = end + 1;
   }
   const std::string cmd = "\"" + python + "\" -c '" + imports + "' >/dev/null 2>&1";
-  return std::system(cmd.c_str()) == 0;
+  return cache[modules] = std::system(cmd.c_str()) == 0;
 }
 
 inline bool running_in_ci() {
