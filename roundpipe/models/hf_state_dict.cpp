@@ -1,0 +1,142 @@
+// The parts of pretrained.h that need no files: building the Sequential, HF parameter names,
+// state dicts and the loss.
+#include <ATen/core/Reduction.h>
+#include <ATen/core/grad_mode.h>
+#include <ATen/ops/constant_pad_nd.h>
+#include <ATen/ops/cross_entropy_loss.h>
+#include <c10/util/Exception.h>
+
+#include <set>
+#include <string>
+
+#include "roundpipe/models/layers.h"
+#include "roundpipe/models/pretrained.h"
+
+namespace roundpipe::models {
+namespace {
+
+constexpr int64_t kIgnoreIndex = -100;
+
+// Checks that `model` is [Embedding, DecoderLayer x N, LmHead] for `config` and returns the
+// embedding and head.
+std::pair<EmbeddingImpl*, LmHeadImpl*> check_layout(const torch::nn::Sequential& model, const ModelConfig& config) {
+  TORCH_CHECK(model, "the model is empty (a null Sequential)");
+  const int64_t n = config.num_hidden_layers;
+  TORCH_CHECK(static_cast<int64_t>(model->size()) == n + 2, "the model has ", model->size(),
+              " layers but its config (num_hidden_layers = ", n,
+              ") needs ", n + 2, ": Embedding, ", n, " DecoderLayer, LmHead");
+  auto* embedding = model->ptr(0)->as<EmbeddingImpl>();
+  auto* head = model->ptr(n + 1)->as<LmHeadImpl>();
+  TORCH_CHECK(embedding != nullptr, "layer 0 of the model is a ", model->ptr(0)->name(), ", expected Embedding");
+  TORCH_CHECK(head != nullptr, "layer ", n + 1, " of the model is a ", model->ptr(n + 1)->name(), ", expected LmHead");
+  for (int64_t i = 1; i <= n; ++i) {
+    TORCH_CHECK(model->ptr(i)->as<DecoderLayerImpl>() != nullptr, "layer ", i, " of the model is a ",
+                model->ptr(i)->name(), ", expected DecoderLayer");
+  }
+  return {embedding, head};
+}
+
+bool is_tied_head(const std::string& hf_name, const ModelConfig& config) {
+  return config.tie_word_embeddings && hf_name == "lm_head.weight";
+}
+
+}  // namespace
+
+torch::nn::Sequential make_model(const ModelConfig& config, const at::TensorOptions& options) {
+  torch::nn::Sequential model;
+  auto embedding = Embedding(config, options);
+  model->push_back("0", embedding);
+  for (int64_t i = 0; i < config.num_hidden_layers; ++i) {
+    model->push_back(std::to_string(i + 1), DecoderLayer(config, i, options));
+  }
+  auto head = LmHead(config, options);
+  if (config.tie_word_embeddings) head->lm_head->share_weight(embedding->embed_tokens->weight);
+  model->push_back(std::to_string(config.num_hidden_layers + 1), head);
+  return model;
+}
+
+Pretrained build(const ModelConfig& config) {
+  torch::nn::Sequential model = make_model(config, at::TensorOptions().dtype(at::kFloat));
+  init_weights(*model, config.initializer_range);
+  return {model, config};
+}
+
+std::string hf_parameter_name(const std::string& sequential_name, int64_t num_hidden_layers) {
+  const auto dot = sequential_name.find('.');
+  TORCH_CHECK(dot != std::string::npos && dot > 0, "\"", sequential_name,
+              "\" is not a parameter name of the Sequential (expected \"<layer>.<name>\")");
+  int64_t layer = -1;
+  try {
+    size_t used = 0;
+    layer = std::stoll(sequential_name.substr(0, dot), &used);
+    TORCH_CHECK(used == dot, "");
+  } catch (const std::exception&) {
+    TORCH_CHECK(false, "\"", sequential_name, "\" does not start with a layer index");
+  }
+  const std::string rest = sequential_name.substr(dot + 1);
+  TORCH_CHECK(layer >= 0 && layer <= num_hidden_layers + 1, "\"", sequential_name, "\" names layer ", layer,
+              ", outside [0, ", num_hidden_layers + 1, "]");
+  if (layer == 0) return "model." + rest;
+  if (layer <= num_hidden_layers) return "model.layers." + std::to_string(layer - 1) + "." + rest;
+  if (rest.rfind("lm_head.", 0) == 0) return rest;
+  return "model." + rest;
+}
+
+std::vector<std::pair<std::string, at::Tensor>> hf_state_dict(const torch::nn::Sequential& model,
+                                                              const ModelConfig& config) {
+  check_layout(model, config);
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (const auto& item : model->named_parameters(/*recurse=*/true)) {
+    std::string name = hf_parameter_name(item.key(), config.num_hidden_layers);
+    if (is_tied_head(name, config)) continue;
+    out.emplace_back(std::move(name), item.value().detach());
+  }
+  return out;
+}
+
+void load_hf_state_dict(torch::nn::Sequential& model, const ModelConfig& config,
+                        const std::function<at::Tensor(const std::string&)>& get) {
+  auto [embedding, head] = check_layout(model, config);
+  if (config.tie_word_embeddings && !head->lm_head->weight.is_same(embedding->embed_tokens->weight)) {
+    // A model built untied (or a clone) is re-tied, so that loading one tensor fills both.
+    head->lm_head->share_weight(embedding->embed_tokens->weight);
+  }
+  at::NoGradGuard no_grad;
+  for (const auto& item : model->named_parameters(/*recurse=*/true)) {
+    const std::string name = hf_parameter_name(item.key(), config.num_hidden_layers);
+    if (is_tied_head(name, config)) continue;
+    const at::Tensor source = get(name);
+    TORCH_CHECK(source.defined(), "the checkpoint has no tensor \"", name, "\" (parameter ", item.key(),
+                " of the model): is it a ", config.model_type, " checkpoint with this config.json?");
+    at::Tensor param = item.value();
+    TORCH_CHECK(source.sizes() == param.sizes(), "checkpoint tensor \"", name, "\" has shape ", source.sizes(),
+                " but the model expects ", param.sizes(), " (check config.json: hidden_size, heads, head_dim)");
+    param.copy_(source);
+  }
+}
+
+std::vector<at::Tensor> unique_parameters(const torch::nn::Module& model) {
+  std::vector<at::Tensor> out;
+  std::set<const void*> seen;
+  for (const auto& p : model.parameters(/*recurse=*/true)) {
+    if (seen.insert(p.unsafeGetTensorImpl()).second) out.push_back(p);
+  }
+  return out;
+}
+
+at::Tensor causal_lm_loss(const at::Tensor& logits, const at::Tensor& labels) {
+  TORCH_CHECK(logits.dim() == 3, "causal_lm_loss: logits must be [batch, seq, vocab], got ", logits.sizes());
+  TORCH_CHECK(labels.dim() == 2 && labels.size(0) == logits.size(0) && labels.size(1) == logits.size(1),
+              "causal_lm_loss: labels must be [batch, seq] = [", logits.size(0), ", ", logits.size(1), "], got ",
+              labels.sizes());
+  TORCH_CHECK(!at::isFloatingType(labels.scalar_type()) && !at::isComplexType(labels.scalar_type()),
+              "causal_lm_loss: labels must hold integer token ids, got ", labels.scalar_type());
+  // As transformers' ForCausalLMLoss: pad the labels with the ignore index and shift them left,
+  // so logits[:, t] is scored against labels[:, t + 1] and the last position is ignored.
+  const int64_t vocab = logits.size(2);
+  const at::Tensor shifted = at::constant_pad_nd(labels.to(at::kLong), {0, 1}, kIgnoreIndex).narrow(1, 1, labels.size(1));
+  return at::cross_entropy_loss(logits.to(at::kFloat).reshape({-1, vocab}), shifted.reshape({-1}).to(logits.device()),
+                                /*weight=*/{}, at::Reduction::Mean, kIgnoreIndex);
+}
+
+}  // namespace roundpipe::models

@@ -1,0 +1,252 @@
+#include "roundpipe/models/layers.h"
+
+#include <ATen/core/grad_mode.h>
+#include <ATen/ops/embedding.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/linear.h>
+#include <ATen/ops/rsqrt.h>
+#include <ATen/ops/scaled_dot_product_attention.h>
+#include <ATen/ops/silu.h>
+#include <c10/util/Exception.h>
+
+#include <set>
+
+#include "roundpipe/models/detail/rotary.h"
+
+namespace roundpipe::models {
+namespace {
+
+// Parameters of a fresh module use the construction options; those of a clone (whose member
+// handles still point at the source's tensors when reset() runs) use the source's current
+// dtype and device, so a clone of a module moved with ->to() is allocated where it will live.
+at::TensorOptions param_options(const at::Tensor& current, const at::TensorOptions& fallback) {
+  return current.defined() ? current.options() : fallback;
+}
+
+}  // namespace
+
+// ---- Linear --------------------------------------------------------------------------------------
+
+LinearImpl::LinearImpl(int64_t in_features, int64_t out_features, bool bias, const at::TensorOptions& options)
+    : in_features_(in_features), out_features_(out_features), has_bias_(bias), options_(options) {
+  TORCH_CHECK(in_features > 0 && out_features > 0, "Linear: in_features = ", in_features,
+              " and out_features = ", out_features, " must be positive");
+  reset();
+}
+
+void LinearImpl::reset() {
+  const auto options = param_options(weight, options_);
+  weight = register_parameter("weight", at::empty({out_features_, in_features_}, options));
+  if (has_bias_) bias = register_parameter("bias", at::empty({out_features_}, param_options(bias, options_)));
+}
+
+at::Tensor LinearImpl::forward(const at::Tensor& x) { return at::linear(x, weight, bias); }
+
+void LinearImpl::share_weight(const at::Tensor& weight_tensor) {
+  TORCH_CHECK(weight_tensor.sizes() == weight.sizes(), "Linear::share_weight: tensor of shape ",
+              weight_tensor.sizes(), " cannot replace a weight of shape ", weight.sizes());
+  parameters_["weight"] = weight_tensor;
+  weight = weight_tensor;
+}
+
+// ---- RMSNorm -------------------------------------------------------------------------------------
+
+RMSNormImpl::RMSNormImpl(int64_t dim, double eps, const at::TensorOptions& options)
+    : dim_(dim), eps_(eps), options_(options) {
+  TORCH_CHECK(dim > 0 && eps > 0, "RMSNorm: dim = ", dim, " and eps = ", eps, " must be positive");
+  reset();
+}
+
+void RMSNormImpl::reset() { weight = register_parameter("weight", at::empty({dim_}, param_options(weight, options_))); }
+
+at::Tensor RMSNormImpl::forward(const at::Tensor& x) {
+  const auto input_dtype = x.scalar_type();
+  const at::Tensor h = x.to(at::kFloat);
+  const at::Tensor variance = h.pow(2).mean(-1, /*keepdim=*/true);
+  return weight * (h * at::rsqrt(variance + eps_)).to(input_dtype);
+}
+
+// ---- TokenEmbedding ------------------------------------------------------------------------------
+
+TokenEmbeddingImpl::TokenEmbeddingImpl(int64_t num_embeddings, int64_t dim, std::optional<int64_t> padding_idx,
+                                       const at::TensorOptions& options)
+    : num_embeddings_(num_embeddings), dim_(dim), padding_idx_(padding_idx), options_(options) {
+  TORCH_CHECK(num_embeddings > 0 && dim > 0, "TokenEmbedding: num_embeddings = ", num_embeddings, " and dim = ", dim,
+              " must be positive");
+  TORCH_CHECK(!padding_idx || (*padding_idx >= 0 && *padding_idx < num_embeddings), "TokenEmbedding: padding_idx = ",
+              padding_idx.value_or(-1), " is outside [0, ", num_embeddings, ")");
+  reset();
+}
+
+void TokenEmbeddingImpl::reset() {
+  weight = register_parameter("weight", at::empty({num_embeddings_, dim_}, param_options(weight, options_)));
+}
+
+at::Tensor TokenEmbeddingImpl::forward(const at::Tensor& ids) {
+  return at::embedding(weight, ids, padding_idx_.value_or(-1));
+}
+
+// ---- Embedding (pipeline layer 0) ----------------------------------------------------------------
+
+EmbeddingImpl::EmbeddingImpl(const ModelConfig& config, const at::TensorOptions& options)
+    : config_(config), options_(options) {
+  reset();
+}
+
+void EmbeddingImpl::reset() {
+  const auto options = embed_tokens ? param_options(embed_tokens->weight, options_) : options_;
+  embed_tokens = register_module(
+      "embed_tokens", TokenEmbedding(config_.vocab_size, config_.hidden_size, config_.pad_token_id, options));
+}
+
+at::Tensor EmbeddingImpl::forward(const at::Tensor& input_ids) {
+  TORCH_CHECK(!at::isFloatingType(input_ids.scalar_type()) && input_ids.dim() == 2,
+              "Embedding: the model input must be integer token ids of shape [batch, seq], got ",
+              input_ids.scalar_type(), " ", input_ids.sizes());
+  return embed_tokens(input_ids);
+}
+
+// ---- Attention -----------------------------------------------------------------------------------
+
+AttentionImpl::AttentionImpl(const ModelConfig& config, int64_t layer_index, const at::TensorOptions& options)
+    : config_(config), layer_index_(layer_index), options_(options) {
+  reset();
+}
+
+void AttentionImpl::reset() {
+  const auto options = q_proj ? param_options(q_proj->weight, options_) : options_;
+  const int64_t h = config_.hidden_size;
+  const int64_t d = config_.head_dim;
+  const bool bias = config_.attention_bias;
+  q_proj = register_module("q_proj", Linear(h, config_.num_attention_heads * d, bias, options));
+  k_proj = register_module("k_proj", Linear(h, config_.num_key_value_heads * d, bias, options));
+  v_proj = register_module("v_proj", Linear(h, config_.num_key_value_heads * d, bias, options));
+  o_proj = register_module("o_proj", Linear(config_.num_attention_heads * d, h, bias, options));
+  if (config_.model_type == "qwen3") {
+    q_norm = register_module("q_norm", RMSNorm(d, config_.rms_norm_eps, options));
+    k_norm = register_module("k_norm", RMSNorm(d, config_.rms_norm_eps, options));
+  }
+}
+
+at::Tensor AttentionImpl::forward(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 3 && x.size(2) == config_.hidden_size, "Attention (layer ", layer_index_,
+              "): expected hidden states [batch, seq, ", config_.hidden_size, "], got ", x.sizes());
+  const int64_t batch = x.size(0);
+  const int64_t seq = x.size(1);
+  const int64_t d = config_.head_dim;
+  if (config_.layer_uses_sliding_window(layer_index_)) {
+    TORCH_CHECK(seq <= *config_.sliding_window, "layer ", layer_index_, ": sequence length ", seq,
+                " exceeds the config's sliding_window = ", *config_.sliding_window,
+                "; sliding-window attention is not implemented (use sequences of at most the window)");
+  }
+  at::Tensor q = q_proj(x).view({batch, seq, -1, d});
+  at::Tensor k = k_proj(x).view({batch, seq, -1, d});
+  at::Tensor v = v_proj(x).view({batch, seq, -1, d}).transpose(1, 2);
+  if (q_norm) {
+    q = q_norm(q);
+    k = k_norm(k);
+  }
+  q = q.transpose(1, 2);
+  k = k.transpose(1, 2);
+  at::Tensor cos, sin;
+  {
+    at::NoGradGuard no_grad;
+    std::tie(cos, sin) = detail::rotary_cos_sin(config_.rope, d, seq, x.device(), x.scalar_type());
+  }
+  q = detail::apply_rotary(q, cos, sin);
+  k = detail::apply_rotary(k, cos, sin);
+  const int64_t groups = config_.num_attention_heads / config_.num_key_value_heads;
+  // Like transformers' sdpa path: CUDA lets SDPA broadcast the key/value heads (enable_gqa);
+  // elsewhere they are repeated, which every SDPA backend accepts.
+  const bool gqa_in_sdpa = groups > 1 && x.is_cuda();
+  if (groups > 1 && !gqa_in_sdpa) {
+    k = k.repeat_interleave(groups, 1);
+    v = v.repeat_interleave(groups, 1);
+  }
+  const double dropout = is_training() ? config_.attention_dropout : 0.0;
+  const at::Tensor attn = at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, dropout, /*is_causal=*/true,
+                                                           /*scale=*/std::nullopt, /*enable_gqa=*/gqa_in_sdpa);
+  return o_proj(attn.transpose(1, 2).reshape({batch, seq, -1}));
+}
+
+// ---- Mlp -----------------------------------------------------------------------------------------
+
+MlpImpl::MlpImpl(const ModelConfig& config, const at::TensorOptions& options) : config_(config), options_(options) {
+  reset();
+}
+
+void MlpImpl::reset() {
+  const auto options = gate_proj ? param_options(gate_proj->weight, options_) : options_;
+  const int64_t h = config_.hidden_size;
+  const int64_t f = config_.intermediate_size;
+  gate_proj = register_module("gate_proj", Linear(h, f, config_.mlp_bias, options));
+  up_proj = register_module("up_proj", Linear(h, f, config_.mlp_bias, options));
+  down_proj = register_module("down_proj", Linear(f, h, config_.mlp_bias, options));
+}
+
+at::Tensor MlpImpl::forward(const at::Tensor& x) { return down_proj(at::silu(gate_proj(x)) * up_proj(x)); }
+
+// ---- DecoderLayer --------------------------------------------------------------------------------
+
+DecoderLayerImpl::DecoderLayerImpl(const ModelConfig& config, int64_t layer_index, const at::TensorOptions& options)
+    : config_(config), layer_index_(layer_index), options_(options) {
+  TORCH_CHECK(layer_index >= 0 && layer_index < config.num_hidden_layers, "DecoderLayer: layer_index = ", layer_index,
+              " is outside [0, num_hidden_layers = ", config.num_hidden_layers, ")");
+  reset();
+}
+
+void DecoderLayerImpl::reset() {
+  const auto options = input_layernorm ? param_options(input_layernorm->weight, options_) : options_;
+  input_layernorm = register_module("input_layernorm", RMSNorm(config_.hidden_size, config_.rms_norm_eps, options));
+  self_attn = register_module("self_attn", Attention(config_, layer_index_, options));
+  post_attention_layernorm =
+      register_module("post_attention_layernorm", RMSNorm(config_.hidden_size, config_.rms_norm_eps, options));
+  mlp = register_module("mlp", Mlp(config_, options));
+}
+
+at::Tensor DecoderLayerImpl::forward(const at::Tensor& hidden) {
+  const at::Tensor h = hidden + self_attn(input_layernorm(hidden));
+  return h + mlp(post_attention_layernorm(h));
+}
+
+// ---- LmHead --------------------------------------------------------------------------------------
+
+LmHeadImpl::LmHeadImpl(const ModelConfig& config, const at::TensorOptions& options)
+    : config_(config), options_(options) {
+  reset();
+}
+
+void LmHeadImpl::reset() {
+  const auto options = norm ? param_options(norm->weight, options_) : options_;
+  norm = register_module("norm", RMSNorm(config_.hidden_size, config_.rms_norm_eps, options));
+  lm_head = register_module("lm_head", Linear(config_.hidden_size, config_.vocab_size, /*bias=*/false, options));
+}
+
+at::Tensor LmHeadImpl::forward(const at::Tensor& hidden) { return lm_head(norm(hidden)); }
+
+// ---- init ----------------------------------------------------------------------------------------
+
+void init_weights(torch::nn::Module& module, double std) {
+  at::NoGradGuard no_grad;
+  // A tied weight is initialised once, by its first owner (the embedding, whose padding row
+  // must stay zero).
+  std::set<const void*> done;
+  auto init_one = [std, &done](torch::nn::Module& m) {
+    for (const auto& p : m.parameters(/*recurse=*/false)) {
+      if (!done.insert(p.unsafeGetTensorImpl()).second) return;
+    }
+    if (auto* linear = dynamic_cast<LinearImpl*>(&m)) {
+      linear->weight.normal_(0.0, std);
+      if (linear->bias.defined()) linear->bias.zero_();
+    } else if (auto* embedding = dynamic_cast<TokenEmbeddingImpl*>(&m)) {
+      embedding->weight.normal_(0.0, std);
+      if (embedding->padding_idx()) embedding->weight[*embedding->padding_idx()].zero_();
+    } else if (auto* norm = dynamic_cast<RMSNormImpl*>(&m)) {
+      norm->weight.fill_(1.0);
+    }
+  };
+  init_one(module);
+  for (const auto& child : module.modules(/*include_self=*/false)) init_one(*child);
+}
+
+}  // namespace roundpipe::models

@@ -1,0 +1,176 @@
+// The layers of a Llama-family decoder (Llama, Mistral, Qwen3) as LibTorch modules, matching
+// Hugging Face transformers' LlamaForCausalLM / Qwen3ForCausalLM numerically. A model is a
+// torch::nn::Sequential [Embedding, DecoderLayer x N, LmHead] (see pretrained.h: build,
+// load_pretrained), so RoundPipe can stream it layer by layer.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/TensorOptions.h>
+#include <torch/nn/cloneable.h>
+#include <torch/nn/pimpl.h>
+
+#include <cstdint>
+
+#include "roundpipe/models/model_config.h"
+
+namespace roundpipe::models {
+
+// Note [Uninitialised parameters]: these modules allocate their parameters with at::empty in
+// reset() and never fill them there. Cloneable::clone() calls reset() and then overwrites every
+// parameter, and RoundPipe clones layers, so a random init in reset() (as torch::nn::Linear does)
+// would be wasted work on every clone; loading a checkpoint would pay for it too. build()
+// (pretrained.h) or init_weights() fills them. Parameters are created with the dtype and device
+// given at construction, or those of the module being cloned.
+//
+// Thread-safety of every module here: forward() may run concurrently on distinct clones; the
+// same instance may run concurrent forwards (no mutable state besides parameters).
+
+/// y = x W^T (+ b), weight [out_features, in_features], as torch.nn.Linear.
+class LinearImpl : public torch::nn::Cloneable<LinearImpl> {
+ public:
+  LinearImpl(int64_t in_features, int64_t out_features, bool bias, const at::TensorOptions& options = {});
+  void reset() override;
+  at::Tensor forward(const at::Tensor& x);
+  /// Makes `weight_tensor` (same shape) this module's weight parameter: the same tensor, so
+  /// gradients and updates are shared (tied embeddings). A clone gets its own copy again.
+  void share_weight(const at::Tensor& weight_tensor);
+
+  at::Tensor weight;
+  at::Tensor bias;  ///< undefined without bias
+
+ private:
+  int64_t in_features_, out_features_;
+  bool has_bias_;
+  at::TensorOptions options_;
+};
+TORCH_MODULE(Linear);
+
+/// HF LlamaRMSNorm: x is normalised in fp32, cast back to its dtype, then scaled by weight.
+class RMSNormImpl : public torch::nn::Cloneable<RMSNormImpl> {
+ public:
+  RMSNormImpl(int64_t dim, double eps, const at::TensorOptions& options = {});
+  void reset() override;
+  at::Tensor forward(const at::Tensor& x);
+
+  at::Tensor weight;
+
+ private:
+  int64_t dim_;
+  double eps_;
+  at::TensorOptions options_;
+};
+TORCH_MODULE(RMSNorm);
+
+/// Embedding table [vocab, hidden]; the row `padding_idx` (if any) gets no gradient, as in
+/// torch.nn.Embedding.
+class TokenEmbeddingImpl : public torch::nn::Cloneable<TokenEmbeddingImpl> {
+ public:
+  TokenEmbeddingImpl(int64_t num_embeddings, int64_t dim, std::optional<int64_t> padding_idx,
+                     const at::TensorOptions& options = {});
+  void reset() override;
+  at::Tensor forward(const at::Tensor& ids);
+
+  at::Tensor weight;
+  std::optional<int64_t> padding_idx() const { return padding_idx_; }
+
+ private:
+  int64_t num_embeddings_, dim_;
+  std::optional<int64_t> padding_idx_;
+  at::TensorOptions options_;
+};
+TORCH_MODULE(TokenEmbedding);
+
+/// Pipeline layer 0: token ids int64 [B, T] -> hidden states [B, T, hidden_size].
+/// Child: embed_tokens (HF "model.embed_tokens").
+class EmbeddingImpl : public torch::nn::Cloneable<EmbeddingImpl> {
+ public:
+  explicit EmbeddingImpl(const ModelConfig& config, const at::TensorOptions& options = {});
+  void reset() override;
+  at::Tensor forward(const at::Tensor& input_ids);
+
+  TokenEmbedding embed_tokens{nullptr};
+
+ private:
+  ModelConfig config_;
+  at::TensorOptions options_;
+};
+TORCH_MODULE(Embedding);
+
+/// Causal self-attention with rotary embeddings and grouped-query heads. Children: q_proj,
+/// k_proj, v_proj, o_proj, and for Qwen3 q_norm, k_norm (RMSNorm over head_dim).
+class AttentionImpl : public torch::nn::Cloneable<AttentionImpl> {
+ public:
+  AttentionImpl(const ModelConfig& config, int64_t layer_index, const at::TensorOptions& options = {});
+  void reset() override;
+  /// x [B, T, hidden] -> [B, T, hidden], positions 0..T-1, causal.
+  at::Tensor forward(const at::Tensor& x);
+
+  Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
+  RMSNorm q_norm{nullptr}, k_norm{nullptr};  ///< Qwen3 only
+
+ private:
+  ModelConfig config_;
+  int64_t layer_index_;
+  at::TensorOptions options_;
+};
+TORCH_MODULE(Attention);
+
+/// SwiGLU MLP: down_proj(silu(gate_proj(x)) * up_proj(x)).
+class MlpImpl : public torch::nn::Cloneable<MlpImpl> {
+ public:
+  MlpImpl(const ModelConfig& config, const at::TensorOptions& options = {});
+  void reset() override;
+  at::Tensor forward(const at::Tensor& x);
+
+  Linear gate_proj{nullptr}, up_proj{nullptr}, down_proj{nullptr};
+
+ private:
+  ModelConfig config_;
+  at::TensorOptions options_;
+};
+TORCH_MODULE(Mlp);
+
+/// One pre-norm decoder block (HF "model.layers.{i}"): hidden [B, T, H] -> [B, T, H].
+/// Children: input_layernorm, self_attn, post_attention_layernorm, mlp.
+class DecoderLayerImpl : public torch::nn::Cloneable<DecoderLayerImpl> {
+ public:
+  DecoderLayerImpl(const ModelConfig& config, int64_t layer_index, const at::TensorOptions& options = {});
+  void reset() override;
+  at::Tensor forward(const at::Tensor& hidden);
+
+  RMSNorm input_layernorm{nullptr}, post_attention_layernorm{nullptr};
+  Attention self_attn{nullptr};
+  Mlp mlp{nullptr};
+
+  int64_t layer_index() const { return layer_index_; }
+
+ private:
+  ModelConfig config_;
+  int64_t layer_index_;
+  at::TensorOptions options_;
+};
+TORCH_MODULE(DecoderLayer);
+
+/// Last pipeline layer: final norm and output projection, hidden [B, T, H] -> logits
+/// [B, T, vocab] in the model's dtype. Children: norm (HF "model.norm"), lm_head (HF "lm_head").
+class LmHeadImpl : public torch::nn::Cloneable<LmHeadImpl> {
+ public:
+  explicit LmHeadImpl(const ModelConfig& config, const at::TensorOptions& options = {});
+  void reset() override;
+  at::Tensor forward(const at::Tensor& hidden);
+
+  RMSNorm norm{nullptr};
+  Linear lm_head{nullptr};
+
+ private:
+  ModelConfig config_;
+  at::TensorOptions options_;
+};
+TORCH_MODULE(LmHead);
+
+/// HF's init (PreTrainedModel._init_weights for Llama/Qwen3) over every module in `module`:
+/// Linear and TokenEmbedding weights ~ normal(0, std), biases zero, the padding row zero,
+/// RMSNorm weights one. Draws from the default generator of each parameter's device.
+void init_weights(torch::nn::Module& module, double std);
+
+}  // namespace roundpipe::models

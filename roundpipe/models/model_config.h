@@ -1,0 +1,107 @@
+// The configuration of a Llama-family decoder (Llama, Mistral, Qwen3), read from and written to a
+// Hugging Face `config.json`. The architecture (layers.h) and the checkpoint loader
+// (pretrained.h) are built from it.
+#pragma once
+
+#include <c10/core/ScalarType.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace roundpipe::models {
+
+/// Rotary position embedding parameters (HF `rope_parameters`, formerly `rope_theta` +
+/// `rope_scaling`).
+struct RopeParameters {
+  /// "default", "linear" or "llama3" (HF `rope_type`, formerly `type`). Others are rejected.
+  std::string rope_type = "default";
+  /// Base wavelength (HF `rope_theta`).
+  double rope_theta = 10000.0;
+  /// "linear" and "llama3": positions (inverse frequencies) are divided by this.
+  double factor = 1.0;
+  /// "llama3" only.
+  double low_freq_factor = 1.0;
+  double high_freq_factor = 4.0;
+  /// "llama3" only; defaults to max_position_embeddings when the file omits it.
+  int64_t original_max_position_embeddings = 8192;
+
+  bool operator==(const RopeParameters& other) const;
+  bool operator!=(const RopeParameters& other) const { return !(*this == other); }
+};
+
+/// The fields of a HF Llama/Mistral/Qwen3 `config.json` that define the model, with HF's defaults
+/// for the model type applied. A plain value type (copyable, no shared state).
+///
+/// Supported: model_type "llama", "mistral", "qwen3"; hidden_act "silu"; dense MLPs; full causal
+/// attention (a sliding window is accepted but a forward longer than the window fails); rope
+/// types "default", "linear", "llama3". Anything else fails in parse_model_config with the key.
+struct ModelConfig {
+  std::string model_type = "llama";
+  int64_t vocab_size = 32000;
+  int64_t hidden_size = 4096;
+  int64_t intermediate_size = 11008;
+  int64_t num_hidden_layers = 32;
+  int64_t num_attention_heads = 32;
+  int64_t num_key_value_heads = 32;
+  /// Per-head width; HF's default when the file omits it: hidden_size / num_attention_heads.
+  int64_t head_dim = 128;
+  double rms_norm_eps = 1e-6;
+  RopeParameters rope;
+  int64_t max_position_embeddings = 2048;
+  /// Biases on q/k/v/o (Llama, Qwen3; always false for Mistral).
+  bool attention_bias = false;
+  /// Biases on gate/up/down (Llama only).
+  bool mlp_bias = false;
+  bool tie_word_embeddings = false;
+  /// HF `dtype` (formerly `torch_dtype`): the weights' dtype in the checkpoint, if stated.
+  std::optional<c10::ScalarType> dtype;
+  /// Only "silu" is supported.
+  std::string hidden_act = "silu";
+  /// Standard deviation of the random init (build()).
+  double initializer_range = 0.02;
+  /// Dropout on attention probabilities in training mode.
+  double attention_dropout = 0.0;
+  /// Sliding-window attention: the window when some layer uses it (Mistral: `sliding_window` not
+  /// null; Qwen3: `use_sliding_window` true and the layer at or past `max_window_layers`).
+  std::optional<int64_t> sliding_window;
+  /// Qwen3 only: per-layer "full_attention" / "sliding_attention" (HF `layer_types`).
+  std::vector<std::string> layer_types;
+  /// Qwen3 only.
+  bool use_sliding_window = false;
+  int64_t max_window_layers = 28;
+  std::optional<int64_t> bos_token_id;
+  /// HF allows one id or a list; empty when null.
+  std::vector<int64_t> eos_token_id;
+  /// The embedding's padding row (its gradient is always zero, as in torch.nn.Embedding).
+  std::optional<int64_t> pad_token_id;
+  /// Keys of the file this struct does not interpret (e.g. "use_cache", "transformers_version"),
+  /// as a JSON object; to_json writes them back so a save round-trips them.
+  std::string extra_json = "{}";
+
+  /// True when layer `layer` attends within `sliding_window` only.
+  bool layer_uses_sliding_window(int64_t layer) const;
+  /// Equality of every field (extra_json compared as parsed JSON).
+  bool operator==(const ModelConfig& other) const;
+  bool operator!=(const ModelConfig& other) const { return !(*this == other); }
+};
+
+/// Parses a HF `config.json` text. Accepts both the older form (`rope_theta`, `rope_scaling`
+/// {type|rope_type, ...}, `torch_dtype`) and the newer (`rope_parameters` {rope_theta, rope_type,
+/// ...}, `dtype`). Throws c10::Error naming `source_name`, the key and its value for an unknown
+/// model_type, an unsupported option (MoE keys, hidden_act other than silu, rope types other than
+/// default/linear/llama3, partial rotary) or inconsistent sizes.
+ModelConfig parse_model_config(const std::string& json_text, const std::string& source_name = "config.json");
+
+/// Reads and parses the file at `path` (a config.json, or a directory holding one).
+ModelConfig load_model_config(const std::string& path);
+
+/// The config as HF `config.json` text (newer form: rope_parameters, dtype), with
+/// "architectures" set from model_type; transformers loads it.
+std::string to_json(const ModelConfig& config);
+
+/// "float32", "bfloat16", "float16" for the HF dtype names; throws for other dtypes.
+std::string dtype_name(c10::ScalarType dtype);
+
+}  // namespace roundpipe::models

@@ -1,0 +1,110 @@
+// load_pretrained / save_pretrained: transformers checkpoint directories through the safetensors
+// reader and writer (safetensors.h).
+#include "roundpipe/models/pretrained.h"
+
+#include <c10/util/Exception.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <fcntl.h>
+#include <set>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "roundpipe/models/safetensors.h"
+
+namespace roundpipe::models {
+namespace {
+
+bool ends_with(const std::string& s, const std::string& suffix) {
+  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+// Writes `text` to `path` atomically (temporary file, fsync, rename).
+void write_text_atomically(const std::string& path, const std::string& text) {
+  const std::string tmp = path + ".tmp." + std::to_string(::getpid());
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  TORCH_CHECK(fd >= 0, "cannot create ", tmp, ": ", std::strerror(errno));
+  size_t done = 0;
+  while (done < text.size()) {
+    const ssize_t n = ::write(fd, text.data() + done, text.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      const int err = errno;
+      ::close(fd);
+      ::unlink(tmp.c_str());
+      TORCH_CHECK(false, "cannot write ", tmp, ": ", std::strerror(err));
+    }
+    done += static_cast<size_t>(n);
+  }
+  const bool synced = ::fsync(fd) == 0;
+  const int err = errno;
+  ::close(fd);
+  if (!synced || ::rename(tmp.c_str(), path.c_str()) != 0) {
+    const int rename_err = synced ? errno : err;
+    ::unlink(tmp.c_str());
+    TORCH_CHECK(false, "cannot write ", path, ": ", std::strerror(rename_err));
+  }
+}
+
+void make_directory(const std::string& dir) {
+  if (::mkdir(dir.c_str(), 0755) == 0) return;
+  const int err = errno;
+  struct stat st {};
+  TORCH_CHECK(err == EEXIST && ::stat(dir.c_str(), &st) == 0 && S_ISDIR(st.st_mode), "cannot create directory ",
+              dir, ": ", std::strerror(err), " (its parent must exist)");
+}
+
+}  // namespace
+
+Pretrained load_pretrained(const std::string& hf_dir, const LoadOptions& options) {
+  ModelConfig config = load_model_config(hf_dir + "/config.json");
+  const c10::ScalarType dtype = options.dtype().value_or(config.dtype.value_or(at::kFloat));
+  TORCH_CHECK(at::isFloatingType(dtype), "LoadOptions::dtype = ", dtype, " is not a floating-point dtype");
+  const CheckpointReader reader = CheckpointReader::open(hf_dir);
+  torch::nn::Sequential model = make_model(config, at::TensorOptions().dtype(dtype).device(options.device()));
+
+  // Every tensor of the checkpoint must be used: a leftover means the config and the weights
+  // disagree (e.g. a Qwen3 checkpoint read as Llama leaves q_norm/k_norm unused).
+  std::set<std::string> expected;
+  for (const auto& [name, tensor] : hf_state_dict(model, config)) expected.insert(name);
+  std::vector<std::string> unexpected;
+  for (const auto& name : reader.names()) {
+    if (expected.count(name) != 0 || ends_with(name, ".rotary_emb.inv_freq")) continue;
+    if (config.tie_word_embeddings && name == "lm_head.weight") continue;  // some tied checkpoints store it
+    unexpected.push_back(name);
+  }
+  if (!unexpected.empty()) {
+    std::string list;
+    for (size_t i = 0; i < unexpected.size() && i < 8; ++i) list += (i ? ", \"" : "\"") + unexpected[i] + "\"";
+    if (unexpected.size() > 8) list += ", ... (" + std::to_string(unexpected.size()) + " in all)";
+    TORCH_CHECK(false, hf_dir, ": the checkpoint has tensors that the ", config.model_type,
+                " model of its config.json does not use: ", list,
+                " (is model_type right? MoE or other architectures are not supported)");
+  }
+  load_hf_state_dict(model, config, [&](const std::string& name) {
+    return reader.contains(name) ? reader.get(name) : at::Tensor();
+  });
+  return {model, config};
+}
+
+void save_pretrained(const torch::nn::Sequential& model, const ModelConfig& config, const std::string& hf_dir,
+                     const SaveOptions& options) {
+  TORCH_CHECK(options.max_shard_bytes() > 0, "SaveOptions::max_shard_bytes = ", options.max_shard_bytes(),
+              " must be positive");
+  std::vector<std::pair<std::string, at::Tensor>> tensors = hf_state_dict(model, config);
+  ModelConfig saved = config;
+  saved.dtype = options.dtype() ? options.dtype() : std::optional<c10::ScalarType>(tensors.front().second.scalar_type());
+  dtype_name(*saved.dtype);  // fails for a dtype HF cannot name
+  if (options.dtype()) {
+    for (auto& [name, tensor] : tensors) tensor = tensor.to(*options.dtype());
+  }
+  make_directory(hf_dir);
+  ShardOptions shard;
+  shard.max_shard_bytes = options.max_shard_bytes();
+  save_checkpoint(hf_dir, tensors, shard);
+  write_text_atomically(hf_dir + "/config.json", to_json(saved));
+}
+
+}  // namespace roundpipe::models
