@@ -380,7 +380,11 @@ void apply_keys(const YAML::Node& root, LauncherConfig& config) {
 
 void emit_value(YAML::Emitter& out, const KeySpec& spec, const Value& value) {
   if (std::holds_alternative<std::monostate>(value)) {
-    out << (spec.kind == KeyKind::kDevices ? "auto" : "null");
+    if (spec.kind == KeyKind::kDevices) {
+      out << "auto";
+    } else {
+      out << YAML::Null;  // the string "null" would be quoted
+    }
     return;
   }
   switch (spec.kind) {
@@ -503,6 +507,7 @@ LauncherConfig load_config(const std::string& path, const std::vector<std::strin
 
 std::string to_yaml(const LauncherConfig& config) {
   YAML::Emitter out;
+  out.SetNullFormat(YAML::LowerNull);
   out << YAML::BeginMap;
   emit_section(out, config, "");
   out << YAML::EndMap;

@@ -190,7 +190,8 @@ TEST(ConfigTest, Overrides_SetNestedListAndFreeMapKeys) {
 TEST(ConfigTest, Overrides_ErrorsNameTheOverride) {
   EXPECT_CONFIG_ERROR(parse_with("", {"optimizer.lr=-1"}), "override 'optimizer.lr=-1'",
                       "optimizer.lr = -1", "> 0");
-  EXPECT_CONFIG_ERROR(parse_with("", {"optimizer.lrate=1"}), "optimizer.lrate", "did you mean 'optimizer.lr'?");
+  EXPECT_CONFIG_ERROR(parse_with("", {"optimizer.weight_decy=1"}), "override 'optimizer.weight_decy=1'",
+                      "did you mean 'optimizer.weight_decay'?");
   EXPECT_CONFIG_ERROR(parse_with("", {"optimizer.lr"}), "override 'optimizer.lr'", "key=value");
   EXPECT_CONFIG_ERROR(parse_with("", {"run.devices=[gpu:0]"}), "run.devices[0] = 'gpu:0'", "cuda:N");
 }
