@@ -36,19 +36,24 @@ endfunction()
 # works and no top-level folder (amp/, optim/, ...) can collide with another package's.
 set(ROUNDPIPE_INSTALL_INCLUDEDIR "${CMAKE_INSTALL_INCLUDEDIR}/roundpipe")
 
-# Installs the calling folder's public headers (*.h, not detail/) under the project folder.
+# Installs the calling folder's public headers (*.h, not detail/) under the project folder, and
+# registers them for the self-containment check (roundpipe_header_check). INTERNAL: check only.
 function(roundpipe_install_headers)
+  cmake_parse_arguments(ARG "INTERNAL" "" "" ${ARGN})
   file(GLOB headers CONFIGURE_DEPENDS "${CMAKE_CURRENT_SOURCE_DIR}/*.h")
   file(RELATIVE_PATH rel "${PROJECT_SOURCE_DIR}" "${CMAKE_CURRENT_SOURCE_DIR}")
-  install(FILES ${headers} DESTINATION ${ROUNDPIPE_INSTALL_INCLUDEDIR}/${rel})
+  if(NOT ARG_INTERNAL)
+    install(FILES ${headers} DESTINATION ${ROUNDPIPE_INSTALL_INCLUDEDIR}/${rel})
+  endif()
   set_property(GLOBAL APPEND PROPERTY ROUNDPIPE_PUBLIC_HEADERS ${headers})
 endfunction()
 
-# roundpipe_add_module(<module> SOURCES ... [C10_ONLY] [PUBLIC_DEPS ...] [PRIVATE_DEPS ...])
+# roundpipe_add_module(<module> SOURCES ... [C10_ONLY] [INTERNAL] [PUBLIC_DEPS ...] [PRIVATE_DEPS ...])
 # Creates static library roundpipe_<module>, alias roundpipe::<module>, headers root-relative.
 # Links LibTorch (and the shared PCH) unless C10_ONLY: then only c10 (TORCH_CHECK, ScalarType).
+# INTERNAL: part of an executable (the launcher), not installed with find_package(RoundPipe).
 function(roundpipe_add_module module)
-  cmake_parse_arguments(ARG "C10_ONLY" "" "SOURCES;PUBLIC_DEPS;PRIVATE_DEPS" ${ARGN})
+  cmake_parse_arguments(ARG "C10_ONLY;INTERNAL" "" "SOURCES;PUBLIC_DEPS;PRIVATE_DEPS" ${ARGN})
   set(target roundpipe_${module})
   add_library(${target} STATIC ${ARG_SOURCES})
   add_library(roundpipe::${module} ALIAS ${target})
@@ -64,8 +69,13 @@ function(roundpipe_add_module module)
     target_link_libraries(${target} PUBLIC torch)
     roundpipe_use_pch(${target})
   endif()
-  set_property(GLOBAL APPEND PROPERTY ROUNDPIPE_INSTALL_TARGETS ${target})
-  roundpipe_install_headers()
+  set_property(GLOBAL APPEND PROPERTY ROUNDPIPE_MODULE_TARGETS ${target})
+  if(ARG_INTERNAL)
+    roundpipe_install_headers(INTERNAL)
+  else()
+    set_property(GLOBAL APPEND PROPERTY ROUNDPIPE_INSTALL_TARGETS ${target})
+    roundpipe_install_headers()
+  endif()
 endfunction()
 
 # roundpipe_add_gtest(<name> SOURCES ... [NO_TORCH] [LIBS ...] [SHARDS n] [LABELS ...])

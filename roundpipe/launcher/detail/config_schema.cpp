@@ -1,0 +1,472 @@
+// The one table of launcher configuration keys (see config_schema.h); the rules are in
+// config_rules.cpp.
+#include "roundpipe/launcher/detail/config_schema.h"
+
+#include <c10/util/Exception.h>
+
+#include <cmath>
+#include <cstdio>
+#include <map>
+
+#include "roundpipe/launcher/detail/config_error.h"
+
+namespace roundpipe::launcher::detail {
+namespace {
+
+std::string number_text(double v) {
+  char buffer[32];
+  std::snprintf(buffer, sizeof(buffer), "%g", v);
+  return buffer;
+}
+
+Bounds gt(double lo) { return Bounds{lo, true}; }
+Bounds ge(double lo) { return Bounds{lo, false}; }
+Bounds in_co(double lo, double hi) { return Bounds{lo, false, hi, true}; }
+
+// ---- Bindings between Value and struct fields ----------------------------------------------------
+
+void assign(int64_t& field, const Value& v) { field = std::get<int64_t>(v); }
+void assign(uint64_t& field, const Value& v) { field = static_cast<uint64_t>(std::get<int64_t>(v)); }
+void assign(double& field, const Value& v) { field = std::get<double>(v); }
+void assign(bool& field, const Value& v) { field = std::get<bool>(v); }
+void assign(std::string& field, const Value& v) {
+  field = std::holds_alternative<std::string>(v) ? std::get<std::string>(v) : "";
+}
+void assign(std::optional<int64_t>& field, const Value& v) {
+  field = std::holds_alternative<int64_t>(v) ? std::optional<int64_t>(std::get<int64_t>(v)) : std::nullopt;
+}
+void assign(std::array<double, 2>& field, const Value& v) {
+  const auto& pair = std::get<std::vector<double>>(v);
+  field = {pair.at(0), pair.at(1)};
+}
+void assign(std::vector<std::string>& field, const Value& v) {
+  field = std::get<std::vector<std::string>>(v);
+}
+
+Value value_of(int64_t v) { return v; }
+Value value_of(uint64_t v) { return static_cast<int64_t>(v); }
+Value value_of(double v) { return v; }
+Value value_of(bool v) { return v; }
+Value value_of(const std::string& v) { return v; }
+Value value_of(const std::optional<int64_t>& v) { return v ? Value(*v) : Value(); }
+Value value_of(const std::array<double, 2>& v) { return std::vector<double>{v[0], v[1]}; }
+Value value_of(const std::vector<std::string>& v) { return v; }
+
+/// Builder of one table row.
+class Key {
+ public:
+  Key(std::string path, KeyKind kind, std::string default_yaml, std::string doc) {
+    spec_.path = std::move(path);
+    spec_.kind = kind;
+    spec_.default_yaml = std::move(default_yaml);
+    spec_.doc = std::move(doc);
+  }
+  Key& range(Bounds bounds) {
+    spec_.bounds = bounds;
+    return *this;
+  }
+  Key& one_of(std::vector<std::string> choices) {
+    spec_.choices = std::move(choices);
+    return *this;
+  }
+  Key& nullable() {
+    spec_.nullable = true;
+    return *this;
+  }
+  /// A top-level section: no field of its own.
+  KeySpec section() { return spec_; }
+
+  /// Binds to the field `field(config)` returns (a reference).
+  template <class F>
+  KeySpec field(F field) {
+    const bool nullable = spec_.nullable;
+    spec_.set = [field](LauncherConfig& c, const Value& v) { assign(field(c), v); };
+    spec_.get = [field, nullable](const LauncherConfig& c) {
+      Value v = value_of(field(const_cast<LauncherConfig&>(c)));
+      // An empty optional string is unset: print it as null.
+      if (nullable && std::holds_alternative<std::string>(v) && std::get<std::string>(v).empty()) {
+        return Value();
+      }
+      return v;
+    };
+    return spec_;
+  }
+
+  /// Binds a choice to an enum field: choices[i] <-> values[i].
+  template <class E, class F>
+  KeySpec enum_field(F field, std::vector<E> values) {
+    TORCH_INTERNAL_ASSERT(values.size() == spec_.choices.size(), spec_.path);
+    std::vector<std::string> names = spec_.choices;
+    spec_.set = [field, names, values](LauncherConfig& c, const Value& v) {
+      const std::string& name = std::get<std::string>(v);
+      for (size_t i = 0; i < names.size(); ++i) {
+        if (names[i] == name) {
+          field(c) = values[i];
+          return;
+        }
+      }
+    };
+    spec_.get = [field, names, values](const LauncherConfig& c) -> Value {
+      const E current = field(const_cast<LauncherConfig&>(c));
+      for (size_t i = 0; i < values.size(); ++i) {
+        if (values[i] == current) {
+          return names[i];
+        }
+      }
+      TORCH_INTERNAL_ASSERT(false, "enum value without a name in the config schema");
+    };
+    return spec_;
+  }
+
+  /// Custom binding.
+  KeySpec custom(std::function<void(LauncherConfig&, const Value&)> set,
+                 std::function<Value(const LauncherConfig&)> get) {
+    spec_.set = std::move(set);
+    spec_.get = std::move(get);
+    return spec_;
+  }
+
+ private:
+  KeySpec spec_;
+};
+
+using C = LauncherConfig;
+const std::vector<std::string> kDtypes = {"float32", "bfloat16", "float16"};
+const std::vector<c10::ScalarType> kDtypeValues = {c10::kFloat, c10::kBFloat16, c10::kHalf};
+
+std::vector<KeySpec> build_schema() {
+  std::vector<KeySpec> t;
+  t.push_back(Key("out_dir", KeyKind::kString, "runs/example",
+                  "Run directory: the resolved config.yaml, metrics.jsonl, loss.svg and the "
+                  "checkpoints step-NNNNNN/ with the link `latest`. Created if missing.")
+                  .field([](C& c) -> std::string& { return c.out_dir; }));
+
+  // ---- model ----
+  t.push_back(Key("model", KeyKind::kSection, "{}",
+                  "The model: either `pretrained` (fine-tune a Hugging Face checkpoint) or `preset` "
+                  "(a new model of that architecture, sized by `config`).")
+                  .section());
+  t.push_back(Key("model.pretrained", KeyKind::kString, "null",
+                  "Directory of a Hugging Face checkpoint: config.json and *.safetensors weights.")
+                  .nullable()
+                  .field([](C& c) -> std::string& { return c.model.pretrained; }));
+  t.push_back(Key("model.preset", KeyKind::kChoice, "null",
+                  "Architecture of a model trained from scratch (random initial weights).")
+                  .one_of({"llama", "qwen3"})
+                  .nullable()
+                  .field([](C& c) -> std::string& { return c.model.preset; }));
+  t.push_back(Key("model.config", KeyKind::kFreeMap, "{}",
+                  "Hugging Face config.json keys (hidden_size, num_hidden_layers, "
+                  "num_attention_heads, vocab_size, ...), handed to the model as JSON. With "
+                  "`pretrained` they override the keys of its config.json.")
+                  .field([](C& c) -> std::string& { return c.model.config_json; }));
+  t.push_back(Key("model.dtype", KeyKind::kChoice, "float32",
+                  "dtype of the weights and activations used in forward and backward.")
+                  .one_of(kDtypes)
+                  .enum_field([](C& c) -> c10::ScalarType& { return c.model.dtype; }, kDtypeValues));
+  t.push_back(Key("model.master_dtype", KeyKind::kChoice, "float32",
+                  "dtype of the optimizer's master weights and state (float32 only, see the rules).")
+                  .one_of(kDtypes)
+                  .enum_field([](C& c) -> c10::ScalarType& { return c.model.master_dtype; },
+                              kDtypeValues));
+  t.push_back(Key("model.lora", KeyKind::kSection, "null",
+                  "LoRA adapters for fine-tuning `pretrained`: only the adapters train. Absent or "
+                  "null: all weights train. `lora: {}` enables it with the defaults below.")
+                  .nullable()
+                  .custom(
+                      [](C& c, const Value& v) {
+                        if (std::holds_alternative<std::monostate>(v)) {
+                          c.model.lora.reset();
+                        } else if (!c.model.lora) {
+                          c.model.lora.emplace();
+                        }
+                      },
+                      [](const C& c) { return c.model.lora ? Value(true) : Value(); }));
+  t.push_back(Key("model.lora.rank", KeyKind::kInt, "8", "Rank r of each adapter's update B A.")
+                  .range(ge(1))
+                  .field([](C& c) -> int64_t& { return c.model.lora->rank; }));
+  t.push_back(Key("model.lora.alpha", KeyKind::kFloat, "16.0",
+                  "Scale of the update: the adapter adds (alpha / rank) B A x.")
+                  .range(gt(0))
+                  .field([](C& c) -> double& { return c.model.lora->alpha; }));
+  t.push_back(Key("model.lora.dropout", KeyKind::kFloat, "0.0", "Dropout on the adapters' input.")
+                  .range(in_co(0, 1))
+                  .field([](C& c) -> double& { return c.model.lora->dropout; }));
+  t.push_back(Key("model.lora.targets", KeyKind::kStringList, "[q_proj, v_proj]",
+                  "Linear layers that get adapters, by the last component of their module name.")
+                  .range(ge(1))
+                  .field([](C& c) -> std::vector<std::string>& { return c.model.lora->targets; }));
+
+  // ---- data ----
+  t.push_back(Key("data", KeyKind::kSection, "{}", "Training and evaluation data.").section());
+  t.push_back(Key("data.train", KeyKind::kString, "null",
+                  "Training data file: a token file for `tokens` (scripts/prepare_data.py makes "
+                  "one), any file for `bytes`. Not used with `synthetic`.")
+                  .nullable()
+                  .field([](C& c) -> std::string& { return c.data.train; }));
+  t.push_back(Key("data.valid", KeyKind::kString, "null",
+                  "Evaluation data file in the same format; null: no evaluation data (`synthetic` "
+                  "generates its own).")
+                  .nullable()
+                  .field([](C& c) -> std::string& { return c.data.valid; }));
+  t.push_back(Key("data.format", KeyKind::kChoice, "tokens",
+                  "`tokens`: a token file (header + uint16/uint32 tokens); `bytes`: every byte of "
+                  "the file is a token (vocab 256); `synthetic`: generated learnable sequences, no "
+                  "files.")
+                  .one_of({"tokens", "bytes", "synthetic"})
+                  .enum_field([](C& c) -> DataFormat& { return c.data.format; },
+                              std::vector<DataFormat>{DataFormat::kTokens, DataFormat::kBytes,
+                                                      DataFormat::kSynthetic}));
+  t.push_back(Key("data.seq_len", KeyKind::kInt, "256",
+                  "Tokens per training sequence (each window holds seq_len + 1 tokens: inputs and "
+                  "next-token labels).")
+                  .range(ge(1))
+                  .field([](C& c) -> int64_t& { return c.data.seq_len; }));
+  t.push_back(Key("data.vocab_size", KeyKind::kInt, "null",
+                  "Vocabulary of the `synthetic` data (synthetic only); null: the model's "
+                  "vocab_size.")
+                  .range(ge(2))
+                  .nullable()
+                  .field([](C& c) -> std::optional<int64_t>& { return c.data.vocab_size; }));
+
+  // ---- optimizer ----
+  t.push_back(Key("optimizer", KeyKind::kSection, "{}", "The optimizer (runs on master weights).").section());
+  t.push_back(Key("optimizer.name", KeyKind::kChoice, "adamw",
+                  "`adamw` (decoupled weight decay), `adam` (L2 weight decay) or `sgd`.")
+                  .one_of({"adamw", "adam", "sgd"})
+                  .enum_field([](C& c) -> OptimizerName& { return c.optimizer.name; },
+                              std::vector<OptimizerName>{OptimizerName::kAdamW, OptimizerName::kAdam,
+                                                         OptimizerName::kSgd}));
+  t.push_back(Key("optimizer.lr", KeyKind::kFloat, "3.0e-4", "Peak learning rate (after warmup).")
+                  .range(gt(0))
+                  .field([](C& c) -> double& { return c.optimizer.lr; }));
+  t.push_back(Key("optimizer.betas", KeyKind::kFloatPair, "[0.9, 0.95]",
+                  "Adam(W) decay rates of the first and second moment estimates.")
+                  .range(in_co(0, 1))
+                  .field([](C& c) -> std::array<double, 2>& { return c.optimizer.betas; }));
+  t.push_back(Key("optimizer.eps", KeyKind::kFloat, "1.0e-8", "Adam(W) denominator epsilon.")
+                  .range(gt(0))
+                  .field([](C& c) -> double& { return c.optimizer.eps; }));
+  t.push_back(Key("optimizer.weight_decay", KeyKind::kFloat, "0.0", "Weight decay coefficient.")
+                  .range(ge(0))
+                  .field([](C& c) -> double& { return c.optimizer.weight_decay; }));
+  t.push_back(Key("optimizer.momentum", KeyKind::kFloat, "0.0", "SGD momentum (sgd only).")
+                  .range(in_co(0, 1))
+                  .field([](C& c) -> double& { return c.optimizer.momentum; }));
+
+  // ---- schedule ----
+  t.push_back(Key("schedule", KeyKind::kSection, "{}",
+                  "Learning-rate schedule: linear warmup to optimizer.lr, then decay to min_lr at "
+                  "train.steps: lr * (step + 1) / warmup_steps during warmup, then with p = "
+                  "(step - warmup_steps) / (steps - warmup_steps): constant lr, linear min_lr + "
+                  "(lr - min_lr)(1 - p), cosine min_lr + (lr - min_lr)(1 + cos(pi p)) / 2.")
+                  .section());
+  t.push_back(Key("schedule.warmup_steps", KeyKind::kInt, "0", "Steps of linear warmup.")
+                  .range(ge(0))
+                  .field([](C& c) -> int64_t& { return c.schedule.warmup_steps; }));
+  t.push_back(Key("schedule.decay", KeyKind::kChoice, "constant", "Shape of the decay after warmup.")
+                  .one_of({"constant", "linear", "cosine"})
+                  .enum_field([](C& c) -> LrDecay& { return c.schedule.decay; },
+                              std::vector<LrDecay>{LrDecay::kConstant, LrDecay::kLinear, LrDecay::kCosine}));
+  t.push_back(Key("schedule.min_lr", KeyKind::kFloat, "0.0", "Learning rate at the end of the decay.")
+                  .range(ge(0))
+                  .field([](C& c) -> double& { return c.schedule.min_lr; }));
+
+  // ---- train ----
+  t.push_back(Key("train", KeyKind::kSection, "{}", "The training loop.").section());
+  t.push_back(Key("train.steps", KeyKind::kInt, "100", "Optimizer steps of the whole run.")
+                  .range(ge(1))
+                  .field([](C& c) -> int64_t& { return c.train.steps; }));
+  t.push_back(Key("train.batch_size", KeyKind::kInt, "8",
+                  "Sequences per forward/backward pass (RoundPipe splits them into "
+                  "run.num_microbatch microbatches); a step sees batch_size x grad_accum sequences.")
+                  .range(ge(1))
+                  .field([](C& c) -> int64_t& { return c.train.batch_size; }));
+  t.push_back(Key("train.grad_accum", KeyKind::kInt, "1",
+                  "Forward/backward passes whose gradients add up before each optimizer step.")
+                  .range(ge(1))
+                  .field([](C& c) -> int64_t& { return c.train.grad_accum; }));
+  t.push_back(Key("train.clip_grad_norm", KeyKind::kFloat, "0.0",
+                  "Clip the global gradient 2-norm to this value; 0: no clipping.")
+                  .range(ge(0))
+                  .field([](C& c) -> double& { return c.train.clip_grad_norm; }));
+  t.push_back(Key("train.seed", KeyKind::kInt, "1234",
+                  "Seed of the initial weights, dropout and the batch sampler.")
+                  .range(ge(0))
+                  .field([](C& c) -> uint64_t& { return c.train.seed; }));
+
+  // ---- run ----
+  t.push_back(Key("run", KeyKind::kSection, "{}", "How RoundPipe runs the model.").section());
+  t.push_back(
+      Key("run.devices", KeyKind::kDevices, "auto",
+          "Devices of the pipeline: `auto` (every visible GPU, else one CPU worker), a count N "
+          "(N CPU workers), or a list such as [cuda:0, cuda:1] or [cpu, cpu].")
+          .range(ge(1))
+          .custom(
+              [](C& c, const Value& v) {
+                if (std::holds_alternative<std::monostate>(v)) {
+                  c.run.devices.reset();
+                  return;
+                }
+                std::vector<c10::Device> devices;
+                const auto& names = std::get<std::vector<std::string>>(v);
+                for (size_t i = 0; i < names.size(); ++i) {
+                  try {
+                    devices.emplace_back(names[i]);
+                  } catch (const c10::Error&) {
+                    config_fail("run.devices[" + std::to_string(i) + "]", "'" + names[i] + "'",
+                                "not a device name: write cpu, cuda or cuda:N");
+                  }
+                }
+                c.run.devices = std::move(devices);
+              },
+              [](const C& c) -> Value {
+                if (!c.run.devices) {
+                  return Value();
+                }
+                std::vector<std::string> names;
+                for (const c10::Device& d : *c.run.devices) {
+                  names.push_back(d.str());
+                }
+                return names;
+              }));
+  t.push_back(Key("run.num_microbatch", KeyKind::kInt, "null",
+                  "Microbatches per batch; null: RoundPipe's default (number of devices + 1).")
+                  .range(ge(1))
+                  .nullable()
+                  .field([](C& c) -> std::optional<int64_t>& { return c.run.num_microbatch; }));
+  t.push_back(Key("run.recompute", KeyKind::kChoice, "stage",
+                  "Activation recomputation grain: `stage` keeps each backward stage's input, "
+                  "`layer` every layer's input (less recompute, more memory traffic).")
+                  .one_of({"stage", "layer"})
+                  .enum_field([](C& c) -> RecomputeGrain& { return c.run.recompute; },
+                              std::vector<RecomputeGrain>{RecomputeGrain::kStage, RecomputeGrain::kLayer}));
+  t.push_back(Key("run.step_mode", KeyKind::kChoice, "async",
+                  "`async`: the optimizer step overlaps the next forward; `sync`: it finishes first.")
+                  .one_of({"async", "sync"})
+                  .enum_field([](C& c) -> StepMode& { return c.run.step_mode; },
+                              std::vector<StepMode>{StepMode::kAsync, StepMode::kSync}));
+
+  // ---- amp ----
+  t.push_back(Key("amp", KeyKind::kSection, "{}", "Mixed precision: dynamic loss scaling.").section());
+  t.push_back(Key("amp.scaler", KeyKind::kBool, "false",
+                  "Scale the loss dynamically (GradScaler); meant for float16, allowed with any dtype.")
+                  .field([](C& c) -> bool& { return c.amp.scaler; }));
+  t.push_back(Key("amp.init_scale", KeyKind::kFloat, "65536.0", "Initial loss scale.")
+                  .range(gt(0))
+                  .field([](C& c) -> double& { return c.amp.init_scale; }));
+  t.push_back(Key("amp.growth_interval", KeyKind::kInt, "2000",
+                  "Steps without overflow before the scale doubles.")
+                  .range(ge(1))
+                  .field([](C& c) -> int64_t& { return c.amp.growth_interval; }));
+
+  // ---- checkpoint / eval / log ----
+  t.push_back(Key("checkpoint", KeyKind::kSection, "{}",
+                  "Checkpoints: out_dir/step-NNNNNN/, published atomically, `latest` links the "
+                  "newest.")
+                  .section());
+  t.push_back(Key("checkpoint.every", KeyKind::kInt, "0",
+                  "Steps between checkpoints; 0: only the final one.")
+                  .range(ge(0))
+                  .field([](C& c) -> int64_t& { return c.checkpoint.every; }));
+  t.push_back(Key("checkpoint.keep", KeyKind::kInt, "3", "Newest checkpoints kept; older ones are deleted.")
+                  .range(ge(1))
+                  .field([](C& c) -> int64_t& { return c.checkpoint.keep; }));
+  t.push_back(Key("eval", KeyKind::kSection, "{}", "Evaluation on data.valid.").section());
+  t.push_back(Key("eval.every", KeyKind::kInt, "0", "Steps between evaluations; 0: none.")
+                  .range(ge(0))
+                  .field([](C& c) -> int64_t& { return c.eval.every; }));
+  t.push_back(Key("eval.max_batches", KeyKind::kInt, "0",
+                  "Batches (of train.batch_size windows) per evaluation; 0: all of data.valid.")
+                  .range(ge(0))
+                  .field([](C& c) -> int64_t& { return c.eval.max_batches; }));
+  t.push_back(Key("log", KeyKind::kSection, "{}", "Console output and metrics.").section());
+  t.push_back(Key("log.every", KeyKind::kInt, "1",
+                  "Steps between metrics.jsonl records and progress-line updates.")
+                  .range(ge(1))
+                  .field([](C& c) -> int64_t& { return c.log.every; }));
+  t.push_back(Key("log.level", KeyKind::kChoice, "info", "Log level of the launcher and RoundPipe.")
+                  .one_of({"trace", "debug", "info", "warn", "error", "off"})
+                  .field([](C& c) -> std::string& { return c.log.level; }));
+  return t;
+}
+
+}  // namespace
+
+bool Bounds::contains(double v) const {
+  return (lo_open ? v > lo : v >= lo) && (hi_open ? v < hi : v <= hi);
+}
+
+std::string Bounds::describe() const {
+  const bool has_lo = std::isfinite(lo), has_hi = std::isfinite(hi);
+  if (has_lo && has_hi) {
+    return std::string("in ") + (lo_open ? "(" : "[") + number_text(lo) + ", " + number_text(hi) +
+           (hi_open ? ")" : "]");
+  }
+  if (has_lo) {
+    return (lo_open ? "> " : ">= ") + number_text(lo);
+  }
+  if (has_hi) {
+    return (hi_open ? "< " : "<= ") + number_text(hi);
+  }
+  return "";
+}
+
+std::string KeySpec::type_name() const {
+  std::string name;
+  switch (kind) {
+    case KeyKind::kSection: name = "map"; break;
+    case KeyKind::kBool: name = "bool"; break;
+    case KeyKind::kInt: name = "int"; break;
+    case KeyKind::kFloat: name = "float"; break;
+    case KeyKind::kString: name = "string"; break;
+    case KeyKind::kChoice: {
+      name = "one of ";
+      for (size_t i = 0; i < choices.size(); ++i) {
+        name += (i ? ", " : "") + choices[i];
+      }
+      break;
+    }
+    case KeyKind::kFloatPair: name = "list of 2 floats"; break;
+    case KeyKind::kStringList: name = "list of strings"; break;
+    case KeyKind::kDevices: name = "auto, an int or a list of devices"; break;
+    case KeyKind::kFreeMap: name = "map (any keys)"; break;
+  }
+  return nullable ? name + " (or null)" : name;
+}
+
+std::string KeySpec::check_text() const {
+  const std::string range = bounds.describe();
+  if (range.empty()) {
+    return "";
+  }
+  switch (kind) {
+    case KeyKind::kFloatPair: return "each " + range;
+    case KeyKind::kStringList: return "length " + range;
+    case KeyKind::kDevices: return "count " + range;
+    default: return range;
+  }
+}
+
+const std::vector<KeySpec>& config_schema() {
+  static const std::vector<KeySpec> schema = build_schema();
+  return schema;
+}
+
+const KeySpec* find_key(const std::string& path) {
+  static const std::map<std::string, const KeySpec*> index = [] {
+    std::map<std::string, const KeySpec*> m;
+    for (const KeySpec& spec : config_schema()) {
+      m[spec.path] = &spec;
+    }
+    return m;
+  }();
+  auto it = index.find(path);
+  return it == index.end() ? nullptr : it->second;
+}
+
+void config_fail(const std::string& path, const std::string& value, const std::string& problem) {
+  throw KeyError(path, path + " = " + value + ": " + problem);
+}
+
+}  // namespace roundpipe::launcher::detail
