@@ -133,7 +133,8 @@ std::shared_ptr<SafetensorsFile> SafetensorsFile::open(const std::string& path) 
       if (entry.is_null()) {
         continue;
       }
-      ROUNDPIPE_SAFETENSORS_CHECK(entry.is_object(), "\"__metadata__\" must be an object mapping strings to strings, got ",
+      ROUNDPIPE_SAFETENSORS_CHECK(entry.is_object(),
+                                  "\"__metadata__\" must be an object mapping strings to strings, got ",
                                   entry.type_name());
       for (const auto& [key, value] : entry.items()) {
         ROUNDPIPE_SAFETENSORS_CHECK(value.is_string(), "\"__metadata__\" must map strings to strings, but key '", key,
@@ -213,8 +214,9 @@ std::shared_ptr<SafetensorsFile> SafetensorsFile::open(const std::string& path) 
     covered = info.end;
   }
   const uint64_t data_bytes = file_bytes - 8 - header_bytes;
-  ROUNDPIPE_SAFETENSORS_CHECK(covered == data_bytes, "the tensors cover ", covered, " bytes but the data section holds ",
-                              data_bytes, " (file of ", file_bytes, " bytes = 8 + header ", header_bytes,
+  ROUNDPIPE_SAFETENSORS_CHECK(covered == data_bytes, "the tensors cover ", covered,
+                              " bytes but the data section holds ", data_bytes, " (file of ", file_bytes,
+                              " bytes = 8 + header ", header_bytes,
                               " + data); the file is truncated or has trailing bytes");
 
   file->data_start_ = 8 + header_bytes;

@@ -141,7 +141,8 @@ TEST(SafetensorsTest, Save_MatchesReferenceCrateTestVectors) {
   ScratchDir dir;
   const auto u8 = [](std::initializer_list<int> v) { return std::string(v.begin(), v.end()); };
   const at::Tensor data = at::arange(6, at::kFloat);
-  const std::string data_bytes = u8({0, 0, 0, 0, 0, 0, 128, 63, 0, 0, 0, 64, 0, 0, 64, 64, 0, 0, 128, 64, 0, 0, 160, 64});
+  const std::string data_bytes =
+      u8({0, 0, 0, 0, 0, 0, 128, 63, 0, 0, 0, 64, 0, 0, 64, 64, 0, 0, 128, 64, 0, 0, 160, 64});
 
   save_safetensors(dir.file("a"), {{"attn.0", data.reshape({1, 2, 3})}});
   EXPECT_EQ(read_bytes(dir.file("a")),
