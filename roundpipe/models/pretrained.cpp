@@ -13,6 +13,7 @@
 #include <unistd.h>
 
 #include "roundpipe/models/safetensors.h"
+#include "roundpipe/round_pipe.h"
 
 namespace roundpipe::models {
 namespace {
@@ -89,11 +90,14 @@ Pretrained load_pretrained(const std::string& hf_dir, const LoadOptions& options
   return {model, config};
 }
 
-void save_pretrained(const torch::nn::Sequential& model, const ModelConfig& config, const std::string& hf_dir,
-                     const SaveOptions& options) {
+namespace {
+
+// config.json + safetensors of `tensors` (HF names) into `hf_dir`.
+void write_hf_dir(std::vector<std::pair<std::string, at::Tensor>> tensors, const ModelConfig& config,
+                  const std::string& hf_dir, const SaveOptions& options) {
   TORCH_CHECK(options.max_shard_bytes() > 0, "SaveOptions::max_shard_bytes = ", options.max_shard_bytes(),
               " must be positive");
-  std::vector<std::pair<std::string, at::Tensor>> tensors = hf_state_dict(model, config);
+  TORCH_CHECK(!tensors.empty(), "save_pretrained: the model has no parameters to save");
   ModelConfig saved = config;
   saved.dtype = options.dtype() ? options.dtype() : std::optional<c10::ScalarType>(tensors.front().second.scalar_type());
   dtype_name(*saved.dtype);  // fails for a dtype HF cannot name
@@ -105,6 +109,34 @@ void save_pretrained(const torch::nn::Sequential& model, const ModelConfig& conf
   shard.max_shard_bytes = options.max_shard_bytes();
   save_checkpoint(hf_dir, tensors, shard);
   write_text_atomically(hf_dir + "/config.json", to_json(saved));
+}
+
+}  // namespace
+
+void save_pretrained(const torch::nn::Sequential& model, const ModelConfig& config, const std::string& hf_dir,
+                     const SaveOptions& options) {
+  write_hf_dir(hf_state_dict(model, config), config, hf_dir, options);
+}
+
+void save_pretrained(RoundPipe& model, const ModelConfig& config, const std::string& hf_dir,
+                     const SaveOptions& options) {
+  model.synchronize();
+  // Checks the layout against the config (names, shapes) on the compute copies first.
+  const auto layout = hf_state_dict(model.module(), config);
+  std::vector<std::pair<std::string, at::Tensor>> tensors;
+  for (const auto& [name, master] : model.optim_named_parameters()) {
+    tensors.emplace_back(hf_parameter_name(name, config.num_hidden_layers), master.detach());
+  }
+  // A tied lm_head.weight is the embedding's parameter (owned by layer 0): it appears once, as
+  // model.embed_tokens.weight, exactly as hf_state_dict lists it.
+  TORCH_CHECK(tensors.size() == layout.size(), "save_pretrained: RoundPipe has ", tensors.size(),
+              " master weights but the model's HF state dict has ", layout.size(), " tensors");
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    TORCH_CHECK(tensors[i].first == layout[i].first && tensors[i].second.sizes() == layout[i].second.sizes(),
+                "save_pretrained: master weight ", i, " is '", tensors[i].first, "' ", tensors[i].second.sizes(),
+                " but the model's HF state dict has '", layout[i].first, "' ", layout[i].second.sizes());
+  }
+  write_hf_dir(std::move(tensors), config, hf_dir, options);
 }
 
 }  // namespace roundpipe::models

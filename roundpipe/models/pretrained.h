@@ -26,6 +26,10 @@
 
 #include "roundpipe/models/model_config.h"
 
+namespace roundpipe {
+class RoundPipe;
+}  // namespace roundpipe
+
 namespace roundpipe::models {
 
 /// Options of load_pretrained.
@@ -73,6 +77,12 @@ Pretrained load_pretrained(const std::string& hf_dir, const LoadOptions& options
 /// Writes config.json and the safetensors file(s) into `hf_dir` (created if missing; its parent
 /// must exist) so that transformers' from_pretrained loads it. Tied models omit lm_head.weight.
 void save_pretrained(const torch::nn::Sequential& model, const ModelConfig& config, const std::string& hf_dir,
+                     const SaveOptions& options = {});
+
+/// The same for a model wrapped in RoundPipe: waits for queued optimizer steps (synchronize())
+/// and saves the master weights (RoundPipe::optim_named_parameters(), e.g. fp32 with bf16 compute
+/// copies), not the compute copies. Caller thread of `model`.
+void save_pretrained(RoundPipe& model, const ModelConfig& config, const std::string& hf_dir,
                      const SaveOptions& options = {});
 
 /// HF's causal-LM loss (transformers ForCausalLMLoss): `labels` are the input ids [B, T]; logits
