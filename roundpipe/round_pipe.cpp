@@ -277,7 +277,11 @@ void RoundPipe::synchronize() { impl_->steps->synchronize(); }
 
 std::vector<torch::Tensor> RoundPipe::optim_parameters() {
   std::vector<torch::Tensor> out;
-  for (const auto& layer : impl_->steps->masters()) out.insert(out.end(), layer.begin(), layer.end());
+  for (const auto& layer : impl_->steps->masters()) {
+    for (const auto& master : layer) {
+      if (master.defined()) out.push_back(master);  // frozen parameters have none
+    }
+  }
   return out;
 }
 
@@ -285,7 +289,9 @@ std::vector<std::pair<std::string, torch::Tensor>> RoundPipe::optim_named_parame
   const auto& masters = impl_->steps->masters();
   std::vector<std::pair<std::string, torch::Tensor>> out;
   for (size_t l = 0; l < masters.size(); ++l) {
-    for (size_t k = 0; k < masters[l].size(); ++k) out.emplace_back(impl_->param_names[l][k], masters[l][k]);
+    for (size_t k = 0; k < masters[l].size(); ++k) {
+      if (masters[l][k].defined()) out.emplace_back(impl_->param_names[l][k], masters[l][k]);
+    }
   }
   return out;
 }

@@ -107,7 +107,9 @@ class RoundPipe {
   /// the last step. Rethrows an error of a queued step.
   void synchronize();
 
-  /// Master copies (dtype optim_dtype, CPU) in layer order; created on first call.
+  /// Master copies (dtype optim_dtype, CPU) in layer order; created on first call. Parameters
+  /// that do not require grad at that point (frozen, e.g. LoRA's base weights) get none and are
+  /// not listed: they cost no master copy, gradient or optimizer state.
   std::vector<torch::Tensor> optim_parameters();
   std::vector<std::pair<std::string, torch::Tensor>> optim_named_parameters();
   /// Inside an OptimizerCtx: optim_parameters(); otherwise the compute copies.

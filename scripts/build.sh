@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Sets up (if needed), configures (if needed) and builds RoundPipe C++ into build/ (or $ROUNDPIPE_BUILD_DIR).
 # Extra arguments are passed to the first CMake configure, e.g. -DROUNDPIPE_SANITIZE=thread.
+# ROUNDPIPE_BUILD_TARGETS (space-separated) builds only those targets.
 set -euo pipefail
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -23,4 +24,5 @@ if [ ! -f "$build/build.ninja" ]; then
     -DROUNDPIPE_PYTHON="$venv/bin/python" \
     "$@"
 fi
-cmake --build "$build" -j "$jobs"
+# shellcheck disable=SC2086  # word splitting of the target list is intended
+cmake --build "$build" -j "$jobs" ${ROUNDPIPE_BUILD_TARGETS:+--target $ROUNDPIPE_BUILD_TARGETS}

@@ -7,6 +7,7 @@
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 export ROUNDPIPE_BUILD_DIR="$root/build-tsan"
+export ROUNDPIPE_BUILD_TARGETS="amp_tests optim_tests runtime_tests"  # only what runs below
 "$root/scripts/build.sh" -DROUNDPIPE_SANITIZE=thread -DROUNDPIPE_BUILD_BENCHMARKS=OFF -DROUNDPIPE_BUILD_EXAMPLES=OFF
 export OMP_NUM_THREADS=1
 export TSAN_OPTIONS="halt_on_error=0 second_deadlock_stack=1 suppressions=$root/scripts/tsan.supp ${TSAN_OPTIONS:-}"

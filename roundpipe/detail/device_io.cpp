@@ -27,7 +27,12 @@ template <typename Fn>
 void for_each_tensor_pair(torch::nn::Module& shell, torch::nn::Module& layer, Fn&& fn) {
   auto sp = shell.parameters(), lp = layer.parameters();
   TORCH_INTERNAL_ASSERT(sp.size() == lp.size(), "layer shell has ", sp.size(), " parameters, the layer ", lp.size());
-  for (size_t k = 0; k < sp.size(); ++k) fn(sp[k], lp[k]);
+  for (size_t k = 0; k < sp.size(); ++k) {
+    fn(sp[k], lp[k]);
+    // A frozen parameter (requires_grad false: LoRA's base weights) stays frozen in the shell, so
+    // backward computes, downloads and hands over no gradient for it.
+    if (sp[k].requires_grad() != lp[k].requires_grad()) sp[k].requires_grad_(lp[k].requires_grad());
+  }
   auto sb = shell.buffers(), lb = layer.buffers();
   TORCH_INTERNAL_ASSERT(sb.size() == lb.size(), "layer shell has ", sb.size(), " buffers, the layer ", lb.size());
   for (size_t k = 0; k < sb.size(); ++k) fn(sb[k], lb[k]);

@@ -95,7 +95,9 @@ void StepPipeline::wait_published(int64_t l, int64_t step) { wait_counter(publis
 void StepPipeline::publish_layer(size_t l) {
   at::NoGradGuard no_grad;
   const auto& params = (*params_)[l];
-  for (size_t k = 0; k < params.size(); ++k) params[k].copy_(masters_[l][k]);
+  for (size_t k = 0; k < params.size(); ++k) {
+    if (masters_[l][k].defined()) params[k].copy_(masters_[l][k]);
+  }
 }
 
 // The dtype of `master`'s .grad: RoundPipeOptions::master_grad_dtype for parameters whose
@@ -115,7 +117,7 @@ void StepPipeline::consume_grads_layer(size_t l) {
   for (size_t k = 0; k < params.size(); ++k) {
     at::Tensor p = params[k];
     at::Tensor& master = masters_[l][k];
-    if (!p.grad().defined()) continue;
+    if (!p.grad().defined() || !master.defined()) continue;
     const at::Tensor& g = p.grad();
     const auto grad_dtype = master_grad_dtype(p, master);
     if (master.grad().defined()) {
@@ -139,6 +141,13 @@ const std::vector<std::vector<at::Tensor>>& StepPipeline::masters() {
   master_grad_buffers_.resize(params_->size());
   for (size_t l = 0; l < params_->size(); ++l) {
     for (const auto& p : (*params_)[l]) {
+      if (!p.requires_grad()) {
+        // Frozen (e.g. LoRA's base weights): no master, no gradient buffer, no optimizer state;
+        // the compute copy is the only copy (Note [Frozen parameters] in step_pipeline.h).
+        masters_[l].emplace_back();
+        master_grad_buffers_[l].emplace_back();
+        continue;
+      }
       auto dtype = optim_dtype_.value_or(p.scalar_type());
       auto master = p.detach().to(c10::kCPU, dtype, /*non_blocking=*/false, /*copy=*/true);
       master.requires_grad_(p.requires_grad());

@@ -55,7 +55,14 @@ class StepPipeline {
   void rethrow_async_error();
   /// Number of step() calls so far.
   int64_t steps() const { return steps_; }
-  /// The master copies, [layer][param]; created on first call.
+  /// The master copies, [layer][param]; created on first call. Undefined for parameters that do
+  /// not require grad when the masters are created.
+  //
+  // Note [Frozen parameters]: a parameter with requires_grad false (LoRA's base weights, a frozen
+  // embedding) has no master copy, no gradient buffer and so no optimizer state: its compute copy
+  // is its only copy in host memory. Stage jobs keep it frozen in their shells (DeviceIo), so no
+  // gradient is computed, downloaded or handed over for it. Freeze parameters before the first
+  // step (or optim_parameters() call): the set of masters is fixed when they are created.
   const std::vector<std::vector<at::Tensor>>& masters();
 
   /// Any thread: blocks until layer l's compute copy holds the values after step `step` - 1

@@ -87,6 +87,8 @@ std::vector<std::pair<std::string, at::Tensor>> hf_state_dict(const torch::nn::S
   check_layout(model, config);
   std::vector<std::pair<std::string, at::Tensor>> out;
   for (const auto& item : model->named_parameters(/*recurse=*/true)) {
+    TORCH_CHECK(item.key().find(".lora_") == std::string::npos, "the model has LoRA adapters (", item.key(),
+                "): save them with save_lora_adapter, or fold them into the weights with merge_lora first");
     std::string name = hf_parameter_name(item.key(), config.num_hidden_layers);
     if (is_tied_head(name, config)) continue;
     out.emplace_back(std::move(name), item.value().detach());

@@ -38,9 +38,47 @@ void LinearImpl::reset() {
   const auto options = param_options(weight, options_);
   weight = register_parameter("weight", at::empty({out_features_, in_features_}, options));
   if (has_bias_) bias = register_parameter("bias", at::empty({out_features_}, param_options(bias, options_)));
+  if (lora_rank_ > 0) {
+    // A clone gets its own adapters (Cloneable::clone then copies their values).
+    const auto lora_options = lora_A ? lora_A->weight.options() : options;
+    lora_A = register_module("lora_A", std::make_shared<LinearImpl>(in_features_, lora_rank_, false, lora_options));
+    lora_B = register_module("lora_B", std::make_shared<LinearImpl>(lora_rank_, out_features_, false, lora_options));
+  }
 }
 
-at::Tensor LinearImpl::forward(const at::Tensor& x) { return at::linear(x, weight, bias); }
+at::Tensor LinearImpl::forward(const at::Tensor& x) {
+  at::Tensor y = at::linear(x, weight, bias);
+  if (lora_rank_ == 0) return y;
+  // PEFT's LoRA Linear: result + lora_B(lora_A(dropout(x))) * scaling.
+  const at::Tensor h = lora_dropout_ > 0 ? at::dropout(x, lora_dropout_, is_training()) : x;
+  return y + lora_B->forward(lora_A->forward(h)) * (lora_alpha_ / static_cast<double>(lora_rank_));
+}
+
+void LinearImpl::enable_lora(int64_t rank, double alpha, double dropout) {
+  TORCH_CHECK(rank > 0, "LoRA rank must be > 0, got ", rank);
+  TORCH_CHECK(dropout >= 0 && dropout < 1, "LoRA dropout must be in [0, 1), got ", dropout);
+  TORCH_CHECK(lora_rank_ == 0, "this Linear already has LoRA adapters (rank ", lora_rank_, ")");
+  lora_rank_ = rank;
+  lora_alpha_ = alpha;
+  lora_dropout_ = dropout;
+  const auto options = weight.options().requires_grad(false);
+  lora_A = register_module("lora_A", std::make_shared<LinearImpl>(in_features_, rank, false, options));
+  lora_B = register_module("lora_B", std::make_shared<LinearImpl>(rank, out_features_, false, options));
+}
+
+void LinearImpl::merge_lora() {
+  if (lora_rank_ == 0) return;
+  {
+    at::NoGradGuard no_grad;
+    const double scaling = lora_alpha_ / static_cast<double>(lora_rank_);
+    weight.add_(at::matmul(lora_B->weight, lora_A->weight).to(weight.scalar_type()), scaling);
+  }
+  unregister_module("lora_A");
+  unregister_module("lora_B");
+  lora_A.reset();
+  lora_B.reset();
+  lora_rank_ = 0;
+}
 
 void LinearImpl::share_weight(const at::Tensor& weight_tensor) {
   TORCH_CHECK(weight_tensor.sizes() == weight.sizes(), "Linear::share_weight: tensor of shape ",

@@ -10,6 +10,7 @@
 #include <torch/nn/pimpl.h>
 
 #include <cstdint>
+#include <memory>
 
 #include "roundpipe/models/model_config.h"
 
@@ -34,14 +35,27 @@ class LinearImpl : public torch::nn::Cloneable<LinearImpl> {
   /// Makes `weight_tensor` (same shape) this module's weight parameter: the same tensor, so
   /// gradients and updates are shared (tied embeddings). A clone gets its own copy again.
   void share_weight(const at::Tensor& weight_tensor);
+  /// Adds LoRA adapters (PEFT's LoraLayer): forward becomes
+  /// x W^T + b + lora_B(lora_A(dropout(x))) * alpha / rank, with children lora_A (weight
+  /// [rank, in]) and lora_B (weight [out, rank]), uninitialised (see lora.h: apply_lora).
+  void enable_lora(int64_t rank, double alpha, double dropout);
+  /// Folds the adapters into the weight (W += B A * alpha / rank) and removes them.
+  void merge_lora();
+  bool has_lora() const { return lora_rank_ > 0; }
+  int64_t lora_rank() const { return lora_rank_; }
+  double lora_alpha() const { return lora_alpha_; }
+  double lora_dropout() const { return lora_dropout_; }
 
   at::Tensor weight;
   at::Tensor bias;  ///< undefined without bias
+  std::shared_ptr<LinearImpl> lora_A, lora_B;  ///< null without LoRA
 
  private:
   int64_t in_features_, out_features_;
   bool has_bias_;
   at::TensorOptions options_;
+  int64_t lora_rank_ = 0;
+  double lora_alpha_ = 0, lora_dropout_ = 0;
 };
 TORCH_MODULE(Linear);
 

@@ -8,10 +8,12 @@
 #include <cstdio>
 #include <cstring>
 #include <fcntl.h>
+#include <map>
 #include <set>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "roundpipe/models/detail/files.h"
 #include "roundpipe/models/safetensors.h"
 #include "roundpipe/round_pipe.h"
 
@@ -21,6 +23,10 @@ namespace {
 bool ends_with(const std::string& s, const std::string& suffix) {
   return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
 }
+
+}  // namespace
+
+namespace detail {
 
 // Writes `text` to `path` atomically (temporary file, fsync, rename).
 void write_text_atomically(const std::string& path, const std::string& text) {
@@ -57,7 +63,11 @@ void make_directory(const std::string& dir) {
               dir, ": ", std::strerror(err), " (its parent must exist)");
 }
 
-}  // namespace
+
+}  // namespace detail
+
+using detail::make_directory;
+using detail::write_text_atomically;
 
 Pretrained load_pretrained(const std::string& hf_dir, const LoadOptions& options) {
   ModelConfig config = load_model_config(hf_dir + "/config.json");
@@ -121,20 +131,20 @@ void save_pretrained(const torch::nn::Sequential& model, const ModelConfig& conf
 void save_pretrained(RoundPipe& model, const ModelConfig& config, const std::string& hf_dir,
                      const SaveOptions& options) {
   model.synchronize();
-  // Checks the layout against the config (names, shapes) on the compute copies first.
-  const auto layout = hf_state_dict(model.module(), config);
-  std::vector<std::pair<std::string, at::Tensor>> tensors;
+  // The compute copies give the layout (and the values of frozen parameters, which have no
+  // master); every parameter with a master is saved from it. A tied lm_head.weight is the
+  // embedding's parameter, listed once as model.embed_tokens.weight.
+  auto tensors = hf_state_dict(model.module(), config);
+  std::map<std::string, size_t> index;
+  for (size_t i = 0; i < tensors.size(); ++i) index[tensors[i].first] = i;
   for (const auto& [name, master] : model.optim_named_parameters()) {
-    tensors.emplace_back(hf_parameter_name(name, config.num_hidden_layers), master.detach());
-  }
-  // A tied lm_head.weight is the embedding's parameter (owned by layer 0): it appears once, as
-  // model.embed_tokens.weight, exactly as hf_state_dict lists it.
-  TORCH_CHECK(tensors.size() == layout.size(), "save_pretrained: RoundPipe has ", tensors.size(),
-              " master weights but the model's HF state dict has ", layout.size(), " tensors");
-  for (size_t i = 0; i < tensors.size(); ++i) {
-    TORCH_CHECK(tensors[i].first == layout[i].first && tensors[i].second.sizes() == layout[i].second.sizes(),
-                "save_pretrained: master weight ", i, " is '", tensors[i].first, "' ", tensors[i].second.sizes(),
-                " but the model's HF state dict has '", layout[i].first, "' ", layout[i].second.sizes());
+    const std::string hf = hf_parameter_name(name, config.num_hidden_layers);
+    auto it = index.find(hf);
+    TORCH_CHECK(it != index.end(), "save_pretrained: RoundPipe's master weight '", name, "' (", hf,
+                ") is not in the model's HF state dict");
+    TORCH_CHECK(tensors[it->second].second.sizes() == master.sizes(), "save_pretrained: master weight '", hf,
+                "' has shape ", master.sizes(), " but the model's parameter has ", tensors[it->second].second.sizes());
+    tensors[it->second].second = master.detach();
   }
   write_hf_dir(std::move(tensors), config, hf_dir, options);
 }

@@ -103,7 +103,9 @@ void tied_inside_case(Tie tie, size_t distinct_params) {
   }
   // Both uses still share one tensor in the wrapped model.
   auto twice = model[1]->as<TwiceImpl>();
-  if (tie == Tie::kTiedWeight) EXPECT_TRUE(twice->first->weight.is_same(twice->projection->weight));
+  if (tie == Tie::kTiedWeight) {
+    EXPECT_TRUE(twice->first->weight.is_same(twice->projection->weight));
+  }
 }
 
 TEST(RoundPipeTest, TiedWeightsInsideALayer_GradientIsTheSumOfBothUses) {
