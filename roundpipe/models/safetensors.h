@@ -33,7 +33,7 @@ struct TensorInfo {
 
 /// A read-only, memory-mapped safetensors file (mmap PROT_READ, MAP_PRIVATE).
 ///
-/// `open` validates the whole header before returning (Note [Header validation] in safetensors.cpp);
+/// `open` validates the whole header before returning (docs/models.md, "safetensors files");
 /// a malformed file throws c10::Error naming the file, the tensor and the rule, never crashes.
 ///
 /// Dtypes: BOOL U8 I8 I16 U16 I32 U32 I64 U64 F16 BF16 F32 F64 C64 F8_E4M3 F8_E5M2 F8_E8M0
