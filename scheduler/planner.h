@@ -1,0 +1,79 @@
+// The simulation-based planner: chooses the forward and backward stage partitions (and, when
+// the caller lets it, num_microbatch) whose simulated makespan (or steady-state period) is
+// smallest, under the per-device memory budget. Pure CPU logic on top of simulator.h; the
+// runtime calls it with measured layer costs and caches the plan.
+#pragma once
+
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "scheduler/execute_plan.h"
+#include "scheduler/partitioner.h"
+#include "scheduler/simulator.h"
+
+namespace roundpipe::scheduler {
+
+/// What the planner minimises.
+/// - kIsolated: the makespan of one isolated iteration (simulate()).
+/// - kSteadyState: the period of back-to-back iterations (simulate_steady_state()).
+enum class PlanObjective { kIsolated, kSteadyState };
+
+struct PlannerOptions {
+  /// Devices the plan runs on (the runtime's device count).
+  int64_t num_devices = 1;
+  /// > 0: plan for exactly this many microbatches. 0: the planner chooses it in
+  /// [1, max_num_microbatch] (Note [Choosing num_microbatch] in planner.cpp).
+  int64_t num_microbatch = 0;
+  /// Upper bound when the planner chooses num_microbatch (the batch's rows); required then.
+  int64_t max_num_microbatch = 0;
+  /// The microbatch count the given per-microbatch costs were measured at; required when the
+  /// planner chooses num_microbatch (costs scale by costs_num_microbatch / M; overheads do not).
+  int64_t costs_num_microbatch = 0;
+  /// When choosing: the smallest num_microbatch whose objective is within this fraction of the
+  /// best one wins (fewer, larger microbatches run more efficiently than the model says).
+  double num_microbatch_tolerance = 0.02;
+  /// Bytes one stage may hold on a device, as in PartitionOptions. Default: unlimited.
+  int64_t memory_budget_bytes = std::numeric_limits<int64_t>::max();
+  PlanObjective objective = PlanObjective::kIsolated;
+  /// The runtime's overheads and iteration model, passed to the simulator.
+  SimulateOptions simulate;
+  /// Enumerate every plan (exact) when there are at most this many (kFused: 7 layers give 1366).
+  int64_t exhaustive_limit = 4096;
+  /// Simulations the heuristic search may run per num_microbatch candidate.
+  int64_t max_evaluations = 20000;
+
+  PlannerOptions& set_num_devices(int64_t v) { num_devices = v; return *this; }
+  PlannerOptions& set_num_microbatch(int64_t v) { num_microbatch = v; return *this; }
+  PlannerOptions& set_max_num_microbatch(int64_t v) { max_num_microbatch = v; return *this; }
+  PlannerOptions& set_costs_num_microbatch(int64_t v) { costs_num_microbatch = v; return *this; }
+  PlannerOptions& set_num_microbatch_tolerance(double v) { num_microbatch_tolerance = v; return *this; }
+  PlannerOptions& set_memory_budget_bytes(int64_t v) { memory_budget_bytes = v; return *this; }
+  PlannerOptions& set_objective(PlanObjective v) { objective = v; return *this; }
+  PlannerOptions& set_simulate(const SimulateOptions& v) { simulate = v; return *this; }
+  PlannerOptions& set_exhaustive_limit(int64_t v) { exhaustive_limit = v; return *this; }
+  PlannerOptions& set_max_evaluations(int64_t v) { max_evaluations = v; return *this; }
+};
+
+/// The planner's choice and its simulated figures (with the costs scaled to num_microbatch).
+struct PlannedSchedule {
+  ExecutePlan plan;
+  int64_t num_microbatch = 0;
+  double makespan = 0;       ///< simulated makespan of one isolated iteration
+  double period = 0;         ///< simulated steady-state period
+  double bubble = 0;         ///< isolated bubble ratio
+  double steady_bubble = 0;  ///< steady-state bubble ratio
+  int64_t evaluations = 0;   ///< simulations run
+  bool exhaustive = false;   ///< every plan was simulated: the plan is optimal under the model
+};
+
+/// The plan for `type` (kInfer, kTrain or kFused) minimising `options.objective` under the
+/// simulator (Note [Pipeline simulator]); ties go to the plan whose jobs end earlier on sum.
+/// Exact when the plan space is at most `exhaustive_limit`, else a heuristic search (Note
+/// [Simulation-based planning] in planner.cpp) that starts from the partitioner's plan, so it
+/// never returns a plan the simulator rates worse than partition()'s.
+/// Throws c10::Error on invalid costs or options, or when a layer alone exceeds the budget.
+PlannedSchedule plan_by_simulation(const std::vector<LayerCost>& costs, RunType type,
+                                   const PlannerOptions& options);
+
+}  // namespace roundpipe::scheduler
