@@ -13,13 +13,16 @@ namespace roundpipe::scheduler {
 // Note [Simulation-based planning]:
 // A plan is the fused tail's first layer `tail` (kFused; else tail = L) and two sets of cuts,
 // the forward and the backward stage boundaries inside [0, tail). Its score is the simulated
-// objective (makespan, or steady-state period), ties broken by the sum of the jobs' end times
-// (which prefers plans whose pipeline drains sooner and guides the search across plateaus).
+// objective: the makespan, ties broken by the sum of the jobs' end times (which prefers plans
+// whose pipeline drains sooner and guides the search across plateaus); or the mean iteration
+// time of a run (period + (makespan - period) / run_iterations), ties broken by the makespan.
+// (Minimising the period alone favours a few long stages: their period is within a fraction of
+// a percent of the best one, but their first iteration has a 40% bubble.)
 // - Small plan spaces (at most exhaustive_limit plans) are enumerated: the plan is optimal.
 // - Otherwise seeds: the partitioner's plan, the one-layer-per-stage plan, and greedy tilings
 //   for a pair of stage-time caps (forward cap Tf, backward cap Tb; the fused tail is the
-//   longest suffix within Tb) on geometric grids between the largest layer and the whole
-//   model: a diagonal scan (both caps at the same grid position), then alternating scans of
+//   longest suffix within Tb) on grids between the largest layer and the whole model
+//   (geometric, snapped to sums of contiguous layers): a diagonal scan (both caps at the same grid position), then alternating scans of
 //   one cap with the other fixed. The best distinct seeds are refined by first-improvement
 //   local search over these moves: move the tail by one layer (the layer joining the tail, or
 //   leaving it into the last stages or into stages of its own), remove a cut (merge two
@@ -38,6 +41,11 @@ namespace roundpipe::scheduler {
 namespace {
 
 constexpr double kRelTol = 1e-9;
+// Kicks without improvement after which the iterated local search stops.
+constexpr int64_t kPatience = 64;
+// Stage-time caps per grid and the contiguous sums they are snapped to, at most.
+constexpr int kGridPoints = 64;
+constexpr int64_t kMaxSums = 1 << 18;
 
 // A plan: stage boundaries strictly inside [0, tail), ascending.
 struct Cuts {
@@ -89,7 +97,9 @@ class Search {
   }
 
   int64_t evaluations() const { return evaluations_; }
-  bool budget_left() const { return evaluations_ < options_.max_evaluations; }
+  bool budget_left() const {
+    return evaluations_ < options_.max_evaluations && simulated_ < options_.max_simulated_microbatches;
+  }
   bool has_backward() const { return type_ != RunType::kInfer; }
 
   ExecutePlan to_plan(const Cuts& c) const {
@@ -122,15 +132,15 @@ class Search {
 
   bool feasible(const Cuts& c) const {
     if (type_ == RunType::kFused && !fits({c.tail, num_layers_}, true)) return false;
-    for (const auto& r : stages_of(c.fwd, c.tail)) {
-      if (!fits(r, false)) return false;
-    }
-    if (has_backward()) {
-      for (const auto& r : stages_of(c.bwd, c.tail)) {
-        if (!fits(r, true)) return false;
+    auto all_fit = [&](const std::vector<int64_t>& cuts, bool backward) {
+      int64_t begin = 0;
+      for (int64_t cut : cuts) {
+        if (!fits({begin, cut}, backward)) return false;
+        begin = cut;
       }
-    }
-    return true;
+      return c.tail == 0 || fits({begin, c.tail}, backward);
+    };
+    return all_fit(c.fwd, false) && (!has_backward() || all_fit(c.bwd, true));
   }
 
   Score evaluate(const Cuts& c) {
@@ -159,9 +169,13 @@ class Search {
       const auto& out = model_.run(jobs_, 1);
       s.primary = out.iteration_end[0];
       s.secondary = out.sum_job_end;
+      simulated_ += static_cast<int64_t>(jobs_.size()) * model_.num_microbatch();
     } else {
-      s.primary = model_.period(jobs_);
-      s.secondary = model_.run(jobs_, 1).sum_job_end;
+      const auto& out = model_.steady(jobs_);
+      const double makespan = out.iteration_end[0];  // iteration 0 is the isolated run
+      s.primary = out.period + (makespan - out.period) / static_cast<double>(options_.run_iterations);
+      s.secondary = makespan;
+      simulated_ += static_cast<int64_t>(jobs_.size() * out.iteration_end.size()) * model_.num_microbatch();
     }
     return s;
   }
@@ -300,6 +314,44 @@ class Search {
     }
   }
 
+  // Iterated local search: kicks `best` with a few random moves, improves the result and keeps
+  // it when better; stops after `patience` kicks in a row without improvement, or when the
+  // budget is spent. Deterministic (fixed seed).
+  void iterate(Cuts& best, Score& best_score, int64_t patience) {
+    uint64_t state = 0x9E3779B97F4A7C15ULL;
+    auto next = [&state] {  // splitmix64
+      uint64_t z = (state += 0x9E3779B97F4A7C15ULL);
+      z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+      z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+      return z ^ (z >> 31);
+    };
+    Cuts kicked, moved;
+    for (int64_t stale = 0; stale < patience && budget_left();) {
+      kicked = best;
+      const int kicks = 2 + static_cast<int>(next() % 3);
+      for (int k = 0, tries = 0; k < kicks && tries < 20; ++tries) {
+        const auto n = static_cast<uint64_t>(num_moves(kicked));
+        if (neighbor(kicked, static_cast<int64_t>(next() % n), moved)) {
+          kicked = moved;
+          ++k;
+        }
+      }
+      if (kicked == best) {
+        ++stale;
+        continue;
+      }
+      Score s = evaluate(kicked);
+      improve(kicked, s);
+      if (better(s, best_score)) {
+        best = kicked;
+        best_score = s;
+        stale = 0;
+      } else {
+        ++stale;
+      }
+    }
+  }
+
   // Every plan, if there are at most `limit`.
   std::optional<std::pair<Cuts, Score>> exhaustive(int64_t limit) {
     const double count = plan_count();
@@ -338,19 +390,32 @@ class Search {
     return 0;
   }
 
-  // Geometric grid of stage-time caps from the largest layer to the whole model.
+  // Stage-time caps from the largest layer to the whole model: geometric targets, each snapped
+  // up to the nearest sum of contiguous layers (where the greedy tiling changes), deduplicated.
   std::vector<double> cap_grid(bool backward) const {
-    double largest = 0, total = 0;
-    for (const auto& c : costs_) {
-      const double t = backward ? c.backward : c.forward;
-      largest = std::max(largest, t);
-      total += t;
+    const auto& pre = backward ? prefix_.bwd : prefix_.fwd;
+    double largest = 0;
+    for (int64_t i = 0; i < num_layers_; ++i) largest = std::max(largest, pre[i + 1] - pre[i]);
+    const double total = pre[num_layers_];
+    if (largest <= 0 || total <= largest) return {largest};
+    // Contiguous sums: all of them up to kMaxSums, else those starting at every stride-th layer.
+    std::vector<double> sums;
+    const int64_t stride = std::max<int64_t>(1, num_layers_ * num_layers_ / kMaxSums);
+    for (int64_t i = 0; i < num_layers_; i += stride) {
+      for (int64_t j = i + 1; j <= num_layers_; ++j) {
+        const double sum = pre[j] - pre[i];
+        if (sum >= largest) sums.push_back(sum);
+      }
     }
-    constexpr int kPoints = 64;
-    std::vector<double> grid{largest};
-    if (largest <= 0 || total <= largest) return grid;
-    const double ratio = std::pow(total / largest, 1.0 / (kPoints - 1));
-    for (int i = 1; i < kPoints; ++i) grid.push_back(largest * std::pow(ratio, i));
+    std::sort(sums.begin(), sums.end());
+    std::vector<double> grid;
+    const double ratio = std::pow(total / largest, 1.0 / (kGridPoints - 1));
+    for (int i = 0; i < kGridPoints; ++i) {
+      const double target = largest * std::pow(ratio, i) * (1 - kRelTol);
+      auto it = std::lower_bound(sums.begin(), sums.end(), target);
+      const double cap = it == sums.end() ? total : *it;
+      if (grid.empty() || cap > grid.back() * (1 + kRelTol)) grid.push_back(cap);
+    }
     return grid;
   }
 
@@ -364,6 +429,7 @@ class Search {
   std::vector<int64_t> fwd_bytes_, bwd_bytes_;
   std::vector<detail::JobSpec> jobs_;
   int64_t evaluations_ = 0;
+  int64_t simulated_ = 0;  // job-microbatches simulated
 };
 
 struct Found {
@@ -390,6 +456,14 @@ Found search_plan(Search& search, const std::vector<LayerCost>& costs, RunType t
                                           .set_min_stages(options.num_devices)
                                           .set_memory_budget_bytes(options.memory_budget_bytes))));
   consider(search.from_plan(ExecutePlan::per_layer(static_cast<int64_t>(costs.size()), type)));
+  for (const auto& plan : options.seeds) {
+    try {
+      plan.validate(static_cast<int64_t>(costs.size()), type);
+    } catch (const c10::Error&) {
+      continue;  // a stale seed (another model or type) is simply not used
+    }
+    consider(search.from_plan(plan));
+  }
 
   // Cap grids: a diagonal scan, then each cap with the other fixed.
   const auto fwd_grid = search.cap_grid(false);
@@ -432,6 +506,7 @@ Found search_plan(Search& search, const std::vector<LayerCost>& costs, RunType t
       found.score = s;
     }
   }
+  search.iterate(found.cuts, found.score, kPatience);
   found.evaluations = search.evaluations();
   return found;
 }
@@ -452,9 +527,13 @@ void check_inputs(const std::vector<LayerCost>& costs, RunType type, const Plann
   }
   TORCH_CHECK(options.memory_budget_bytes > 0, "plan_by_simulation: memory_budget_bytes must be > 0, got ",
               options.memory_budget_bytes);
-  TORCH_CHECK(options.exhaustive_limit >= 0 && options.max_evaluations >= 1,
-              "plan_by_simulation: exhaustive_limit must be >= 0 and max_evaluations >= 1, got ",
-              options.exhaustive_limit, " and ", options.max_evaluations);
+  TORCH_CHECK(options.run_iterations >= 1, "plan_by_simulation: run_iterations must be >= 1, got ",
+              options.run_iterations);
+  TORCH_CHECK(options.exhaustive_limit >= 0 && options.max_evaluations >= 1 &&
+                  options.max_simulated_microbatches >= 1,
+              "plan_by_simulation: exhaustive_limit must be >= 0, max_evaluations and max_simulated_microbatches ",
+              ">= 1, got ", options.exhaustive_limit, ", ", options.max_evaluations, " and ",
+              options.max_simulated_microbatches);
   TORCH_CHECK(options.simulate.first_device >= 0 && options.simulate.first_device < options.num_devices,
               "plan_by_simulation: simulate.first_device ", options.simulate.first_device, " is not in [0, ",
               options.num_devices, ")");

@@ -15,8 +15,11 @@
 namespace roundpipe::scheduler {
 
 /// What the planner minimises.
-/// - kIsolated: the makespan of one isolated iteration (simulate()).
-/// - kSteadyState: the period of back-to-back iterations (simulate_steady_state()).
+/// - kIsolated: the makespan of one isolated iteration (simulate()): for synchronous steps.
+/// - kSteadyState: the mean time per iteration of a run of `run_iterations` back-to-back
+///   iterations, period + (makespan - period) / run_iterations (simulate_steady_state()): for
+///   asynchronous steps. The first iteration's fill and the last's drain weigh in a little, so
+///   of two plans with about the same period the one with the shorter makespan wins.
 enum class PlanObjective { kIsolated, kSteadyState };
 
 struct PlannerOptions {
@@ -36,12 +39,21 @@ struct PlannerOptions {
   /// Bytes one stage may hold on a device, as in PartitionOptions. Default: unlimited.
   int64_t memory_budget_bytes = std::numeric_limits<int64_t>::max();
   PlanObjective objective = PlanObjective::kIsolated;
+  /// kSteadyState: the run length over which the makespan is amortized.
+  int64_t run_iterations = 100;
   /// The runtime's overheads and iteration model, passed to the simulator.
   SimulateOptions simulate;
-  /// Enumerate every plan (exact) when there are at most this many (kFused: 7 layers give 1366).
-  int64_t exhaustive_limit = 4096;
+  /// Enumerate every plan (exact) when there are at most this many (kFused: 8 layers give 5461).
+  int64_t exhaustive_limit = 8192;
   /// Simulations the heuristic search may run per num_microbatch candidate.
   int64_t max_evaluations = 20000;
+  /// Simulation work the heuristic search may spend per num_microbatch candidate, counted in
+  /// job-microbatches (a simulation of J jobs, M microbatches and I iterations counts J x M x I;
+  /// about 10 ns each): bounds the planning time deterministically. The default is ~0.2 s.
+  int64_t max_simulated_microbatches = 20'000'000;
+  /// Extra starting plans for the heuristic search (e.g. the previous plan, when the costs
+  /// changed). Plans that do not fit the model, type or budget are ignored.
+  std::vector<ExecutePlan> seeds;
 
   PlannerOptions& set_num_devices(int64_t v) { num_devices = v; return *this; }
   PlannerOptions& set_num_microbatch(int64_t v) { num_microbatch = v; return *this; }
@@ -50,9 +62,12 @@ struct PlannerOptions {
   PlannerOptions& set_num_microbatch_tolerance(double v) { num_microbatch_tolerance = v; return *this; }
   PlannerOptions& set_memory_budget_bytes(int64_t v) { memory_budget_bytes = v; return *this; }
   PlannerOptions& set_objective(PlanObjective v) { objective = v; return *this; }
+  PlannerOptions& set_run_iterations(int64_t v) { run_iterations = v; return *this; }
   PlannerOptions& set_simulate(const SimulateOptions& v) { simulate = v; return *this; }
   PlannerOptions& set_exhaustive_limit(int64_t v) { exhaustive_limit = v; return *this; }
   PlannerOptions& set_max_evaluations(int64_t v) { max_evaluations = v; return *this; }
+  PlannerOptions& set_max_simulated_microbatches(int64_t v) { max_simulated_microbatches = v; return *this; }
+  PlannerOptions& set_seeds(std::vector<ExecutePlan> v) { seeds = std::move(v); return *this; }
 };
 
 /// The planner's choice and its simulated figures (with the costs scaled to num_microbatch).

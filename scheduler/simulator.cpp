@@ -46,9 +46,17 @@ namespace roundpipe::scheduler {
 //   `step_time`. So iteration i+1's gate is max(return of i, end of step i-1), and step i-1
 //   ends after iteration i-1 ended: with step_time 0 only the device slots and the data
 //   dependencies constrain. kInfer runs have no step: the gate is the previous return.
-//   The period is averaged over the last whole cursor cycles (D / gcd(jobs, D) iterations,
-//   at least 4 iterations), after as many warm-up iterations; the steady-state bubble is
+//   The model is max-plus linear (only max and +), so the iterations become periodic: after each
+//   iteration the state is the cursor and the device-free and step-end times relative to the
+//   next gate (clamped at 0: earlier times no longer matter); when it equals the state after an
+//   earlier iteration (to 1e-9 relative), the period is the gate's advance per iteration between
+//   the two, exactly (a plan of 15 jobs on 8 devices repeats every 3 iterations: averaging a
+//   fixed window instead was off by up to 4 points of bubble). Without a repeat within 256
+//   iterations, the average over the second half. The steady-state bubble is
 //   1 - work per iteration / (D x period).
+// - Rounds (`round_size` n > 0, not the runtime today): each iteration posts, for microbatches
+//   [0, n), [n, 2n), ..., one job per stage in dispatch order; the dependencies stay per
+//   microbatch, so round r's stage s waits for round r's stage s-1.
 
 namespace {
 
@@ -68,6 +76,8 @@ void check_inputs(const ExecutePlan& plan, RunType type, const std::vector<Layer
               "simulate: step_time must be finite and >= 0, got ", options.step_time);
   TORCH_CHECK(options.num_iterations >= 0, "simulate: num_iterations must be >= 0 (0: automatic), got ",
               options.num_iterations);
+  TORCH_CHECK(options.round_size >= 0, "simulate: round_size must be >= 0 (0: one job per stage), got ",
+              options.round_size);
   for (size_t i = 0; i < costs.size(); ++i) {
     const LayerCost& c = costs[i];
     TORCH_CHECK(std::isfinite(c.forward) && std::isfinite(c.backward) && c.forward >= 0 && c.backward >= 0,
@@ -133,19 +143,17 @@ SteadyStateResult simulate_steady_state(const ExecutePlan& plan, RunType type, c
   detail::PipelineModel model(type, num_devices, num_microbatch, options);
   SteadyStateResult result;
   result.num_devices = num_devices;
-  int64_t measured = 0;
-  const int64_t n = detail::steady_state_iterations(static_cast<int64_t>(jobs.size()), num_devices,
-                                                    options.num_iterations, &measured);
-  result.num_iterations = n;
-  result.measured_iterations = measured;
   result.timeline.num_devices = num_devices;
   result.timeline.num_microbatch = num_microbatch;
-  const auto& out = model.run(jobs, n, &result.timeline.jobs);
+  const auto& out = model.steady(jobs, &result.timeline.jobs);
+  result.num_iterations = static_cast<int64_t>(out.iteration_end.size());
+  result.measured_iterations = out.measured;
+  result.periodic = out.periodic;
+  result.period = out.period;
   result.iteration_end = out.iteration_end;
   result.iteration_return = out.iteration_return;
   account(result.timeline, options.job_overhead);
-  result.work_per_iteration = result.timeline.work / static_cast<double>(n);
-  result.period = detail::period_of(out.iteration_end, measured);
+  result.work_per_iteration = result.timeline.work / static_cast<double>(result.num_iterations);
   return result;
 }
 

@@ -30,6 +30,10 @@ struct SimulateOptions {
   /// and waits for the gradient only before the backward pass (what the Python original's
   /// simulator assumes). Splits a backward stage's time into forward (recompute) and the rest.
   bool recompute_ahead = false;
+  /// 0 (the runtime today): a stage job runs all num_microbatch microbatches. n > 0: the
+  /// iteration is dispatched in rounds of n microbatches, each round posting one job per stage
+  /// (what the Python original's simulator does with n = the device count).
+  int64_t round_size = 0;
 
   // Back-to-back iterations (simulate_steady_state only).
 
@@ -39,13 +43,15 @@ struct SimulateOptions {
   /// item 3), so the next iteration is posted while backward stages still run. false: it returns
   /// after the whole iteration (the runtime today).
   bool overlap_backward_tail = true;
-  /// Iterations simulated (the first half is warm-up); 0: automatic (Note [Pipeline simulator]).
+  /// 0: simulate until the iterations repeat (exact period; Note [Pipeline simulator]).
+  /// n > 0: simulate n iterations and average the period over the last n / 2.
   int64_t num_iterations = 0;
 
   SimulateOptions& set_first_device(int64_t v) { first_device = v; return *this; }
   SimulateOptions& set_job_overhead(double v) { job_overhead = v; return *this; }
   SimulateOptions& set_hop_latency(double v) { hop_latency = v; return *this; }
   SimulateOptions& set_recompute_ahead(bool v) { recompute_ahead = v; return *this; }
+  SimulateOptions& set_round_size(int64_t v) { round_size = v; return *this; }
   SimulateOptions& set_step_time(double v) { step_time = v; return *this; }
   SimulateOptions& set_overlap_backward_tail(bool v) { overlap_backward_tail = v; return *this; }
   SimulateOptions& set_num_iterations(int64_t v) { num_iterations = v; return *this; }
@@ -62,7 +68,8 @@ struct MicrobatchSpan {
 /// One stage job of the simulated timeline (for plotting and checks).
 struct SimulatedJob {
   int64_t iteration = 0;
-  int64_t index = 0;  ///< position in the iteration's dispatch order
+  int64_t index = 0;  ///< the stage's position in the iteration's dispatch order
+  int64_t first_microbatch = 0;  ///< of its round (0 without rounds)
   StagePhase phase = StagePhase::kForward;
   LayerRange layers;
   int64_t device = 0;
@@ -100,8 +107,9 @@ struct SteadyStateResult {
   double period = 0;              ///< time per iteration once the pipeline repeats
   double work_per_iteration = 0;  ///< compute time of one iteration
   int64_t num_devices = 0;
-  int64_t num_iterations = 0;      ///< simulated
+  int64_t num_iterations = 0;       ///< simulated
   int64_t measured_iterations = 0;  ///< the last ones, over which `period` is averaged
+  bool periodic = false;            ///< the iterations repeat exactly: `period` is exact
   std::vector<double> iteration_end;     ///< per iteration: its last job's end
   std::vector<double> iteration_return;  ///< per iteration: when its forward_backward returns
   SimulationResult timeline;             ///< every iteration's jobs

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "scheduler/simulator.h"
@@ -35,23 +36,22 @@ void append_job(std::vector<JobSpec>& jobs, StagePhase phase, LayerRange layers,
 /// The jobs of one iteration of `plan` in dispatch order.
 std::vector<JobSpec> compile(const ExecutePlan& plan, RunType type, const CostPrefix& prefix);
 
-/// Iterations to simulate for a steady-state period with `num_jobs` jobs per iteration:
-/// `requested` (SimulateOptions::num_iterations) or, if 0, the default. Sets `*measured` to how
-/// many final ones the period is averaged over (by default a whole number of cursor cycles).
-int64_t steady_state_iterations(int64_t num_jobs, int64_t num_devices, int64_t requested, int64_t* measured);
-
-/// The period over the last `measured` of `iteration_end`.
-double period_of(const std::vector<double>& iteration_end, int64_t measured);
-
 /// Runs jobs through the model; reuses its buffers across calls (not thread-safe).
 class PipelineModel {
  public:
   PipelineModel(RunType type, int64_t num_devices, int64_t num_microbatch, SimulateOptions options);
 
+  /// Iterations simulate_steady_state runs at most to find the periodic regime.
+  static constexpr int64_t kMaxSteadyIterations = 256;
+
   struct Output {
     std::vector<double> iteration_end;
     std::vector<double> iteration_return;
     double sum_job_end = 0;  ///< over iteration 0's jobs (a tie-break for the planner)
+    // steady() only:
+    double period = 0;
+    int64_t measured = 0;   ///< iterations the period spans
+    bool periodic = false;  ///< a repeating state was found: `period` is exact
   };
 
   /// Simulates `iterations` back-to-back iterations of `jobs`; appends every job to `record`
@@ -60,7 +60,9 @@ class PipelineModel {
                     std::vector<SimulatedJob>* record = nullptr);
   /// Makespan of one isolated iteration.
   double makespan(const std::vector<JobSpec>& jobs);
-  /// Steady-state period (options.num_iterations, or the default).
+  /// Back-to-back iterations until they repeat (or options.num_iterations of them).
+  const Output& steady(const std::vector<JobSpec>& jobs, std::vector<SimulatedJob>* record = nullptr);
+  /// steady(jobs).period.
   double period(const std::vector<JobSpec>& jobs);
 
   int64_t num_devices() const { return num_devices_; }
@@ -71,9 +73,18 @@ class PipelineModel {
   int64_t num_devices_;
   int64_t num_microbatch_;
   SimulateOptions options_;
+  std::vector<std::pair<int64_t, int64_t>> rounds_;  // microbatch ranges, one job per stage each
+  // Simulation state between iterations.
   std::vector<double> device_free_;
   std::vector<double> mb_end_;  // [job][microbatch] of the current iteration
+  double gate_ = 0;             // the next iteration's jobs are posted and may copy their layers
+  double step_end_ = 0;         // the last iteration's optimizer step
+  int64_t device_ = 0;          // the cursor
+  std::vector<double> states_, gates_;  // per iteration, for steady()
   Output out_;
+
+  void reset(const std::vector<JobSpec>& jobs);
+  void iterate(const std::vector<JobSpec>& jobs, std::vector<SimulatedJob>* record);
 };
 
 }  // namespace roundpipe::scheduler::detail
