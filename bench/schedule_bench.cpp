@@ -159,55 +159,73 @@ std::string describe(const rs::ExecutePlan& plan, int64_t blocks) {
 double pct(double ratio) { return 100.0 * ratio; }
 
 struct Figures {
-  double isolated, steady, steady_today;
+  double makespan, period;   // ms
+  double work;               // ms per iteration, this plan's own (the tail recomputes nothing)
 };
 
-Figures figures(const rs::ExecutePlan& plan, const std::vector<rs::LayerCost>& costs, rs::SimulateOptions options) {
-  Figures f;
-  f.isolated = rs::simulate(plan, rs::RunType::kFused, costs, kDevices, kMicrobatches, options).bubble_ratio();
-  f.steady = rs::simulate_steady_state(plan, rs::RunType::kFused, costs, kDevices, kMicrobatches, options)
-                 .bubble_ratio();
-  options.overlap_backward_tail = false;
-  f.steady_today = rs::simulate_steady_state(plan, rs::RunType::kFused, costs, kDevices, kMicrobatches, options)
-                       .bubble_ratio();
-  return f;
+Figures figures(const rs::ExecutePlan& plan, const std::vector<rs::LayerCost>& costs,
+                const rs::SimulateOptions& options) {
+  const auto isolated = rs::simulate(plan, rs::RunType::kFused, costs, kDevices, kMicrobatches, options);
+  const auto steady = rs::simulate_steady_state(plan, rs::RunType::kFused, costs, kDevices, kMicrobatches, options);
+  return {isolated.makespan, steady.period, isolated.work};
 }
 
+double planning_ms(const std::vector<rs::LayerCost>& costs, const rs::PlannerOptions& options,
+                   rs::PlannedSchedule* out) {
+  const auto t0 = std::chrono::steady_clock::now();
+  *out = rs::plan_by_simulation(costs, rs::RunType::kFused, options);
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// Bubbles against the paper's work (every block recomputed, the head not): 1 - work / (D x time),
+// so plans are compared by time; "own" uses the plan's own work (a longer fused tail recomputes
+// less, so it does less work in the same time and shows a larger own-work bubble).
 void paper_workloads(double hop_scale) {
   std::printf("\n## Paper workloads: 8 devices, 16 microbatches, hop latency = %s\n\n",
               hop_scale > 0 ? "the artifact's comm time" : "0");
-  std::printf("%-12s %-28s %8s %8s %8s\n", "workload", "plan", "isolated", "steady", "today");
+  std::printf("%-12s %-26s %9s %7s %6s %9s %7s %6s %8s  %s\n", "workload", "plan", "makespan", "bubble", "(own)",
+              "period", "steady", "(own)", "plan ms", "stages (layers per stage; T = fused tail + head)");
   for (const auto& w : workloads()) {
     const auto costs = layer_costs(w);
     rs::SimulateOptions sim;
     sim.hop_latency = hop_scale * w.comm;
-    auto row = [&](const char* what, const rs::ExecutePlan& plan, const Figures& f) {
-      std::printf("%-12s %-28s %7.1f%% %7.1f%% %7.1f%%   %s\n", w.name, what, pct(f.isolated), pct(f.steady),
-                  pct(f.steady_today), describe(plan, w.layers).c_str());
+    const double reference = figures(paper_plan(w), costs, sim).work;
+    auto row = [&](const char* what, const rs::ExecutePlan& plan, const rs::SimulateOptions& options, double ms) {
+      const Figures f = figures(plan, costs, options);
+      const double cap_iso = kDevices * f.makespan, cap_steady = kDevices * f.period;
+      char time[16] = "";
+      if (ms >= 0) std::snprintf(time, sizeof(time), "%.0f", ms);
+      std::printf("%-12s %-26s %9.0f %6.1f%% %5.1f%% %9.1f %6.1f%% %5.1f%% %8s  %s\n", w.name, what, f.makespan,
+                  pct(1 - reference / cap_iso), pct(1 - f.work / cap_iso), f.period, pct(1 - reference / cap_steady),
+                  pct(1 - f.work / cap_steady), time, describe(plan, w.layers).c_str());
     };
     const auto partitioned =
         rs::partition(costs, rs::RunType::kFused, rs::PartitionOptions().set_min_stages(kDevices));
-    row("partitioner (today)", partitioned, figures(partitioned, costs, sim));
-    row("paper's plan, our runtime", paper_plan(w), figures(paper_plan(w), costs, sim));
+    row("partitioner (today)", partitioned, sim, -1);
+    row("paper's plan, our runtime", paper_plan(w), sim, -1);
     auto options = rs::PlannerOptions().set_num_devices(kDevices).set_num_microbatch(kMicrobatches).set_simulate(sim);
-    const auto isolated = rs::plan_by_simulation(costs, rs::RunType::kFused, options);
-    row("planned: isolated", isolated.plan, figures(isolated.plan, costs, sim));
+    rs::PlannedSchedule planned;
+    double ms = planning_ms(costs, options, &planned);
+    row("planned: isolated", planned.plan, sim, ms);
     options.objective = rs::PlanObjective::kSteadyState;
-    const auto steady = rs::plan_by_simulation(costs, rs::RunType::kFused, options);
-    row("planned: steady state", steady.plan, figures(steady.plan, costs, sim));
-    options.seeds = {paper_plan(w)};
-    const auto seeded = rs::plan_by_simulation(costs, rs::RunType::kFused, options);
-    row("planned: steady, seeded", seeded.plan, figures(seeded.plan, costs, sim));
-    options.seeds.clear();
-    sim.recompute_ahead = true;
-    options.simulate = sim;
+    ms = planning_ms(costs, options, &planned);
+    row("planned: steady state", planned.plan, sim, ms);
+    // What-ifs: runtime changes the simulator can model (not the runtime today).
     options.objective = rs::PlanObjective::kIsolated;
-    const auto ahead = rs::plan_by_simulation(costs, rs::RunType::kFused, options);
-    row("planned, recompute ahead", ahead.plan, figures(ahead.plan, costs, sim));
-    std::printf("%-12s %-28s %7.1f%% %7.1f%%   (paper's simulator; async = its steady-state share)\n", w.name,
-                "paper: RoundPipe", w.paper_isolated, w.paper_async);
-    std::printf("%-12s %-28s %7.1f%% (comm %.2f ms) %6.1f%% (comm 0); paper %.1f%%\n", w.name, "1F1B, simulated",
-                pct(one_f_one_b(w, w.comm)), w.comm, pct(one_f_one_b(w, 0)), w.paper_1f1b);
+    auto ahead = sim;
+    ahead.recompute_ahead = true;
+    options.simulate = ahead;
+    ms = planning_ms(costs, options, &planned);
+    row("if recompute ahead", planned.plan, ahead, ms);
+    auto rounds = sim;
+    rounds.round_size = kDevices;
+    options.simulate = rounds;
+    ms = planning_ms(costs, options, &planned);
+    row("if rounds of 8 microbatches", planned.plan, rounds, ms);
+    std::printf("%-12s %-26s %9s %6.1f%% %6s %9s %6.1f%%   (the artifact's simulator; async = its steady share)\n",
+                w.name, "paper: RoundPipe", "", w.paper_isolated, "", "", w.paper_async);
+    std::printf("%-12s %-26s %9s %6.1f%% %6s (comm %.2f ms; %.1f%% with comm 0; paper %.1f%%)\n", w.name,
+                "1F1B, simulated", "", pct(one_f_one_b(w, w.comm)), "", w.comm, pct(one_f_one_b(w, 0)), w.paper_1f1b);
   }
 }
 

@@ -45,12 +45,12 @@ struct PlannerOptions {
   SimulateOptions simulate;
   /// Enumerate every plan (exact) when there are at most this many (kFused: 8 layers give 5461).
   int64_t exhaustive_limit = 8192;
-  /// Simulations the heuristic search may run per num_microbatch candidate.
-  int64_t max_evaluations = 20000;
-  /// Simulation work the heuristic search may spend per num_microbatch candidate, counted in
+  /// Simulations the heuristic search may run (per call: num_microbatch candidates share it).
+  int64_t max_evaluations = 100000;
+  /// Simulation work the heuristic search may spend (per call, shared likewise), counted in
   /// job-microbatches (a simulation of J jobs, M microbatches and I iterations counts J x M x I;
-  /// about 10 ns each): bounds the planning time deterministically. The default is ~0.2 s.
-  int64_t max_simulated_microbatches = 20'000'000;
+  /// about 10 ns each): bounds the planning time deterministically (the default: 0.15-0.5 s).
+  int64_t max_simulated_microbatches = 50'000'000;
   /// Extra starting plans for the heuristic search (e.g. the previous plan, when the costs
   /// changed). Plans that do not fit the model, type or budget are ignored.
   std::vector<ExecutePlan> seeds;

@@ -165,7 +165,8 @@ const PipelineModel::Output& PipelineModel::run(const std::vector<JobSpec>& jobs
 
 double PipelineModel::makespan(const std::vector<JobSpec>& jobs) { return run(jobs, 1).iteration_end[0]; }
 
-const PipelineModel::Output& PipelineModel::steady(const std::vector<JobSpec>& jobs, std::vector<SimulatedJob>* record) {
+const PipelineModel::Output& PipelineModel::steady(const std::vector<JobSpec>& jobs,
+                                                   std::vector<SimulatedJob>* record) {
   reset(jobs);
   if (options_.num_iterations > 0) {
     for (int64_t it = 0; it < options_.num_iterations; ++it) iterate(jobs, record);
