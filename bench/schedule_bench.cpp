@@ -6,8 +6,9 @@
 // planning time for 100 and 500 heterogeneous layers. Pure simulation: no devices, no threads.
 //
 //   build/bench/schedule_bench            (prints the tables in docs/schedule-notes.md)
+#include <time.h>
+
 #include <algorithm>
-#include <chrono>
 #include <cstdio>
 #include <random>
 #include <sstream>
@@ -145,13 +146,15 @@ double one_f_one_b(const Workload& w, double comm) {
   return 1 - work / (static_cast<double>(D) * makespan);
 }
 
-// "F 7 7 7 7 | T 1+h | B 3 3 ..." in layers per stage (the tail's head counted as h).
+// "4F+11B: F 7 7 7 7 | T 0+h | B 3 3 ..." in layers per stage (layer `blocks`, if any, is the
+// LM head, counted as h); B lists the backward stages after the fused tail T, deepest first.
 std::string describe(const rs::ExecutePlan& plan, int64_t blocks) {
   std::ostringstream out;
   out << plan.forward_stages().size() << "F+" << plan.backward_stages().size() << "B: F";
   for (const auto& r : plan.forward_stages()) out << " " << r.size();
   const auto& bwd = plan.backward_stages();
-  out << " | T " << bwd.front().size() - (bwd.front().end > blocks ? 1 : 0) << "+h | B";
+  const bool head = bwd.front().end > blocks;
+  out << " | T " << bwd.front().size() - (head ? 1 : 0) << (head ? "+h" : "") << " | B";
   for (size_t i = 1; i < bwd.size(); ++i) out << " " << bwd[i].size();
   return out.str();
 }
@@ -170,11 +173,19 @@ Figures figures(const rs::ExecutePlan& plan, const std::vector<rs::LayerCost>& c
   return {isolated.makespan, steady.period, isolated.work};
 }
 
+// Planning time as CPU time of this (single) thread: the build machine is shared, wall time is not
+// reproducible there.
+double cpu_ms() {
+  timespec t{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+  return 1e3 * static_cast<double>(t.tv_sec) + 1e-6 * static_cast<double>(t.tv_nsec);
+}
+
 double planning_ms(const std::vector<rs::LayerCost>& costs, const rs::PlannerOptions& options,
                    rs::PlannedSchedule* out) {
-  const auto t0 = std::chrono::steady_clock::now();
+  const double t0 = cpu_ms();
   *out = rs::plan_by_simulation(costs, rs::RunType::kFused, options);
-  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  return cpu_ms() - t0;
 }
 
 // Bubbles against the paper's work (every block recomputed, the head not): 1 - work / (D x time),
@@ -184,7 +195,7 @@ void paper_workloads(double hop_scale) {
   std::printf("\n## Paper workloads: 8 devices, 16 microbatches, hop latency = %s\n\n",
               hop_scale > 0 ? "the artifact's comm time" : "0");
   std::printf("%-12s %-26s %9s %7s %6s %9s %7s %6s %8s  %s\n", "workload", "plan", "makespan", "bubble", "(own)",
-              "period", "steady", "(own)", "plan ms", "stages (layers per stage; T = fused tail + head)");
+              "period", "steady", "(own)", "plan cpu", "stages (layers per stage; T = fused tail + head)");
   for (const auto& w : workloads()) {
     const auto costs = layer_costs(w);
     rs::SimulateOptions sim;
@@ -262,7 +273,7 @@ std::vector<rs::LayerCost> heterogeneous(int64_t n, uint64_t seed) {
 
 void planning_time() {
   std::printf("\n## Planning time (8 devices, 16 microbatches, heterogeneous layers)\n\n");
-  std::printf("%7s %-13s %10s %12s %9s %9s\n", "layers", "objective", "time ms", "simulations", "stages", "bubble");
+  std::printf("%7s %-13s %10s %12s %9s %9s\n", "layers", "objective", "cpu ms", "simulations", "stages", "bubble");
   for (int64_t n : {100, 500}) {
     const auto costs = heterogeneous(n, 11);
     for (auto objective : {rs::PlanObjective::kIsolated, rs::PlanObjective::kSteadyState}) {
@@ -270,18 +281,17 @@ void planning_time() {
                          .set_num_devices(kDevices)
                          .set_num_microbatch(kMicrobatches)
                          .set_objective(objective);
-      const auto t0 = std::chrono::steady_clock::now();
-      const auto planned = rs::plan_by_simulation(costs, rs::RunType::kFused, options);
-      const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+      rs::PlannedSchedule planned;
+      const double ms = planning_ms(costs, options, &planned);
       const bool steady = objective == rs::PlanObjective::kSteadyState;
       std::printf("%7lld %-13s %10.1f %12lld %9lld %8.1f%%\n", static_cast<long long>(n),
                   steady ? "steady state" : "isolated", ms, static_cast<long long>(planned.evaluations),
                   static_cast<long long>(planned.plan.num_stages()),
                   pct(steady ? planned.steady_bubble : planned.bubble));
     }
-    const auto t0 = std::chrono::steady_clock::now();
+    const double t0 = cpu_ms();
     const auto partitioned = rs::partition(costs, rs::RunType::kFused, rs::PartitionOptions().set_min_stages(kDevices));
-    const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    const double ms = cpu_ms() - t0;
     std::printf("%7lld %-13s %10.1f %12s %9lld %8.1f%%\n", static_cast<long long>(n), "partitioner", ms, "-",
                 static_cast<long long>(partitioned.num_stages()),
                 pct(rs::simulate(partitioned, rs::RunType::kFused, costs, kDevices, kMicrobatches).bubble_ratio()));
