@@ -83,11 +83,12 @@ struct PlannedSchedule {
 };
 
 /// The plan for `type` (kInfer, kTrain or kFused) minimising `options.objective` under the
-/// simulator (Note [Pipeline simulator]); ties go to the plan whose jobs end earlier on sum.
+/// simulator (Note [Pipeline simulator]), ties broken as Note [Simulation-based planning] says.
 /// Exact when the plan space is at most `exhaustive_limit`, else a heuristic search (Note
 /// [Simulation-based planning] in planner.cpp) that starts from the partitioner's plan, so it
 /// never returns a plan the simulator rates worse than partition()'s.
 /// Throws c10::Error on invalid costs or options, or when a layer alone exceeds the budget.
+/// Deterministic (same inputs, same plan) and thread-safe (no shared state).
 PlannedSchedule plan_by_simulation(const std::vector<LayerCost>& costs, RunType type,
                                    const PlannerOptions& options);
 

@@ -29,7 +29,8 @@ namespace roundpipe::scheduler {
 //   saved stage input a backward stage recomputes from exists by then (its forward stage ran
 //   microbatch j before the stages after it). With `recompute_ahead` a backward stage's
 //   microbatch recomputes (its forward sum) as soon as the device is free and the saved input
-//   arrived, and waits for the gradient before the rest.
+//   arrived (taken as the end of that forward stage's microbatch j: conservative when the
+//   backward stage starts inside it), and waits for the gradient before the rest.
 // - kTrain is modelled as one call: the output gradient of microbatch j is there as soon as the
 //   output is (the runtime only runs kInfer and kFused plans).
 // - Bubble: work is compute only; per device, idle = makespan - busy (compute + overhead), fill

@@ -112,7 +112,9 @@ struct SteadyStateResult {
   bool periodic = false;            ///< the iterations repeat exactly: `period` is exact
   std::vector<double> iteration_end;     ///< per iteration: its last job's end
   std::vector<double> iteration_return;  ///< per iteration: when its forward_backward returns
-  SimulationResult timeline;             ///< every iteration's jobs
+  /// Every simulated iteration's jobs (up to 256 iterations by default: set
+  /// SimulateOptions::num_iterations to bound it for a preview).
+  SimulationResult timeline;
 
   /// 1 - work_per_iteration / (num_devices x period).
   double bubble_ratio() const {
@@ -124,13 +126,13 @@ struct SteadyStateResult {
 /// `num_microbatch` microbatches on `num_devices` devices. A forward stage costs the sum of its
 /// layers' `forward` per microbatch; a backward stage and the fused tail the sum of `backward`
 /// (recompute + backward, resp. forward + backward: equal when a recompute costs a forward).
-/// Throws c10::Error on an invalid plan, counts or options.
+/// Throws c10::Error on an invalid plan, counts or options. A pure function: thread-safe.
 SimulationResult simulate(const ExecutePlan& plan, RunType type, const std::vector<LayerCost>& costs,
                           int64_t num_devices, int64_t num_microbatch, const SimulateOptions& options = {});
 
 /// Simulates back-to-back iterations of `plan` (each posted when the previous call returns, the
 /// device cursor continuing, each iteration's jobs starting only after the optimizer published
-/// the parameters it uses: staleness one) and reports the steady-state period.
+/// the parameters it uses: staleness one) and reports the steady-state period. Thread-safe.
 SteadyStateResult simulate_steady_state(const ExecutePlan& plan, RunType type, const std::vector<LayerCost>& costs,
                                         int64_t num_devices, int64_t num_microbatch,
                                         const SimulateOptions& options = {});
