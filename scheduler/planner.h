@@ -26,7 +26,7 @@ struct PlannerOptions {
   /// Devices the plan runs on (the runtime's device count).
   int64_t num_devices = 1;
   /// > 0: plan for exactly this many microbatches. 0: the planner chooses it in
-  /// [1, max_num_microbatch] (Note [Choosing num_microbatch] in planner.cpp).
+  /// [1, max_num_microbatch] (docs/schedule.md).
   int64_t num_microbatch = 0;
   /// Upper bound when the planner chooses num_microbatch (the batch's rows); required then.
   int64_t max_num_microbatch = 0;
@@ -83,7 +83,7 @@ struct PlannedSchedule {
 };
 
 /// The plan for `type` (kInfer, kTrain or kFused) minimising `options.objective` under the
-/// simulator (Note [Pipeline simulator]), ties broken as Note [Simulation-based planning] says.
+/// simulator (docs/schedule.md), ties broken as docs/schedule.md says.
 /// Exact when the plan space is at most `exhaustive_limit`, else a heuristic search (Note
 /// [Simulation-based planning] in planner.cpp) that starts from the partitioner's plan, so it
 /// never returns a plan the simulator rates worse than partition()'s.

@@ -1,8 +1,7 @@
 // The pipeline simulator: predicts the timeline of an ExecutePlan under the dispatch rules the
 // runtime really uses (stage jobs posted round-robin in program order, one FIFO job slot per
 // device, per-microbatch dependencies at stage boundaries). Pure CPU logic: the planner minimises
-// its makespan, a plan preview draws its timeline. The exact model is Note [Pipeline simulator]
-// in simulator.cpp.
+// its makespan, a plan preview draws its timeline. The exact model: docs/schedule.md.
 #pragma once
 
 #include <cstdint>
@@ -43,7 +42,7 @@ struct SimulateOptions {
   /// item 3), so the next iteration is posted while backward stages still run. false: it returns
   /// after the whole iteration (the runtime today).
   bool overlap_backward_tail = true;
-  /// 0: simulate until the iterations repeat (exact period; Note [Pipeline simulator]).
+  /// 0: simulate until the iterations repeat (exact period; docs/schedule.md).
   /// n > 0: simulate n iterations and average the period over the last n / 2.
   int64_t num_iterations = 0;
 
