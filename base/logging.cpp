@@ -85,6 +85,7 @@ const Logger& Logger::get(const std::string& module) {
   auto* impl = new spdlog::logger("roundpipe." + module, reg.sink);  // owned by this registry
   for (const auto& file : reg.file_sinks) {
     impl->sinks().push_back(file);
+    impl->flush_on(spdlog::level::trace);  // a log file is complete up to a crash
   }
   impl->set_level(to_spdlog(reg.level));
   impl->set_pattern(pattern_for(reg.rank));
@@ -122,6 +123,7 @@ void add_log_file(const std::string& path) {
   reg.file_sinks.push_back(file);
   for (auto& [name, entry] : reg.loggers) {
     entry.impl->sinks().push_back(file);
+    entry.impl->flush_on(spdlog::level::trace);
   }
 }
 
