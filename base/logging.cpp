@@ -1,6 +1,7 @@
 // The only translation unit that includes spdlog (see logging.h).
 #include "base/logging.h"
 
+#include <spdlog/sinks/basic_file_sink.h>
 #include <spdlog/sinks/stdout_color_sinks.h>
 #include <spdlog/spdlog.h>
 
@@ -10,6 +11,7 @@
 #include <memory>
 #include <mutex>
 #include <stdexcept>
+#include <vector>
 
 namespace roundpipe {
 namespace {
@@ -40,6 +42,7 @@ struct Registry {
   };
   std::map<std::string, Entry> loggers;
   std::shared_ptr<spdlog::sinks::sink> sink = std::make_shared<spdlog::sinks::stderr_color_sink_mt>();
+  std::vector<std::shared_ptr<spdlog::sinks::sink>> file_sinks;  // add_log_file
   LogLevel level = LogLevel::kInfo;
   int rank = -1;
 
@@ -80,6 +83,10 @@ const Logger& Logger::get(const std::string& module) {
     return *it->second.handle;
   }
   auto* impl = new spdlog::logger("roundpipe." + module, reg.sink);  // owned by this registry
+  for (const auto& file : reg.file_sinks) {
+    impl->sinks().push_back(file);
+    impl->flush_on(spdlog::level::trace);  // a log file is complete up to a crash
+  }
   impl->set_level(to_spdlog(reg.level));
   impl->set_pattern(pattern_for(reg.rank));
   auto inserted = reg.loggers.emplace(module, Registry::Entry{std::unique_ptr<Logger>(new Logger(impl)), impl});
@@ -101,6 +108,27 @@ void set_log_level(LogLevel level) {
   for (auto& [name, entry] : reg.loggers) {
     entry.impl->set_level(to_spdlog(level));
   }
+}
+
+void add_log_file(const std::string& path) {
+  std::shared_ptr<spdlog::sinks::sink> file;
+  try {
+    file = std::make_shared<spdlog::sinks::basic_file_sink_mt>(path, /*truncate=*/false);
+  } catch (const spdlog::spdlog_ex& e) {
+    throw std::runtime_error("cannot open the log file '" + path + "': " + e.what());
+  }
+  Registry& reg = registry();
+  std::lock_guard<std::mutex> lock(reg.mutex);
+  file->set_pattern(pattern_for(reg.rank));
+  reg.file_sinks.push_back(file);
+  for (auto& [name, entry] : reg.loggers) {
+    entry.impl->sinks().push_back(file);
+    entry.impl->flush_on(spdlog::level::trace);
+  }
+}
+
+void set_console_log_level(LogLevel level) {
+  registry().sink->set_level(to_spdlog(level));
 }
 
 void set_log_rank(int rank) {

@@ -33,6 +33,14 @@ class Logger {
 void set_log_level(LogLevel level);
 /// Parses "trace" ... "off"; throws std::invalid_argument naming the accepted values otherwise.
 LogLevel parse_log_level(const std::string& name);
+/// Also writes every RoundPipe logger's lines (existing and future) to the file `path` (appended;
+/// created if missing, with its parent directories), at the loggers' level, flushed after every
+/// line. Throws std::runtime_error when it cannot be opened. Call it before logging starts on
+/// other threads (it changes the loggers' sink lists).
+void add_log_file(const std::string& path);
+/// The level of the console (stderr) output alone; files added with add_log_file keep the loggers'
+/// level. Default: trace (everything the loggers' level lets through).
+void set_console_log_level(LogLevel level);
 /// Sets the rank shown in every log line (distributed runs); -1 hides it. Default: $RANK or -1.
 void set_log_rank(int rank);
 

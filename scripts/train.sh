@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# The README's main command: sets up if needed, builds, and trains the example model with
-# RoundPipe (plan printed). Arguments go to the example: [iterations] [num_devices].
+# The README's main command: sets up and builds if needed, then trains the default model
+#   roundpipe train configs/default.yaml [key=value ...] [--resume [DIR]]
+# (a small Llama from scratch on English text, on CPU workers; docs/getting-started.md).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 build="${ROUNDPIPE_BUILD_DIR:-$root/build}"
 "$root/scripts/build.sh"
-exec "$build/examples/train_mlp" "$@"
+cd "$root"
+exec "$build/roundpipe/launcher/roundpipe" train configs/default.yaml "$@"

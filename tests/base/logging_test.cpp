@@ -2,7 +2,13 @@
 
 #include <gtest/gtest.h>
 
+#include <stdlib.h>
+#include <unistd.h>
+
+#include <fstream>
+#include <sstream>
 #include <stdexcept>
+#include <string>
 
 namespace roundpipe {
 namespace {
@@ -26,6 +32,27 @@ TEST(LoggingTest, Levels_GateFormatting) {
 TEST(LoggingTest, ParseLogLevel_RejectsUnknownNames) {
   EXPECT_EQ(parse_log_level("debug"), LogLevel::kDebug);
   EXPECT_THROW(parse_log_level("verbose"), std::invalid_argument);
+}
+
+TEST(LoggingTest, AddLogFile_ReceivesExistingAndNewLoggersWhileConsoleIsQuiet) {
+  char path[] = "/tmp/roundpipe_log_test.XXXXXX";
+  const int fd = ::mkstemp(path);
+  ASSERT_GE(fd, 0);
+  ::close(fd);
+  const Logger& existing = Logger::get("test");
+  add_log_file(path);
+  set_console_log_level(LogLevel::kOff);
+  ROUNDPIPE_LOG(existing, kInfo, "from the existing logger");
+  ROUNDPIPE_LOG(Logger::get("created_after_the_file"), kWarn, "from a new logger");
+  set_console_log_level(LogLevel::kTrace);
+  std::ifstream in(path);
+  std::stringstream text;
+  text << in.rdbuf();
+  ::unlink(path);
+  EXPECT_NE(text.str().find("[roundpipe.test] [info]"), std::string::npos) << text.str();
+  EXPECT_NE(text.str().find("from the existing logger"), std::string::npos) << text.str();
+  EXPECT_NE(text.str().find("[roundpipe.created_after_the_file] [warning]"), std::string::npos) << text.str();
+  EXPECT_THROW(add_log_file("/dev/null/y.log"), std::runtime_error);
 }
 
 }  // namespace

@@ -1,0 +1,58 @@
+// Training checkpoints of the launcher: out_dir/checkpoints/step-NNNNNN/ holds the master weights
+// as a transformers model directory (config.json + model.safetensors, so `roundpipe export` and
+// from_pretrained read them), optimizer.pt, trainer_state.pt (step, tokens, sampler, CPU RNG,
+// GradScaler) and config.yaml (the resolved run configuration). See docs/launcher.md.
+#pragma once
+
+#include <torch/optim/optimizer.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include "amp/grad_scaler.h"
+#include "roundpipe/launcher/config.h"
+#include "roundpipe/models/model_config.h"
+#include "roundpipe/round_pipe.h"
+
+namespace roundpipe::launcher {
+
+/// The non-tensor training state saved with each checkpoint.
+struct TrainerState {
+  int64_t step = 0;            ///< optimizer steps completed
+  int64_t tokens = 0;          ///< tokens trained on so far
+  uint64_t sampler_state = 0;  ///< TrainSampler::state()
+  at::Tensor cpu_rng_state;    ///< torch's default CPU generator state
+  amp::GradScalerState scaler;
+};
+
+/// Everything a checkpoint writer needs. The references must outlive the call.
+struct CheckpointContents {
+  RoundPipe& model;
+  const models::ModelConfig& model_config;
+  torch::optim::Optimizer& optimizer;
+  const LauncherConfig& config;
+  TrainerState state;
+};
+
+/// Writes out_dir/checkpoints/step-NNNNNN atomically (staging directory, fsync, rename; Note
+/// [Atomic publish]), points `latest` at it and prunes to checkpoint.keep. Calls
+/// model.synchronize() first: see Note [Checkpoints are sync points]. Returns the directory.
+std::string save_checkpoint_dir(CheckpointContents contents);
+
+/// The checkpoint directory `--resume` means: `requested` when given, else
+/// <out_dir>/checkpoints/latest (resolved to its step directory). Throws c10::Error naming the
+/// path when it holds no checkpoint.
+std::string resolve_resume_dir(const LauncherConfig& config, const std::string& requested);
+
+/// Loads a checkpoint into a freshly built model (before its first forward_backward): master and
+/// compute weights (a tensor of another shape fails naming it), the optimizer state; returns the
+/// trainer state.
+TrainerState load_checkpoint_dir(const std::string& dir, RoundPipe& model,
+                                 const models::ModelConfig& model_config,
+                                 torch::optim::Optimizer& optimizer);
+
+/// True when `dir` looks like a launcher checkpoint (trainer_state.pt and config.json present).
+bool is_checkpoint_dir(const std::string& dir);
+
+}  // namespace roundpipe::launcher

@@ -1,0 +1,114 @@
+// The `roundpipe` executable: train, eval, plan, export and validate subcommands over a YAML
+// configuration (docs/launcher.md). Exit codes: 0 ok, 2 usage or configuration error, 1 runtime
+// error. Errors print one line on stderr; the detail (with LibTorch's backtrace) goes to the log
+// file <out_dir>/train.log (train) when it is open.
+#include <CLI/CLI.hpp>
+#include <c10/util/Exception.h>
+
+#include <iostream>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "base/logging.h"
+#include "roundpipe/launcher/atomic_file.h"
+#include "roundpipe/launcher/cli/commands.h"
+#include "roundpipe/launcher/cli/trainer.h"
+#include "roundpipe/launcher/config.h"
+
+namespace {
+
+using namespace roundpipe::launcher;
+
+struct ConfigArgs {
+  std::string path;
+  std::vector<std::string> overrides;
+};
+
+void add_config_args(CLI::App* command, ConfigArgs& args) {
+  command->add_option("CONFIG", args.path, "YAML configuration file (docs/config-reference.md)")
+      ->required();
+  command->add_option("overrides", args.overrides,
+                      "key=value overrides of nested keys, e.g. optimizer.lr=1e-4 train.steps=50");
+}
+
+// Sends the runtime's log to <out_dir>/<name> (every level the config allows); the console shows
+// warnings and errors only, so the progress line stays readable.
+void open_log(const LauncherConfig& config, const std::string& name) {
+  make_directories(config.out_dir);
+  roundpipe::set_log_level(roundpipe::parse_log_level(config.log.level));
+  roundpipe::add_log_file(join_path(config.out_dir, name));
+}
+
+// One line on stderr; the detail (LibTorch's backtrace included) only into the log file.
+int fail(int code, const std::string& message, const std::string& detail) {
+  std::cerr << "roundpipe: error: " << message << std::endl;
+  roundpipe::set_console_log_level(roundpipe::LogLevel::kOff);
+  const roundpipe::Logger& log = roundpipe::Logger::get("launcher");
+  ROUNDPIPE_LOG(log, kError, detail);
+  return code;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"roundpipe: pipeline-parallel training of transformers models from a YAML config "
+               "(docs/launcher.md)"};
+  app.require_subcommand(1);
+  app.set_version_flag("--version", "roundpipe 0.1");
+
+  ConfigArgs train_args, eval_args, plan_args, validate_args;
+  std::string resume;
+  CLI::App* train = app.add_subcommand("train", "train a model (metrics, loss plot, checkpoints in out_dir)");
+  add_config_args(train, train_args);
+  CLI::Option* resume_option =
+      train->add_option("--resume", resume,
+                        "continue from a checkpoint directory (default: <out_dir>/checkpoints/latest)")
+          ->expected(0, 1);
+  CLI::App* eval = app.add_subcommand("eval", "mean token cross-entropy on data.valid (else data.train); "
+                                              "last line eval_loss=<float>");
+  add_config_args(eval, eval_args);
+  CLI::App* plan = app.add_subcommand("plan", "devices, pipeline stages and memory estimates, without training");
+  add_config_args(plan, plan_args);
+  std::string checkpoint_dir, export_dir;
+  CLI::App* exp = app.add_subcommand("export", "write a transformers model directory from a checkpoint");
+  exp->add_option("CHECKPOINT_DIR", checkpoint_dir, "e.g. runs/default/checkpoints/latest")->required();
+  exp->add_option("OUT_DIR", export_dir, "directory to write config.json + model.safetensors into")->required();
+  CLI::App* validate = app.add_subcommand("validate", "check a configuration and print it resolved");
+  add_config_args(validate, validate_args);
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    const int code = app.exit(e);
+    return code == 0 ? 0 : 2;
+  }
+
+  roundpipe::set_console_log_level(roundpipe::LogLevel::kWarn);
+  try {
+    if (*train) {
+      LauncherConfig config = load_config(train_args.path, train_args.overrides);
+      open_log(config, "train.log");
+      std::optional<std::string> resume_from;
+      if (resume_option->count() > 0) resume_from = resume;
+      run_training(config, resume_from);
+    } else if (*eval) {
+      LauncherConfig config = load_config(eval_args.path, eval_args.overrides);
+      open_log(config, "eval.log");
+      run_eval(config, std::cout);
+    } else if (*plan) {
+      run_plan(load_config(plan_args.path, plan_args.overrides), std::cout);
+    } else if (*exp) {
+      run_export(checkpoint_dir, export_dir, std::cout);
+    } else if (*validate) {
+      run_validate(load_config(validate_args.path, validate_args.overrides), std::cout);
+    }
+  } catch (const ConfigError& e) {
+    return fail(2, e.what(), e.what());
+  } catch (const c10::Error& e) {
+    return fail(1, e.what_without_backtrace(), e.what());
+  } catch (const std::exception& e) {
+    return fail(1, e.what(), e.what());
+  }
+  return 0;
+}

@@ -1,0 +1,46 @@
+// Shared pieces of the launcher's subcommands: the model (pretrained or preset), the RoundPipe
+// options, the data sources and the evaluation loop, all built from a LauncherConfig.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <memory>
+#include <string>
+
+#include "roundpipe/launcher/config.h"
+#include "roundpipe/launcher/token_data.h"
+#include "roundpipe/models/pretrained.h"
+#include "roundpipe/round_pipe.h"
+
+namespace roundpipe::launcher {
+
+/// Refuses what the launcher cannot run yet (model.lora: issue 13) and checks the data against
+/// the model (vocabulary). Throws ConfigError naming the key.
+void check_supported(const LauncherConfig& config, const models::ModelConfig& model_config);
+
+/// The HF model configuration (model.pretrained's config.json with model.config laid over it,
+/// or the preset with model.config). Throws ConfigError naming model.config when it is invalid.
+models::ModelConfig resolve_model_config(const LauncherConfig& config);
+
+/// The model in model.dtype: model.pretrained's weights, or a fresh HF-style random init seeded
+/// with train.seed. `allocate_only`: uninitialised parameters (plan: no init cost).
+models::Pretrained make_launcher_model(const LauncherConfig& config, bool allocate_only = false);
+
+/// RoundPipe options of the config: devices (run.devices, else default_devices()), master dtype,
+/// microbatches, recompute, seed = train.seed, and a size-based (deterministic) plan; see
+/// Note [Deterministic plans].
+RoundPipeOptions round_pipe_options(const LauncherConfig& config);
+
+/// The token source of `path` in data.format (synthetic: `seed_offset` selects the stream).
+std::unique_ptr<TokenSource> open_data(const LauncherConfig& config, const std::string& path,
+                                       uint64_t seed_offset);
+
+/// Mean token cross-entropy (sum of every predicted token's loss / their count, in float32) over
+/// EvalBatches(source, train.batch_size, data.seq_len, eval.max_batches), with RoundPipe::forward
+/// in eval mode without autograd. Call synchronize() first when steps may be queued.
+double evaluate(RoundPipe& model, const LauncherConfig& config, const TokenSource& source);
+
+/// Summed token cross-entropy of logits [B, T, V] against labels [B, T], in float32 (0-dim).
+at::Tensor summed_token_loss(const at::Tensor& logits, const at::Tensor& labels);
+
+}  // namespace roundpipe::launcher

@@ -1,0 +1,213 @@
+#include "roundpipe/launcher/cli/trainer.h"
+
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <c10/util/Exception.h>
+#include <torch/nn/utils/clip_grad.h>
+#include <torch/optim/sgd.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <iostream>
+#include <memory>
+#include <mutex>
+
+#include "amp/grad_scaler.h"
+#include "base/logging.h"
+#include "optim/adam.h"
+#include "roundpipe/launcher/atomic_file.h"
+#include "roundpipe/launcher/cli/checkpoint.h"
+#include "roundpipe/launcher/cli/setup.h"
+#include "roundpipe/launcher/loss_plot.h"
+#include "roundpipe/launcher/lr_schedule.h"
+#include "roundpipe/launcher/metrics.h"
+
+namespace roundpipe::launcher {
+namespace {
+
+const Logger& launcher_log() { return Logger::get("launcher"); }
+
+std::unique_ptr<torch::optim::Optimizer> make_optimizer(RoundPipe& model, const LauncherConfig& config) {
+  OptimizerCtx ctx;  // model.parameters() are the master weights here
+  const OptimizerConfig& o = config.optimizer;
+  if (o.name == OptimizerName::kSgd) {
+    return std::make_unique<torch::optim::SGD>(
+        model.parameters(),
+        torch::optim::SGDOptions(o.lr).momentum(o.momentum).weight_decay(o.weight_decay));
+  }
+  return std::make_unique<optim::Adam>(
+      model.parameters(), optim::AdamOptions(o.lr)
+                              .betas(std::make_tuple(o.betas[0], o.betas[1]))
+                              .eps(o.eps)
+                              .weight_decay(o.weight_decay)
+                              .decoupled_weight_decay(o.name == OptimizerName::kAdamW));
+}
+
+std::string plot_title(const LauncherConfig& config) { return "roundpipe train: " + config.out_dir; }
+
+}  // namespace
+
+void run_training(const LauncherConfig& config, const std::optional<std::string>& resume) {
+  const auto start_time = std::chrono::steady_clock::now();
+  auto seconds_since_start = [&] {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - start_time).count();
+  };
+  models::Pretrained pre = make_launcher_model(config);
+  std::unique_ptr<TokenSource> train_data = open_data(config, config.data.train, 0);
+  std::unique_ptr<TokenSource> valid_data;
+  if (!config.data.valid.empty() || config.data.format == DataFormat::kSynthetic) {
+    valid_data = open_data(config, config.data.valid, 1);
+  }
+  make_directories(join_path(config.out_dir, "checkpoints"));
+  remove_stale_temporaries(join_path(config.out_dir, "checkpoints"));
+
+  write_file_atomically(join_path(config.out_dir, "config.yaml"), to_yaml(config));
+
+  RoundPipe model(pre.model, round_pipe_options(config));
+  std::unique_ptr<torch::optim::Optimizer> optimizer = make_optimizer(model, config);
+  amp::GradScaler scaler(amp::GradScalerOptions()
+                             .enabled(config.amp.scaler)
+                             .init_scale(config.amp.init_scale)
+                             .growth_interval(config.amp.growth_interval));
+  TrainSampler sampler(*train_data, config.train.batch_size, config.data.seq_len, config.train.seed);
+  const LrSchedule schedule(config.optimizer.lr, config.schedule.min_lr, config.schedule.warmup_steps,
+                            config.train.steps, config.schedule.decay);
+
+  int64_t step = 0;
+  int64_t tokens = 0;
+  if (resume.has_value()) {
+    const std::string dir = resolve_resume_dir(config, *resume);
+    TrainerState state = load_checkpoint_dir(dir, model, pre.config, *optimizer);
+    step = state.step;
+    tokens = state.tokens;
+    sampler.set_state(state.sampler_state);
+    at::Generator cpu_generator = at::detail::getDefaultCPUGenerator();  // a handle: shares the state
+    cpu_generator.set_state(state.cpu_rng_state);
+    if (config.amp.scaler) scaler.load_state_dict(state.scaler);
+    ROUNDPIPE_LOG(launcher_log(), kInfo, "resumed from ", dir, " at step ", step);
+    std::cerr << "resumed from " << dir << " at step " << step << "\n";
+  }
+  MetricsWriter metrics(config.out_dir, resume.has_value() ? std::optional<int64_t>(step) : std::nullopt);
+  ProgressLine progress(std::cerr, ::isatty(2) != 0, config.train.steps, step);
+  ROUNDPIPE_LOG(launcher_log(), kInfo, "training ", config.train.steps, " steps on ", model.devices().size(),
+                " device(s); plan ", model.plan().to_string());
+
+  const int64_t step_tokens = config.train.batch_size * config.train.grad_accum * config.data.seq_len;
+  std::mutex loss_mutex;
+  double step_loss = 0.0;  // unscaled, summed by loss_fn over the step's microbatches
+  const LossFn loss_fn = [&](const at::Tensor& logits, const at::Tensor& labels) {
+    at::Tensor loss = summed_token_loss(logits, labels) / static_cast<double>(step_tokens);
+    {
+      std::lock_guard<std::mutex> lock(loss_mutex);
+      step_loss += loss.detach().item<double>();
+    }
+    return scaler.is_enabled() ? scaler.scale(loss) : loss;
+  };
+  const std::vector<at::Tensor> masters = model.optim_parameters();
+  std::mutex norm_mutex;
+  std::optional<double> grad_norm;  // of the last finished step (async: may lag by one)
+  std::string last_checkpoint;
+  const double first_time = seconds_since_start();
+  int64_t window_tokens = 0;
+  double window_start = first_time;
+
+  auto write_plot = [&] {
+    write_loss_plot(join_path(config.out_dir, "loss.svg"), metrics.records(), plot_title(config));
+  };
+  auto checkpoint = [&] {
+    TrainerState state;
+    state.step = step;
+    state.tokens = tokens;
+    state.sampler_state = sampler.state();
+    state.cpu_rng_state = at::detail::getDefaultCPUGenerator().get_state();
+    state.scaler = scaler.state_dict();
+    last_checkpoint = save_checkpoint_dir({model, pre.config, *optimizer, config, state});
+    write_plot();
+    ROUNDPIPE_LOG(launcher_log(), kInfo, "checkpoint ", last_checkpoint);
+  };
+  auto run_eval = [&] {
+    model.synchronize();
+    const double loss = evaluate(model, config, *valid_data);
+    metrics.log_eval({step, loss});
+    ROUNDPIPE_LOG(launcher_log(), kInfo, "step ", step, " eval_loss ", loss);
+    progress.print_above("step " + std::to_string(step) + " | eval loss " + std::to_string(loss));
+  };
+
+  while (step < config.train.steps) {
+    const double lr = schedule.at(step);
+    step_loss = 0.0;
+    for (int64_t micro = 0; micro < config.train.grad_accum; ++micro) {
+      Batch batch = sampler.next();
+      model.forward_backward({batch.inputs}, batch.labels, loss_fn);
+    }
+    model.step(
+        [&, lr] {
+          for (auto& group : optimizer->param_groups()) group.options().set_lr(lr);
+          std::optional<double> norm;
+          if (config.train.clip_grad_norm > 0.0) {
+            if (scaler.is_enabled()) scaler.unscale_(*optimizer);
+            norm = torch::nn::utils::clip_grad_norm_(masters, config.train.clip_grad_norm);
+          }
+          if (scaler.is_enabled()) {
+            scaler.step(*optimizer);
+          } else {
+            optimizer->step();
+          }
+          optimizer->zero_grad();
+          std::lock_guard<std::mutex> lock(norm_mutex);
+          grad_norm = norm;
+        },
+        config.run.step_mode);
+    if (scaler.is_enabled()) scaler.update();
+    ++step;
+    tokens += step_tokens;
+    window_tokens += step_tokens;
+    TORCH_CHECK(std::isfinite(step_loss), "the training loss is ", step_loss, " at step ", step,
+                " (diverged): lower optimizer.lr, set train.clip_grad_norm or enable amp.scaler");
+
+    if (step % config.log.every == 0 || step == config.train.steps) {
+      const double now = seconds_since_start();
+      TrainRecord record;
+      record.step = step;
+      record.loss = step_loss;
+      record.lr = lr;
+      record.tokens = tokens;
+      record.tokens_per_s = window_tokens / std::max(now - window_start, 1e-9);
+      {
+        std::lock_guard<std::mutex> lock(norm_mutex);
+        record.grad_norm = grad_norm;
+      }
+      if (scaler.is_enabled()) record.scale = scaler.get_scale();
+      record.time_s = now;
+      metrics.log_train(record);
+      progress.update({step, step_loss, record.tokens_per_s, lr, record.scale, now - first_time});
+      ROUNDPIPE_LOG(launcher_log(), kInfo, "step ", step, " loss ", step_loss, " lr ", lr, " tok/s ",
+                    record.tokens_per_s);
+      window_tokens = 0;
+      window_start = now;
+    }
+    if (valid_data != nullptr && config.eval.every > 0 && step % config.eval.every == 0 &&
+        step != config.train.steps) {
+      run_eval();
+    }
+    if (config.checkpoint.every > 0 && step % config.checkpoint.every == 0 && step != config.train.steps) {
+      checkpoint();
+    }
+  }
+  if (valid_data != nullptr && (config.eval.every > 0 || !config.data.valid.empty())) run_eval();
+  checkpoint();
+  progress.finish();
+
+  const auto& train_records = metrics.records().train;
+  std::cout << "trained " << step << " steps in " << format_duration(seconds_since_start());
+  if (!train_records.empty()) std::cout << ", final loss " << train_records.back().loss;
+  if (!metrics.records().eval.empty()) std::cout << ", eval loss " << metrics.records().eval.back().eval_loss;
+  std::cout << "\n  metrics:    " << metrics.path()
+            << "\n  loss plot:  " << join_path(config.out_dir, "loss.svg")
+            << "\n  checkpoint: " << last_checkpoint << " (also " << join_path(config.out_dir, "checkpoints/latest")
+            << ")\n  log:        " << join_path(config.out_dir, "train.log") << "\n";
+}
+
+}  // namespace roundpipe::launcher

@@ -1,0 +1,176 @@
+// End-to-end tests of the `roundpipe` executable (docs/launcher.md): train writes metrics,
+// checkpoints and the plot; resume is bitwise exact; checkpoints are atomic and pruned; every
+// configuration error class exits with code 2 naming the key; plan and validate print what they
+// promise.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "cli_test_util.h"
+#include "roundpipe/launcher/metrics.h"
+#include "roundpipe/models/safetensors.h"
+#include "tests/common/test_config.h"
+
+namespace roundpipe::launcher::testing {
+namespace {
+
+std::string checkpoints(const std::string& run) { return join_path(run, "checkpoints"); }
+
+void expect_same_weights(const std::string& a_dir, const std::string& b_dir) {
+  auto a = models::CheckpointReader::open(a_dir);
+  auto b = models::CheckpointReader::open(b_dir);
+  ASSERT_EQ(a.names(), b.names());
+  for (const std::string& name : a.names()) {
+    EXPECT_TRUE(a.get(name).equal(b.get(name))) << name << " differs between " << a_dir << " and " << b_dir;
+  }
+}
+
+TEST(CliTest, Train_WritesMetricsCheckpointsAndPlot) {
+  ScratchDir dir;
+  dir.write("run.yaml", tiny_config("run"));
+  CliResult r = run_cli(dir, "train run.yaml");
+  ASSERT_EQ(r.code, 0) << r.err;
+  const std::string run = dir.file("run");
+  MetricsLog log = read_metrics(join_path(run, "metrics.jsonl"));
+  ASSERT_EQ(log.train.size(), 6u);
+  for (size_t i = 0; i < log.train.size(); ++i) {
+    EXPECT_EQ(log.train[i].step, static_cast<int64_t>(i + 1));
+    EXPECT_EQ(log.train[i].tokens, static_cast<int64_t>(i + 1) * 4 * 16);  // batch x seq_len per step
+  }
+  for (const TrainRecord& record : log.train) EXPECT_TRUE(std::isfinite(record.loss)) << record.step;
+  ASSERT_EQ(log.eval.size(), 2u);  // every 3 steps: 3 and 6 (the final one)
+  EXPECT_EQ(log.eval[0].step, 3);
+  EXPECT_NE(read_file(join_path(run, "loss.svg")).find("train-loss"), std::string::npos);
+  EXPECT_TRUE(is_regular_file(join_path(run, "train.log")));
+  EXPECT_TRUE(is_regular_file(join_path(run, "config.yaml")));
+  // keep: 2 of the checkpoints 2, 4, 6; latest is the final one.
+  EXPECT_EQ(list_step_dirs(checkpoints(run)), (std::vector<int64_t>{4, 6}));
+  EXPECT_EQ(read_symlink(join_path(checkpoints(run), "latest")), std::optional<std::string>("step-000006"));
+  for (const char* f : {"config.json", "model.safetensors", "optimizer.pt", "trainer_state.pt", "config.yaml"}) {
+    EXPECT_TRUE(is_regular_file(join_path(join_path(checkpoints(run), "step-000006"), f))) << f;
+  }
+  EXPECT_NE(r.out.find("loss plot:"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("step-000006"), std::string::npos) << r.out;
+}
+
+// Note [Resume test]: 20 straight steps vs 10 + a resume from the straight run's step-10
+// checkpoint into another out_dir: bitwise equal masters, in async mode, with the GradScaler
+// (float32 compute, so it never skips a step, but its state must round-trip), gradient
+// accumulation, clipping and a decaying LR.
+TEST(CliTest, Resume_BitwiseEqualToStraightRun) {
+  ScratchDir dir;
+  const std::string common =
+      " train.steps=20 checkpoint.every=10 checkpoint.keep=5 amp.scaler=true amp.growth_interval=3"
+      " train.grad_accum=2 train.clip_grad_norm=0.5 eval.every=0";
+  dir.write("run.yaml", tiny_config("straight"));
+  CliResult straight = run_cli(dir, "train run.yaml" + common);
+  ASSERT_EQ(straight.code, 0) << straight.err;
+  CliResult resumed = run_cli(dir, "train run.yaml out_dir=resumed" + common +
+                                       " --resume straight/checkpoints/step-000010");
+  ASSERT_EQ(resumed.code, 0) << resumed.err;
+  EXPECT_NE(resumed.err.find("resumed from"), std::string::npos) << resumed.err;
+  expect_same_weights(dir.file("straight/checkpoints/step-000020"), dir.file("resumed/checkpoints/step-000020"));
+  MetricsLog log = read_metrics(dir.file("resumed/metrics.jsonl"));
+  ASSERT_EQ(log.train.size(), 10u);
+  EXPECT_EQ(log.train.front().step, 11);
+  EXPECT_EQ(log.train.back().tokens, 20 * 2 * 4 * 16);
+  MetricsLog straight_log = read_metrics(dir.file("straight/metrics.jsonl"));
+  EXPECT_EQ(straight_log.train.back().loss, log.train.back().loss);
+  EXPECT_EQ(straight_log.train.back().scale, log.train.back().scale);
+
+  // A checkpoint of another model shape: a clear error naming the tensor.
+  CliResult other = run_cli(dir, "train run.yaml out_dir=other model.config.hidden_size=48" + common +
+                                     " --resume straight/checkpoints/step-000010");
+  EXPECT_EQ(other.code, 1);
+  EXPECT_NE(other.err.find("model.embed_tokens.weight"), std::string::npos) << other.err;
+}
+
+TEST(CliTest, Checkpoint_FailureBeforePublishLeavesLatestValid) {
+  ScratchDir dir;
+  dir.write("run.yaml", tiny_config("run"));
+  CliResult r = run_cli(dir, "train run.yaml train.steps=4 eval.every=0",
+                        "ROUNDPIPE_TEST_FAIL_AT=checkpoint-publish@4");
+  EXPECT_EQ(r.code, 1);
+  EXPECT_NE(r.err.find("injected failure"), std::string::npos) << r.err;
+  // One error line (the last), no LibTorch backtrace; the detail is in train.log.
+  EXPECT_EQ(last_line(r.err).rfind("roundpipe: error: injected failure", 0), 0u) << r.err;
+  EXPECT_EQ(r.err.find("Exception raised from"), std::string::npos) << r.err;
+  EXPECT_NE(read_file(dir.file("run/train.log")).find("injected failure"), std::string::npos);
+  EXPECT_EQ(read_symlink(dir.file("run/checkpoints/latest")), std::optional<std::string>("step-000002"));
+  EXPECT_EQ(list_step_dirs(dir.file("run/checkpoints")), (std::vector<int64_t>{2}));
+  // The previous checkpoint loads: resuming from `latest` finishes the run.
+  CliResult resumed = run_cli(dir, "train run.yaml train.steps=4 eval.every=0 --resume");
+  ASSERT_EQ(resumed.code, 0) << resumed.err;
+  EXPECT_EQ(read_symlink(dir.file("run/checkpoints/latest")), std::optional<std::string>("step-000004"));
+  EXPECT_TRUE(remove_stale_temporaries(dir.file("run/checkpoints")).empty());  // cleaned at start
+}
+
+struct ConfigErrorCase {
+  const char* name;
+  const char* args;
+  const char* expected;  // key path (or text) the message must name
+};
+
+TEST(CliTest, ConfigErrors_ExitWithCode2NamingTheKey) {
+  ScratchDir dir;
+  dir.write("run.yaml", tiny_config("run"));
+  dir.write("hf/config.json", R"({"model_type": "llama", "vocab_size": 64, "hidden_size": 32,
+      "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4})");
+  const std::vector<ConfigErrorCase> cases = {
+      {"unknown key", "train run.yaml optimizer.lrr=1", "optimizer.lrr"},
+      {"wrong type", "train run.yaml train.steps=many", "train.steps"},
+      {"out of range", "eval run.yaml optimizer.lr=-1", "optimizer.lr"},
+      {"missing file", "train run.yaml data.format=bytes data.train=missing.txt", "data.train"},
+      {"incompatible combination", "plan run.yaml model.master_dtype=float16", "model.master_dtype"},
+      {"lora without pretrained", "train run.yaml model.lora={}", "model.lora"},
+      {"lora not available", "train run.yaml model.preset=null model.config={} model.pretrained=hf model.lora={}",
+       "LoRA is not available yet"},
+      {"vocabulary", "train run.yaml data.format=bytes data.train=run.yaml", "vocab_size"},
+      {"usage: no subcommand", "", nullptr},
+      {"usage: unknown option", "train run.yaml --bogus", nullptr},
+  };
+  for (const ConfigErrorCase& c : cases) {
+    CliResult r = run_cli(dir, c.args);
+    EXPECT_EQ(r.code, 2) << c.name << ": " << c.args << "\n" << r.err;
+    if (c.expected != nullptr) {
+      EXPECT_NE(r.err.find(c.expected), std::string::npos) << c.name << ": " << r.err;
+      EXPECT_EQ(r.err.rfind("roundpipe: error: ", 0), 0u) << r.err;
+    }
+  }
+}
+
+TEST(CliTest, Plan_PrintsDevicesStagesAndMemory) {
+  ScratchDir dir;
+  dir.write("run.yaml", tiny_config("run"));
+  CliResult r = run_cli(dir, "plan run.yaml run.devices=3");
+  ASSERT_EQ(r.code, 0) << r.err;
+  // Parameters of the preset: embeddings + lm_head 2 x 64 x 32; per layer q, o 32 x 32, k, v
+  // 16 x 32 (2 KV heads of 8), gate/up/down 3 x 32 x 64, 2 norms x 32; final norm 32.
+  const int64_t per_layer = 2 * 32 * 32 + 2 * 16 * 32 + 3 * 32 * 64 + 2 * 32;
+  const int64_t params = 2 * 64 * 32 + 2 * per_layer + 32;
+  EXPECT_NE(r.out.find(std::to_string(params) + " parameters"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("devices (3): cpu cpu cpu"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("layers: 4"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("fwd  layers [0, "), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("bwd  layers ["), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("norm + lm_head"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("estimated host memory"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("estimated device memory"), std::string::npos) << r.out;
+  EXPECT_FALSE(path_exists(dir.file("run/metrics.jsonl")));  // no training
+}
+
+TEST(CliTest, Validate_PrintsTheResolvedConfig) {
+  ScratchDir dir;
+  dir.write("run.yaml", tiny_config("run"));
+  CliResult r = run_cli(dir, "validate run.yaml");
+  ASSERT_EQ(r.code, 0) << r.err;
+  LauncherConfig printed = parse_config(r.out);
+  LauncherConfig expected = load_config(dir.file("run.yaml"));
+  EXPECT_EQ(to_yaml(printed), to_yaml(expected));
+  EXPECT_EQ(run_cli(dir, "train --help").code, 0);
+}
+
+}  // namespace
+}  // namespace roundpipe::launcher::testing
