@@ -69,7 +69,7 @@ TEST(LoraTest, MatchesPeft_LogitsAdapterRoundTripAndMerge) {
   EXPECT_EQ(options.alpha(), 8.0);
   EXPECT_EQ(options.target_modules(), (std::vector<std::string>{"q_proj", "v_proj", "down_proj"}));
   int64_t trainable = 0;
-  for (const auto& p : unique_parameters(pre.model)) trainable += p.requires_grad() ? p.numel() : 0;
+  for (const auto& p : unique_parameters(*pre.model)) trainable += p.requires_grad() ? p.numel() : 0;
   EXPECT_EQ(trainable, ref.at("trainable").item<int64_t>());  // the same parameters train as in PEFT
   pre.model->eval();
   at::Tensor logits;
@@ -136,7 +136,7 @@ TEST(LoraTest, RoundPipe_FrozenBaseCostsOnlyItsComputeCopy) {
   auto pre = make();
   auto reference = make();
   int64_t frozen = 0, adapter_bytes = 0;
-  for (const auto& p : unique_parameters(pre.model)) {
+  for (const auto& p : unique_parameters(*pre.model)) {
     if (p.requires_grad()) {
       adapter_bytes += p.nbytes();
     } else {
@@ -154,7 +154,7 @@ TEST(LoraTest, RoundPipe_FrozenBaseCostsOnlyItsComputeCopy) {
   RecordProperty("frozen_params", std::to_string(frozen));
   RecordProperty("master_bytes_per_frozen_param", "0");
   std::vector<at::Tensor> ref_params;
-  for (const auto& p : unique_parameters(reference.model)) {
+  for (const auto& p : unique_parameters(*reference.model)) {
     if (p.requires_grad()) ref_params.push_back(p);
   }
   torch::optim::SGD ref_optimizer(ref_params, torch::optim::SGDOptions(0.5));
@@ -168,7 +168,7 @@ TEST(LoraTest, RoundPipe_FrozenBaseCostsOnlyItsComputeCopy) {
     };
     model.forward_backward({ids}, ids, loss_fn, cfg);
     // No gradient reached a frozen parameter (none computed, downloaded or handed over).
-    for (const auto& p : unique_parameters(pre.model)) {
+    for (const auto& p : unique_parameters(*pre.model)) {
       if (!p.requires_grad()) EXPECT_FALSE(p.grad().defined());
     }
     model.step([&] {
