@@ -5,6 +5,8 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+
 #include "roundpipe/models/layers.h"
 #include "roundpipe/models/lora.h"
 #include "roundpipe/models/pretrained.h"
@@ -67,7 +69,9 @@ TEST(LoraTest, MatchesPeft_LogitsAdapterRoundTripAndMerge) {
   const LoraOptions options = load_lora_adapter(pre.model, pre.config, peft_dir);
   EXPECT_EQ(options.rank(), 4);
   EXPECT_EQ(options.alpha(), 8.0);
-  EXPECT_EQ(options.target_modules(), (std::vector<std::string>{"q_proj", "v_proj", "down_proj"}));
+  auto targets = options.target_modules();  // PEFT stores them as a set: any order
+  std::sort(targets.begin(), targets.end());
+  EXPECT_EQ(targets, (std::vector<std::string>{"down_proj", "q_proj", "v_proj"}));
   int64_t trainable = 0;
   for (const auto& p : unique_parameters(*pre.model)) trainable += p.requires_grad() ? p.numel() : 0;
   EXPECT_EQ(trainable, ref.at("trainable").item<int64_t>());  // the same parameters train as in PEFT
