@@ -137,8 +137,8 @@ const std::vector<c10::ScalarType> kDtypeValues = {c10::kFloat, c10::kBFloat16, 
 std::vector<KeySpec> build_schema() {
   std::vector<KeySpec> t;
   t.push_back(Key("out_dir", KeyKind::kString, "runs/example",
-                  "Run directory: the resolved config.yaml, metrics.jsonl, loss.svg and the "
-                  "checkpoints step-NNNNNN/ with the link `latest`. Created if missing.")
+                  "Run directory: the resolved config.yaml, metrics.jsonl, loss.svg, train.log and "
+                  "checkpoints/step-NNNNNN/ with the link checkpoints/latest. Created if missing.")
                   .field([](C& c) -> std::string& { return c.out_dir; }));
 
   // ---- model ----
@@ -362,8 +362,8 @@ std::vector<KeySpec> build_schema() {
 
   // ---- checkpoint / eval / log ----
   t.push_back(Key("checkpoint", KeyKind::kSection, "{}",
-                  "Checkpoints: out_dir/step-NNNNNN/, published atomically, `latest` links the "
-                  "newest.")
+                  "Checkpoints: out_dir/checkpoints/step-NNNNNN/, published atomically, `latest` "
+                  "links the newest (docs/launcher.md).")
                   .section());
   t.push_back(Key("checkpoint.every", KeyKind::kInt, "0",
                   "Steps between checkpoints; 0: only the final one.")
@@ -373,7 +373,8 @@ std::vector<KeySpec> build_schema() {
                   .range(ge(1))
                   .field([](C& c) -> int64_t& { return c.checkpoint.keep; }));
   t.push_back(Key("eval", KeyKind::kSection, "{}", "Evaluation on data.valid.").section());
-  t.push_back(Key("eval.every", KeyKind::kInt, "0", "Steps between evaluations; 0: none.")
+  t.push_back(Key("eval.every", KeyKind::kInt, "0", "Steps between evaluations; 0: none during training. With data.valid set (or "
+                  "synthetic data and every > 0) the run also evaluates at the end.")
                   .range(ge(0))
                   .field([](C& c) -> int64_t& { return c.eval.every; }));
   t.push_back(Key("eval.max_batches", KeyKind::kInt, "0",
