@@ -225,6 +225,20 @@ Value parse_value(const KeySpec& spec, const YAML::Node& node) {
     }
     return r;
   };
+  // A sequence of scalars, as strings.
+  auto scalar_list = [&]() {
+    if (!node.IsSequence()) {
+      wrong_type();
+    }
+    std::vector<std::string> values;
+    for (const YAML::Node& element : node) {
+      if (!element.IsScalar()) {
+        wrong_type();
+      }
+      values.push_back(element.Scalar());
+    }
+    return values;
+  };
 
   if (!node || node.IsNull()) {
     if (spec.nullable) {
@@ -297,16 +311,7 @@ Value parse_value(const KeySpec& spec, const YAML::Node& node) {
       return values;
     }
     case KeyKind::kStringList: {
-      if (!node.IsSequence()) {
-        wrong_type();
-      }
-      std::vector<std::string> values;
-      for (const YAML::Node& element : node) {
-        if (!element.IsScalar()) {
-          wrong_type();
-        }
-        values.push_back(element.Scalar());
-      }
+      std::vector<std::string> values = scalar_list();
       check_range(static_cast<double>(values.size()), "the length");
       return values;
     }
@@ -323,16 +328,7 @@ Value parse_value(const KeySpec& spec, const YAML::Node& node) {
         check_range(static_cast<double>(r.integer), "the count");
         return std::vector<std::string>(static_cast<size_t>(r.integer), "cpu");
       }
-      if (!node.IsSequence()) {
-        wrong_type();
-      }
-      std::vector<std::string> values;
-      for (const YAML::Node& element : node) {
-        if (!element.IsScalar()) {
-          wrong_type();
-        }
-        values.push_back(element.Scalar());
-      }
+      std::vector<std::string> values = scalar_list();
       check_range(static_cast<double>(values.size()), "the number of devices");
       return values;
     }

@@ -8,27 +8,12 @@
 #include <limits>
 #include <random>
 
+#include "tests/scheduler/plan_enumeration.h"
+
 namespace roundpipe::scheduler {
 namespace {
 
-// All tilings of [0, n) into contiguous non-empty stages (ascending).
-std::vector<std::vector<LayerRange>> all_tilings(int64_t n) {
-  std::vector<std::vector<LayerRange>> result;
-  if (n == 0) return {{}};
-  for (int64_t mask = 0; mask < (int64_t{1} << (n - 1)); ++mask) {
-    std::vector<LayerRange> stages;
-    int64_t begin = 0;
-    for (int64_t i = 1; i < n; ++i) {
-      if (mask & (int64_t{1} << (i - 1))) {
-        stages.push_back({begin, i});
-        begin = i;
-      }
-    }
-    stages.push_back({begin, n});
-    result.push_back(stages);
-  }
-  return result;
-}
+using testing::all_tilings;
 
 // Every valid plan of `type` for n layers.
 std::vector<ExecutePlan> all_plans(int64_t n, RunType type) {
