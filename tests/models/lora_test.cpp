@@ -173,7 +173,9 @@ TEST(LoraTest, RoundPipe_FrozenBaseCostsOnlyItsComputeCopy) {
     model.forward_backward({ids}, ids, loss_fn, cfg);
     // No gradient reached a frozen parameter (none computed, downloaded or handed over).
     for (const auto& p : unique_parameters(*pre.model)) {
-      if (!p.requires_grad()) EXPECT_FALSE(p.grad().defined());
+      if (!p.requires_grad()) {
+        EXPECT_FALSE(p.grad().defined());
+      }
     }
     model.step([&] {
       optimizer.step();
