@@ -6,6 +6,8 @@
 #include <cmath>
 #include <optional>
 
+#include "scheduler/detail/layer_costs.h"
+
 namespace roundpipe::scheduler {
 
 std::vector<LayerCost> size_based_costs(const std::vector<int64_t>& bytes,
@@ -111,19 +113,7 @@ void check_inputs(const std::vector<LayerCost>& costs, RunType type, const Parti
   TORCH_CHECK(options.min_stages >= 1, "partition: min_stages must be >= 1, got ", options.min_stages);
   TORCH_CHECK(options.memory_budget_bytes > 0, "partition: memory_budget_bytes must be > 0, got ",
               options.memory_budget_bytes);
-  for (size_t i = 0; i < costs.size(); ++i) {
-    const LayerCost& c = costs[i];
-    TORCH_CHECK(std::isfinite(c.forward) && std::isfinite(c.backward) && c.forward >= 0 &&
-                    c.backward >= 0 && c.bytes >= 0 && c.backward_bytes >= 0,
-                "partition: layer ", i, " has an invalid cost estimate (forward ", c.forward,
-                ", backward ", c.backward, ", bytes ", c.bytes, ", backward_bytes ", c.backward_bytes,
-                "): times must be finite and >= 0, sizes >= 0");
-    const int64_t need = type == RunType::kInfer ? c.bytes : std::max(c.bytes, c.backward_bytes);
-    TORCH_CHECK(need <= options.memory_budget_bytes, "layer ", i, " needs ", need,
-                " bytes on a device", type == RunType::kInfer ? "" : " (with its gradients)",
-                " but the per-stage memory budget is ", options.memory_budget_bytes,
-                " bytes: split the layer into smaller layers, or raise the budget (more device memory)");
-  }
+  detail::check_layer_costs(costs, type, options.memory_budget_bytes, "partition: ", "");
 }
 
 }  // namespace

@@ -7,6 +7,7 @@
 #include <optional>
 #include <utility>
 
+#include "scheduler/detail/layer_costs.h"
 #include "scheduler/detail/plan_search.h"
 
 namespace roundpipe::scheduler {
@@ -175,19 +176,8 @@ void check_inputs(const std::vector<LayerCost>& costs, RunType type, const Plann
   TORCH_CHECK(options.simulate.first_device >= 0 && options.simulate.first_device < options.num_devices,
               "plan_by_simulation: simulate.first_device ", options.simulate.first_device, " is not in [0, ",
               options.num_devices, ")");
-  for (size_t i = 0; i < costs.size(); ++i) {
-    const LayerCost& c = costs[i];
-    TORCH_CHECK(std::isfinite(c.forward) && std::isfinite(c.backward) && c.forward >= 0 && c.backward >= 0 &&
-                    c.bytes >= 0 && c.backward_bytes >= 0,
-                "plan_by_simulation: layer ", i, " has an invalid cost estimate (forward ", c.forward, ", backward ",
-                c.backward, ", bytes ", c.bytes, ", backward_bytes ", c.backward_bytes,
-                "): times must be finite and >= 0, sizes >= 0");
-    const int64_t need = type == RunType::kInfer ? c.bytes : std::max(c.bytes, c.backward_bytes);
-    TORCH_CHECK(need <= options.memory_budget_bytes, "plan_by_simulation: layer ", i, " needs ", need,
-                " bytes on a device", type == RunType::kInfer ? "" : " (with its gradients)",
-                " but the per-stage memory budget is ", options.memory_budget_bytes,
-                " bytes: split the layer into smaller layers, or raise the budget (more device memory)");
-  }
+  detail::check_layer_costs(costs, type, options.memory_budget_bytes, "plan_by_simulation: ",
+                            "plan_by_simulation: ");
 }
 
 std::vector<int64_t> microbatch_candidates(const PlannerOptions& options) {
