@@ -43,6 +43,20 @@ LaunchEnv LaunchEnv::from_env(const std::function<std::optional<std::string>(con
     env.local_rank = parse_int("LOCAL_RANK", *local);
     TORCH_CHECK(env.local_rank >= 0, "LOCAL_RANK=", env.local_rank, " must be >= 0");
   }
+  if (auto local_world = get("LOCAL_WORLD_SIZE")) {
+    env.local_world_size = parse_int("LOCAL_WORLD_SIZE", *local_world);
+    TORCH_CHECK(env.local_world_size >= 1, "LOCAL_WORLD_SIZE=", env.local_world_size, " must be >= 1");
+  }
+  if (auto agent = get("TORCHELASTIC_USE_AGENT_STORE")) {
+    TORCH_CHECK(*agent == "True" || *agent == "False" || *agent == "1" || *agent == "0" || *agent == "true" ||
+                    *agent == "false",
+                "TORCHELASTIC_USE_AGENT_STORE='", *agent, "' must be True or False");
+    env.use_agent_store = *agent == "True" || *agent == "1" || *agent == "true";
+  }
+  if (auto restarts = get("TORCHELASTIC_RESTART_COUNT")) {
+    env.restart_count = parse_int("TORCHELASTIC_RESTART_COUNT", *restarts);
+    TORCH_CHECK(env.restart_count >= 0, "TORCHELASTIC_RESTART_COUNT=", env.restart_count, " must be >= 0");
+  }
   auto addr = get("MASTER_ADDR");
   TORCH_CHECK(addr || env.world_size == 1, "MASTER_ADDR is not set but WORLD_SIZE=", env.world_size,
               ": set MASTER_ADDR to the address of rank 0");

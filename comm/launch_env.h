@@ -15,8 +15,15 @@ struct LaunchEnv {
   int64_t rank = 0;
   int64_t world_size = 1;
   int64_t local_rank = 0;
+  /// LOCAL_WORLD_SIZE: ranks on this node (default 1).
+  int64_t local_world_size = 1;
   std::string master_addr = "127.0.0.1";
   int64_t master_port = 29500;
+  /// TORCHELASTIC_USE_AGENT_STORE=1 (torchrun): the agent hosts the store at
+  /// MASTER_ADDR:MASTER_PORT and every rank connects as a client; otherwise rank 0 hosts it.
+  bool use_agent_store = false;
+  /// TORCHELASTIC_RESTART_COUNT: torchrun's restart attempt, part of the store's key prefix.
+  int64_t restart_count = 0;
 
   bool distributed() const { return world_size > 1; }
 

@@ -14,6 +14,7 @@ packages=(
   libbenchmark-dev libbenchmark1debian
   libyaml-cpp-dev libyaml-cpp0.7
   libcli11-dev nlohmann-json3-dev
+  libgloo-dev   # headers only (c10d ProcessGroupGloo.hpp); torch carries the library
 )
 cd "$out"
 apt-get download "${packages[@]}"

@@ -19,6 +19,7 @@ apt_packages=(
   libspdlog-dev libfmt-dev libboost-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   libyaml-cpp-dev libcli11-dev nlohmann-json3-dev
+  libgloo-dev    # headers only: c10d's ProcessGroupGloo.hpp includes them (never link -lgloo)
   fortunes-min   # English text for configs/default.yaml
 )
 missing=()

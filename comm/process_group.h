@@ -1,0 +1,97 @@
+// comm::ProcessGroup: the ranks of a data-parallel job and the collectives RoundPipe needs
+// (all-reduce, broadcast, barrier), over the distributed engine LibTorch ships (c10d: TCPStore,
+// ProcessGroupGloo, ProcessGroupNCCL). This header includes no c10d (or fmt) header, so it is
+// safe in translation units that log through spdlog.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
+#include <torch/arg.h>
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "comm/launch_env.h"
+
+namespace roundpipe::comm {
+
+enum class ReduceOp { kSum, kMax, kMin };
+
+/// Options of ProcessGroup::create.
+struct ProcessGroupOptions {
+  /// "gloo", "nccl", or empty: nccl when `device` is a CUDA device, else gloo.
+  TORCH_ARG(std::string, backend) = "";
+  /// Bounds the rendezvous and every collective: a rank that is gone, or never arrives, makes the
+  /// others fail after at most this long (plus a few seconds to name the missing rank).
+  TORCH_ARG(std::chrono::milliseconds, timeout) = std::chrono::minutes(10);
+  /// Where this rank's collectives run: a CUDA device selects nccl (by default) and stages host
+  /// tensors through it. Default: CPU.
+  TORCH_ARG(c10::Device, device) = c10::Device(c10::kCPU);
+  /// Seconds between the liveness beats each rank writes to the store (used to name a missing rank
+  /// when a collective fails); 0 disables them.
+  TORCH_ARG(double, heartbeat_seconds) = 1.0;
+};
+
+/// One collective in flight. Move-only; wait() once.
+class Work {
+ public:
+  Work() = default;
+  explicit Work(std::function<void()> wait) : wait_(std::move(wait)) {}
+  /// Blocks until the collective finished (at most the group's timeout) and its result is in the
+  /// tensor; throws c10::Error naming the operation, this rank and, when it can tell, the rank
+  /// that is missing.
+  void wait() {
+    if (wait_) {
+      auto w = std::move(wait_);
+      wait_ = nullptr;
+      w();
+    }
+  }
+  bool pending() const { return static_cast<bool>(wait_); }
+
+ private:
+  std::function<void()> wait_;
+};
+
+/// The ranks of one distributed job.
+///
+/// Thread-safety: collectives may be issued from any thread, but every rank must issue the same
+/// collectives in the same order (as with torch.distributed). A one-rank group needs no network and
+/// its collectives return at once.
+class ProcessGroup {
+ public:
+  /// Rendezvous at env.master_addr:env.master_port (a TCPStore: rank 0 hosts it, or torchrun's
+  /// agent when env.use_agent_store) and connects the backend. Throws c10::Error naming the ranks
+  /// that did not arrive within options.timeout.
+  static std::shared_ptr<ProcessGroup> create(const LaunchEnv& env, const ProcessGroupOptions& options = {});
+  /// create(LaunchEnv::from_env(), options): the torchrun environment of this process.
+  static std::shared_ptr<ProcessGroup> from_env(const ProcessGroupOptions& options = {});
+  ~ProcessGroup();
+  ProcessGroup(const ProcessGroup&) = delete;
+  ProcessGroup& operator=(const ProcessGroup&) = delete;
+
+  int64_t rank() const;
+  int64_t world_size() const;
+  /// "gloo", "nccl", or "none" (one rank).
+  const std::string& backend() const;
+  std::chrono::milliseconds timeout() const;
+
+  /// Reduces `tensor` (a contiguous CPU tensor) in place across ranks; asynchronous.
+  Work all_reduce(const at::Tensor& tensor, ReduceOp op = ReduceOp::kSum);
+  /// Copies rank `root`'s `tensor` (contiguous, CPU) into every rank's; asynchronous.
+  Work broadcast(const at::Tensor& tensor, int64_t root = 0);
+  /// Returns when every rank called it (or throws after the timeout naming the missing ranks).
+  void barrier();
+
+  struct Impl;
+
+ private:
+  explicit ProcessGroup(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace roundpipe::comm
