@@ -15,8 +15,12 @@
 #include <unordered_map>
 
 #include "amp/autocast_guard.h"
+#include "amp/detail/grad_scaler_access.h"
+#include "amp/grad_scaler.h"
 #include "base/logging.h"
+#include "comm/process_group.h"
 #include "roundpipe/detail/device_worker.h"
+#include "roundpipe/detail/grad_sync.h"
 #include "roundpipe/detail/planner.h"
 #include "roundpipe/detail/run_launcher.h"
 #include "roundpipe/detail/stage_jobs.h"
@@ -60,6 +64,7 @@ struct RoundPipe::Impl {
   bool warned_small_batch = false;
   const Logger* log = &Logger::get("runtime");
   std::unique_ptr<detail::Planner> planner;
+  std::unique_ptr<detail::GradSync> grad_sync;  // with a process group of more than one rank
   std::unique_ptr<detail::StepPipeline> steps;  // declared last: destroyed (drained) first
 
   int64_t num_layers() const { return static_cast<int64_t>(layer_set.layers.size()); }
@@ -225,6 +230,11 @@ RoundPipe::RoundPipe(torch::nn::Sequential model, RoundPipeOptions options) : im
                   ": ", e.what_without_backtrace());
     }
   }
+  if (options.process_group() && options.process_group()->world_size() > 1) {
+    detail::broadcast_model(*options.process_group(), options.name(), m.layer_set);
+    m.grad_sync = std::make_unique<detail::GradSync>(options.process_group(), m.layer_set, m.params,
+                                                     options.grad_bucket_bytes());
+  }
   m.steps = std::make_unique<detail::StepPipeline>(&m.params, options.optim_dtype(), options.master_grad_dtype());
   for (const auto& device : m.devices) m.workers.push_back(std::make_unique<detail::DeviceWorker>(device));
   ROUNDPIPE_LOG(*m.log, kInfo, "RoundPipe '", options.name(), "': ", m.num_layers(), " layers on ", m.devices.size(),
@@ -243,12 +253,39 @@ torch::Tensor RoundPipe::forward_backward(const std::vector<torch::Tensor>& inpu
   ctx.flag_batch = next_flag_batch.fetch_add(1);
   const int64_t steps_before = m.steps->steps();
   const bool measure = m.options.measure_layer_times() && !m.planner->measured();
-  const auto cfg = m.run(ctx, RunType::kFused, "forward_backward", inputs, label, config, measure);
+  detail::GradSync* sync = m.grad_sync.get();
+  if (sync != nullptr) {
+    sync->begin(&ctx.grads);
+    ctx.on_grads_ready = [sync](int64_t begin, int64_t end) { sync->layers_ready(begin, end); };
+    ctx.defer_found_inf = true;
+  }
+  detail::ResolvedRunConfig cfg;
+  try {
+    cfg = m.run(ctx, RunType::kFused, "forward_backward", inputs, label, config, measure);
+  } catch (...) {
+    if (sync != nullptr) sync->abandon();
+    throw;
+  }
+  int64_t flags_posted = ctx.flags_posted.load();
+  amp::GradScaler* scaler = ctx.scaler.load();
+  if (sync != nullptr) {
+    sync->finish();  // the gradients are now the average over the ranks
+    if (scaler != nullptr && scaler->is_enabled()) {
+      // Note [found_inf across ranks]: the scaler's skip decision and its next scale come from the
+      // found_inf flags of the run's backward jobs, computed on this rank's gradients before the
+      // average. They are combined here (max over the ranks, one flag), so every rank skips the
+      // same steps and keeps the same scale, exactly as one process with the whole batch would.
+      at::Tensor found = ctx.found_inf_sum.defined() ? ctx.found_inf_sum.to(at::kFloat).reshape({1}).contiguous()
+                                                     : at::zeros({1}, at::kFloat);
+      sync->group().all_reduce(found, comm::ReduceOp::kMax).wait();
+      amp::detail::GradScalerAccess::post_found_inf(*scaler, ctx.scaler_generation.load(), ctx.flag_batch,
+                                                    found.reshape({}));
+      flags_posted = 1;
+    }
+  }
   // Success: hand the gradients over (accumulated until step).
   m.steps->accept_grads(m.layer_set, ctx.grads, steps_before);
-  if (amp::GradScaler* scaler = ctx.scaler.load()) {
-    m.steps->attach_scaler(*scaler, ctx.scaler_generation.load(), ctx.flag_batch, ctx.flags_posted.load());
-  }
+  if (scaler != nullptr) m.steps->attach_scaler(*scaler, ctx.scaler_generation.load(), ctx.flag_batch, flags_posted);
   if (!ctx.forward_ms.empty()) {
     const std::string plans = m.planner->use_measured_times(ctx.forward_ms, cfg.num_microbatch);
     ROUNDPIPE_LOG(*m.log, kInfo, "RoundPipe '", m.options.name(), "': plan from measured layer times: ", plans);
@@ -312,5 +349,20 @@ torch::nn::Sequential RoundPipe::module() { return impl_->model; }
 std::vector<scheduler::LayerCost> RoundPipe::layer_costs() const { return impl_->planner->layer_costs(); }
 int64_t RoundPipe::iteration() const { return impl_->iteration; }
 uint64_t RoundPipe::seed() const { return impl_->seed; }
+DataParallelStats RoundPipe::data_parallel_stats() const {
+  DataParallelStats out;
+  if (const auto& group = impl_->options.process_group()) {
+    out.world_size = group->world_size();
+    out.rank = group->rank();
+  }
+  if (impl_->grad_sync) {
+    const auto s = impl_->grad_sync->stats();
+    out.runs = s.runs;
+    out.buckets = s.buckets;
+    out.bytes = s.bytes;
+    out.wait_ms = s.wait_ms;
+  }
+  return out;
+}
 
 }  // namespace roundpipe

@@ -18,6 +18,10 @@
 
 namespace roundpipe {
 
+namespace comm {
+class ProcessGroup;
+}  // namespace comm
+
 /// Options of a RoundPipe model. Validated by the RoundPipe constructor.
 struct RoundPipeOptions {
   /// dtype of the master weights the optimizer updates; default: each parameter's own dtype.
@@ -52,6 +56,29 @@ struct RoundPipeOptions {
   /// construction. Default: half the memory of the smallest CUDA device in `devices` (the rest is
   /// for activations and the allocator), unlimited with CPU devices only.
   TORCH_ARG(std::optional<int64_t>, device_memory_budget_bytes) = std::nullopt;
+  /// Data parallelism across processes (docs/distributed.md): every rank of `process_group` wraps
+  /// the same model; at construction rank 0's parameters and buffers are copied to every rank;
+  /// each forward_backward's gradients are averaged over the ranks (all-reduced in buckets while
+  /// the backward still runs) before step() hands them to the optimizer, and a GradScaler's
+  /// found_inf is combined over the ranks, so every rank applies the same update. Null (default)
+  /// or a one-rank group: no communication.
+  TORCH_ARG(std::shared_ptr<comm::ProcessGroup>, process_group) = nullptr;
+  /// Gradient bytes per all-reduce bucket with a process group (whole layers per bucket).
+  TORCH_ARG(int64_t, grad_bucket_bytes) = 25 << 20;
+};
+
+/// Counters of the data-parallel gradient averaging (RoundPipe::data_parallel_stats).
+struct DataParallelStats {
+  int64_t world_size = 1;
+  int64_t rank = 0;
+  /// forward_backward calls whose gradients were averaged.
+  int64_t runs = 0;
+  /// All-reduces launched for gradients, and their bytes (per rank).
+  int64_t buckets = 0;
+  int64_t bytes = 0;
+  /// Milliseconds forward_backward spent waiting for gradient all-reduces after its backward had
+  /// finished (the communication not hidden behind the backward).
+  double wait_ms = 0.0;
 };
 
 /// Computes a microbatch's loss from the model output and that microbatch's rows of the label.
@@ -128,6 +155,8 @@ class RoundPipe {
   int64_t iteration() const;
   /// The base seed of layer_seed.
   uint64_t seed() const;
+  /// Data parallelism counters (world size 1 and zeros without a process group).
+  DataParallelStats data_parallel_stats() const;
 
  private:
   struct Impl;

@@ -212,6 +212,12 @@ void post_found_inf(RunContext& ctx, std::vector<ShellLease>& shells, const c10:
   auto per_device = amp::detail::non_finite_check_and_unscale(grads, one, /*allow_fp16=*/true);
   at::Tensor found_inf = at::zeros({}, at::TensorOptions().dtype(at::kFloat).device(device));
   for (const auto& entry : per_device) found_inf.add_(entry.second.to(device));
+  if (ctx.defer_found_inf) {
+    at::Tensor host = found_inf.to(c10::kCPU);
+    std::lock_guard<std::mutex> lock(ctx.found_inf_mutex);
+    ctx.found_inf_sum = ctx.found_inf_sum.defined() ? ctx.found_inf_sum + host : host;
+    return;
+  }
   amp::detail::GradScalerAccess::post_found_inf(*scaler, ctx.scaler_generation.load(), ctx.flag_batch, found_inf);
   ctx.flags_posted.fetch_add(1);
 }
@@ -300,6 +306,7 @@ void run_fused_stage(RunContext& ctx, scheduler::LayerRange r, c10::Device devic
       ctx.grads[l] = param_grads(ctx, l, shells[l - r.begin], io);
       ctx.buffers[l] = buffer_copies(shells[l - r.begin], io);
     }
+    if (ctx.on_grads_ready) ctx.on_grads_ready(r.begin, r.end);
   });
 }
 
@@ -357,6 +364,7 @@ void run_backward_stage(RunContext& ctx, size_t stage, scheduler::LayerRange r, 
     post_found_inf(ctx, shells, device);
     pos.step = "";
     for (int64_t l = r.begin; l < r.end; ++l) ctx.grads[l] = param_grads(ctx, l, shells[l - r.begin], io);
+    if (ctx.on_grads_ready) ctx.on_grads_ready(r.begin, r.end);
   });
 }
 

@@ -8,6 +8,7 @@
 #include <functional>
 #include <future>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -103,6 +104,14 @@ struct RunContext {
   std::atomic<int64_t> scaler_generation{0};
   std::atomic<int64_t> flags_posted{0};
   uint64_t flag_batch = 0;
+  /// Data parallelism (Note [Gradient buckets]): called by a backward or fused job once layers
+  /// [begin, end) have their final gradients in `grads`. May be empty.
+  std::function<void(int64_t, int64_t)> on_grads_ready;
+  /// Data parallelism (Note [found_inf across ranks] in round_pipe.cpp): jobs add their found_inf
+  /// into `found_inf_sum` (guarded by `found_inf_mutex`) instead of posting it to the scaler.
+  bool defer_found_inf = false;
+  std::mutex found_inf_mutex;
+  at::Tensor found_inf_sum;
 
   std::vector<std::vector<ChannelPtr>> fwd_out;   // [forward stage][mb]
   std::vector<std::vector<ChannelPtr>> saved;     // [layer][mb]; empty when not kept

@@ -75,6 +75,9 @@ std::vector<RankResult> run_ranks(const std::string& worker_test, int world_size
       ::setenv("MASTER_ADDR", "127.0.0.1", 1);
       ::setenv("MASTER_PORT", port.c_str(), 1);
       ::setenv("OMP_NUM_THREADS", "1", 0);
+      ::unsetenv("GTEST_TOTAL_SHARDS");  // the worker test must run whatever shard ctest gave the parent
+      ::unsetenv("GTEST_SHARD_INDEX");
+      ::unsetenv("GTEST_OUTPUT");
       for (const auto& [k, v] : env) ::setenv(k.c_str(), v.c_str(), 1);
       ::execl(self, self, filter.c_str(), "--gtest_also_run_disabled_tests", static_cast<char*>(nullptr));
       ::_exit(127);

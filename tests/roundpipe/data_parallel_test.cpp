@@ -1,0 +1,163 @@
+// Data parallelism across processes (RoundPipeOptions::process_group): 2 ranks over Gloo on
+// 127.0.0.1, 2 CPU devices each. Five steps with per-rank batch B give parameters equal on both
+// ranks and equal to one process trained with batch 2B, in sync and async step modes; an inf on
+// one rank only makes both ranks skip that step and back off the scale identically.
+#include <gtest/gtest.h>
+#include <torch/serialize.h>
+#include <torch/torch.h>
+
+#include <cstdlib>
+#include <fstream>
+#include <iterator>
+#include <limits>
+#include <string>
+
+#include "amp/grad_scaler.h"
+#include "comm/process_group.h"
+#include "roundpipe/round_pipe.h"
+#include "tests/common/multi_process.h"
+#include "tests/common/tensor_compare.h"
+#include "tests/common/test_macros.h"
+#include "tests/roundpipe/test_models.h"
+
+namespace roundpipe {
+namespace {
+
+using roundpipe::testing::describe;
+using roundpipe::testing::run_ranks;
+
+constexpr int64_t kRowsPerRank = 6;
+constexpr int kSteps = 5;
+constexpr int kPoisonStep = 2;
+
+struct Trained {
+  torch::Tensor params;  // every parameter, flattened and concatenated
+  torch::Tensor scales;  // the GradScaler's scale after each step
+  torch::Tensor losses;  // forward_backward's loss per step (this rank's)
+};
+
+// Trains make_mlp for kSteps steps on this rank's rows of a global batch of world * kRowsPerRank
+// rows (drawn the same way for any world size), with a GradScaler and Adam. With `poison_rank`
+// >= 0, that rank's loss is multiplied by inf at kPoisonStep (world 1: the only rank).
+// Rank 1 starts from other weights than rank 0: the process group's broadcast must fix that.
+Trained train(const std::shared_ptr<comm::ProcessGroup>& group, StepMode mode, int64_t poison_rank) {
+  const int64_t world = group ? group->world_size() : 1;
+  const int64_t rank = group ? group->rank() : 0;
+  RoundPipe model(testing::make_mlp(rank == 0 ? 11 : 12),
+                  RoundPipeOptions().devices({c10::kCPU, c10::kCPU}).process_group(group).seed(5));
+  auto opt = [&] {
+    OptimizerCtx ctx;
+    return torch::optim::Adam(model.parameters(), torch::optim::AdamOptions(0.01));
+  }();
+  amp::GradScaler scaler(amp::GradScalerOptions().init_scale(256.0).growth_interval(2));
+  std::vector<double> scales, losses;
+  const double inf = std::numeric_limits<double>::infinity();
+  for (int step = 0; step < kSteps; ++step) {
+    torch::manual_seed(100 + step);
+    auto x = torch::randn({2 * kRowsPerRank, 8});
+    auto y = torch::randn({2 * kRowsPerRank, 4});
+    const int64_t rows = kRowsPerRank * 2 / world;
+    x = x.narrow(0, rank * rows, rows);
+    y = y.narrow(0, rank * rows, rows);
+    const double factor = step == kPoisonStep && rank == poison_rank ? inf : 1.0;
+    const double n = static_cast<double>(y.numel());  // this rank's elements: the mean over the rank's rows
+    RunConfig cfg;
+    cfg.num_microbatch = 3;
+    auto loss = model.forward_backward({x}, y, [&](const torch::Tensor& out, const torch::Tensor& t) {
+      return scaler.scale(torch::mse_loss(out, t, torch::Reduction::Sum) / n * factor);
+    }, cfg);
+    model.step([&] {
+      scaler.step(opt);
+      opt.zero_grad();
+    }, mode);
+    scaler.update();
+    scales.push_back(scaler.get_scale());
+    losses.push_back(loss.item<double>());
+  }
+  model.synchronize();
+  std::vector<torch::Tensor> flat;
+  for (const auto& p : model.module()->parameters()) flat.push_back(p.detach().reshape(-1));
+  return {torch::cat(flat), torch::tensor(scales, torch::kDouble), torch::tensor(losses, torch::kDouble)};
+}
+
+void save(const Trained& t, const std::string& path) {
+  auto bytes = torch::pickle_save(c10::IValue(std::vector<torch::Tensor>{t.params, t.scales, t.losses}));
+  std::ofstream(path, std::ios::binary).write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+}
+
+Trained load(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  auto list = torch::pickle_load(bytes).toTensorVector();
+  return {list.at(0), list.at(1), list.at(2)};
+}
+
+StepMode env_mode() { return std::string(std::getenv("ROUNDPIPE_TEST_MODE")) == "sync" ? StepMode::kSync : StepMode::kAsync; }
+
+TEST(DataParallelWorker, DISABLED_Train) {
+  auto group = comm::ProcessGroup::from_env(comm::ProcessGroupOptions().timeout(std::chrono::seconds(60)));
+  const Trained t = train(group, env_mode(), std::atoi(std::getenv("ROUNDPIPE_TEST_POISON")));
+  save(t, std::string(std::getenv("ROUNDPIPE_TEST_OUT")) + "/rank" + std::to_string(group->rank()) + ".pt");
+}
+
+void two_ranks_match_one_process(StepMode mode, int64_t poison_rank) {
+  const std::string dir = testing::make_temp_dir("roundpipe-dp-");
+  auto results = run_ranks("DataParallelWorker.DISABLED_Train", 2,
+                           {{"ROUNDPIPE_TEST_MODE", mode == StepMode::kSync ? "sync" : "async"},
+                            {"ROUNDPIPE_TEST_POISON", std::to_string(poison_rank)},
+                            {"ROUNDPIPE_TEST_OUT", dir}});
+  for (const auto& r : results) ASSERT_TRUE(r.passed()) << describe(results);
+  const Trained r0 = load(dir + "/rank0.pt"), r1 = load(dir + "/rank1.pt");
+  // The reference: one process, the whole batch; the poisoned step poisons its whole loss.
+  const Trained ref = train(nullptr, mode, poison_rank >= 0 ? 0 : -1);
+  EXPECT_TRUE(torch::equal(r0.params, r1.params)) << "the ranks diverged: max diff "
+                                                  << testing::max_abs_diff(r0.params, r1.params);
+  EXPECT_LE(testing::max_abs_diff(r0.params, ref.params), 1e-6);
+  EXPECT_TRUE(torch::equal(r0.scales, r1.scales)) << r0.scales << r1.scales;
+  EXPECT_TRUE(torch::equal(r0.scales, ref.scales)) << r0.scales << ref.scales;
+  // Each rank's loss is its own rows' mean (scaled); their average is the one-process loss, up to
+  // float32 rounding of the differently grouped sums.
+  if (poison_rank < 0) {
+    EXPECT_LE(testing::max_abs_diff((r0.losses + r1.losses) / 2, ref.losses),
+              1e-6 * ref.losses.abs().max().item<double>());
+  }
+  if (poison_rank >= 0) {
+    EXPECT_EQ(ref.scales[kPoisonStep].item<double>(), ref.scales[kPoisonStep - 1].item<double>() / 2)
+        << "the poisoned step backs off the scale";
+  }
+}
+
+TEST(DataParallelTest, TwoRanks_SyncStep_MatchOneProcessWithTwiceTheBatch) {
+  two_ranks_match_one_process(StepMode::kSync, -1);
+}
+
+TEST(DataParallelTest, TwoRanks_AsyncStep_MatchOneProcessWithTwiceTheBatch) {
+  two_ranks_match_one_process(StepMode::kAsync, -1);
+}
+
+TEST(DataParallelTest, InfOnOneRankOnly_BothSkipAndBackOffIdentically) {
+  two_ranks_match_one_process(StepMode::kAsync, 1);
+}
+
+// Worker: rank 1 builds a model with another layer width.
+TEST(DataParallelWorker, DISABLED_MismatchedModels) {
+  auto group = comm::ProcessGroup::from_env(comm::ProcessGroupOptions().timeout(std::chrono::seconds(30)));
+  torch::nn::Sequential net(torch::nn::Linear(4, group->rank() == 0 ? 4 : 5));
+  EXPECT_THROW_WITH(RoundPipe(net, RoundPipeOptions().devices({c10::kCPU}).process_group(group)),
+                    "built a different model than another rank");
+}
+
+TEST(DataParallelTest, DifferentModelsOnTheRanks_FailClearlyOnEveryRank) {
+  auto results = run_ranks("DataParallelWorker.DISABLED_MismatchedModels", 2, {}, std::chrono::seconds(60));
+  for (const auto& r : results) EXPECT_TRUE(r.passed()) << describe(results);
+}
+
+TEST(DataParallelTest, OneRankGroup_IsAPlainRun) {
+  auto group = comm::ProcessGroup::create(comm::LaunchEnv{});
+  const Trained with = train(group, StepMode::kSync, -1);
+  const Trained without = train(nullptr, StepMode::kSync, -1);
+  EXPECT_TRUE(torch::equal(with.params, without.params));
+}
+
+}  // namespace
+}  // namespace roundpipe
