@@ -101,6 +101,11 @@ struct EvalConfig {
   int64_t max_batches;  ///< 0 = the whole validation set
 };
 
+struct DistributedConfig {
+  std::string backend;  ///< auto | gloo | nccl
+  double timeout_s;
+};
+
 struct LogConfig {
   int64_t every;
   std::string level;  ///< trace | debug | info | warn | error | off
@@ -121,6 +126,7 @@ struct LauncherConfig {
   AmpConfig amp;
   CheckpointConfig checkpoint;
   EvalConfig eval;
+  DistributedConfig distributed;
   LogConfig log;
 };
 

@@ -24,6 +24,7 @@ struct TrainerState {
   uint64_t sampler_state = 0;  ///< TrainSampler::state()
   at::Tensor cpu_rng_state;    ///< torch's default CPU generator state
   amp::GradScalerState scaler;
+  int64_t world_size = 1;      ///< data-parallel ranks of the run (resume needs the same)
 };
 
 /// Everything a checkpoint writer needs. The references must outlive the call.

@@ -5,6 +5,7 @@
 #include <CLI/CLI.hpp>
 #include <c10/util/Exception.h>
 
+#include <cstdlib>
 #include <iostream>
 #include <optional>
 #include <string>
@@ -34,10 +35,16 @@ void add_config_args(CLI::App* command, ConfigArgs& args) {
 
 // Sends the runtime's log to <out_dir>/<name> (every level the config allows); the console shows
 // warnings and errors only, so the progress line stays readable.
+// Ranks other than 0 of a data-parallel job write <stem>.rank<R>.log.
 void open_log(const LauncherConfig& config, const std::string& name) {
   make_directories(config.out_dir);
   roundpipe::set_log_level(roundpipe::parse_log_level(config.log.level));
-  roundpipe::add_log_file(join_path(config.out_dir, name));
+  std::string file = name;
+  const char* rank = std::getenv("RANK");
+  if (rank != nullptr && *rank != '\0' && std::string(rank) != "0") {
+    file = name.substr(0, name.rfind('.')) + ".rank" + rank + ".log";
+  }
+  roundpipe::add_log_file(join_path(config.out_dir, file));
 }
 
 // One line on stderr; the detail (LibTorch's backtrace included) only into the log file.

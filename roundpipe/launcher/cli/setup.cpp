@@ -5,6 +5,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <chrono>
 
 #include <nlohmann/json.hpp>
 
@@ -62,12 +63,55 @@ models::Pretrained make_launcher_model(const LauncherConfig& config, bool alloca
   return pre;
 }
 
+namespace {
+
+// Note [GPUs of local ranks]: one RoundPipe process normally uses every GPU of its node. When a
+// launch starts several ranks per node and run.devices is auto, local rank r takes the GPUs whose
+// index is r modulo LOCAL_WORLD_SIZE; with fewer GPUs than local ranks, ranks share GPU
+// r % count. CPU-only: each rank gets its own CPU worker.
+std::vector<c10::Device> devices_of_rank(const LauncherConfig& config) {
+  if (config.run.devices.has_value()) return *config.run.devices;
+  std::vector<c10::Device> all = default_devices();
+  const comm::LaunchEnv env = comm::LaunchEnv::from_env();
+  if (env.local_world_size <= 1 || all.empty() || !all.front().is_cuda()) return all;
+  const auto count = static_cast<int64_t>(all.size());
+  if (count < env.local_world_size) return {all[static_cast<size_t>(env.local_rank % count)]};
+  std::vector<c10::Device> mine;
+  for (int64_t k = 0; k < count; ++k) {
+    if (k % env.local_world_size == env.local_rank) mine.push_back(all[static_cast<size_t>(k)]);
+  }
+  return mine;
+}
+
+}  // namespace
+
+std::shared_ptr<comm::ProcessGroup> make_process_group(const LauncherConfig& config) {
+  const comm::LaunchEnv env = comm::LaunchEnv::from_env();
+  if (env.world_size <= 1) return nullptr;
+  const std::vector<c10::Device> devices = devices_of_rank(config);
+  const auto cuda = std::find_if(devices.begin(), devices.end(), [](const c10::Device& d) { return d.is_cuda(); });
+  comm::ProcessGroupOptions options;
+  options.timeout(std::chrono::milliseconds(static_cast<int64_t>(config.distributed.timeout_s * 1000.0)));
+  if (config.distributed.backend == "gloo") {
+    options.backend("gloo");
+  } else if (config.distributed.backend == "nccl") {
+    if (cuda == devices.end()) {
+      throw ConfigError("distributed.backend: nccl needs CUDA devices, but this rank's run.devices are CPU; use "
+                        "distributed.backend=gloo (or auto)");
+    }
+    options.backend("nccl").device(*cuda);
+  } else if (cuda != devices.end()) {
+    options.device(*cuda);  // auto: nccl
+  }
+  return comm::ProcessGroup::create(env, options);
+}
+
 RoundPipeOptions round_pipe_options(const LauncherConfig& config) {
   RunConfig run;
   run.num_microbatch = config.run.num_microbatch;
   run.recompute_grain = config.run.recompute;
   return RoundPipeOptions()
-      .devices(config.run.devices.has_value() ? *config.run.devices : default_devices())
+      .devices(devices_of_rank(config))
       .optim_dtype(config.model.master_dtype)
       .run_config(run)
       .seed(config.train.seed)

@@ -7,6 +7,7 @@
 #include <memory>
 #include <string>
 
+#include "comm/process_group.h"
 #include "roundpipe/launcher/config.h"
 #include "roundpipe/launcher/token_data.h"
 #include "roundpipe/models/pretrained.h"
@@ -26,10 +27,16 @@ models::ModelConfig resolve_model_config(const LauncherConfig& config);
 /// with train.seed. `allocate_only`: uninitialised parameters (plan: no init cost).
 models::Pretrained make_launcher_model(const LauncherConfig& config, bool allocate_only = false);
 
-/// RoundPipe options of the config: devices (run.devices, else default_devices()), master dtype,
+/// RoundPipe options of the config: devices (run.devices, else default_devices(); under a
+/// multi-rank launch on one node, the GPUs are dealt out to the local ranks), master dtype,
 /// microbatches, recompute, seed = train.seed, and a size-based (deterministic) plan; see
 /// Note [Deterministic plans].
 RoundPipeOptions round_pipe_options(const LauncherConfig& config);
+
+/// The data-parallel group of a job started by `roundpipe launch` or torchrun (RANK and
+/// WORLD_SIZE set, WORLD_SIZE > 1), with the config's distributed.backend and timeout; null for a
+/// single process (docs/distributed.md).
+std::shared_ptr<comm::ProcessGroup> make_process_group(const LauncherConfig& config);
 
 /// The token source of `path` in data.format (synthetic: `seed_offset` selects the stream).
 std::unique_ptr<TokenSource> open_data(const LauncherConfig& config, const std::string& path,

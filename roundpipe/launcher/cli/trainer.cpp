@@ -13,6 +13,7 @@
 #include <iostream>
 #include <memory>
 #include <mutex>
+#include <sstream>
 
 #include "amp/grad_scaler.h"
 #include "base/logging.h"
@@ -54,24 +55,33 @@ void run_training(const LauncherConfig& config, const std::optional<std::string>
   auto seconds_since_start = [&] {
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - start_time).count();
   };
+  // Data parallelism (docs/distributed.md): every rank trains on its slice of each global batch;
+  // only rank 0 (the lead) writes config.yaml, metrics, the plot and checkpoints.
+  const std::shared_ptr<comm::ProcessGroup> group = make_process_group(config);
+  const int64_t world = group ? group->world_size() : 1;
+  const int64_t rank = group ? group->rank() : 0;
+  const bool lead = rank == 0;
   models::Pretrained pre = make_launcher_model(config);
   std::unique_ptr<TokenSource> train_data = open_data(config, config.data.train, 0);
   std::unique_ptr<TokenSource> valid_data;
   if (!config.data.valid.empty() || config.data.format == DataFormat::kSynthetic) {
     valid_data = open_data(config, config.data.valid, 1);
   }
-  make_directories(join_path(config.out_dir, "checkpoints"));
-  remove_stale_temporaries(join_path(config.out_dir, "checkpoints"));
+  if (lead) {
+    make_directories(join_path(config.out_dir, "checkpoints"));
+    remove_stale_temporaries(join_path(config.out_dir, "checkpoints"));
+    write_file_atomically(join_path(config.out_dir, "config.yaml"), to_yaml(config));
+  }
 
-  write_file_atomically(join_path(config.out_dir, "config.yaml"), to_yaml(config));
-
-  RoundPipe model(pre.model, round_pipe_options(config));
+  RoundPipe model(pre.model, round_pipe_options(config).process_group(group));
   std::unique_ptr<torch::optim::Optimizer> optimizer = make_optimizer(model, config);
   amp::GradScaler scaler(amp::GradScalerOptions()
                              .enabled(config.amp.scaler)
                              .init_scale(config.amp.init_scale)
                              .growth_interval(config.amp.growth_interval));
-  TrainSampler sampler(*train_data, config.train.batch_size, config.data.seq_len, config.train.seed);
+  // The global batch (batch_size rows per rank) is drawn the same on every rank, whatever the world
+  // size; rank r trains on rows [r * batch_size, (r + 1) * batch_size).
+  TrainSampler sampler(*train_data, config.train.batch_size * world, config.data.seq_len, config.train.seed);
   const LrSchedule schedule(config.optimizer.lr, config.schedule.min_lr, config.schedule.warmup_steps,
                             config.train.steps, config.schedule.decay);
 
@@ -80,6 +90,11 @@ void run_training(const LauncherConfig& config, const std::optional<std::string>
   if (resume.has_value()) {
     const std::string dir = resolve_resume_dir(config, *resume);
     TrainerState state = load_checkpoint_dir(dir, model, pre.config, *optimizer);
+    if (state.world_size != world) {
+      throw ConfigError("--resume " + dir + ": the checkpoint was written by a job of " +
+                        std::to_string(state.world_size) + " rank(s), this job has " + std::to_string(world) +
+                        "; resume with the same number of ranks (train.batch_size is per rank)");
+    }
     step = state.step;
     tokens = state.tokens;
     sampler.set_state(state.sampler_state);
@@ -87,10 +102,13 @@ void run_training(const LauncherConfig& config, const std::optional<std::string>
     cpu_generator.set_state(state.cpu_rng_state);
     if (config.amp.scaler) scaler.load_state_dict(state.scaler);
     ROUNDPIPE_LOG(launcher_log(), kInfo, "resumed from ", dir, " at step ", step);
-    std::cerr << "resumed from " << dir << " at step " << step << "\n";
+    if (lead) std::cerr << "resumed from " << dir << " at step " << step << "\n";
   }
-  MetricsWriter metrics(config.out_dir, resume.has_value() ? std::optional<int64_t>(step) : std::nullopt);
-  ProgressLine progress(std::cerr, ::isatty(2) != 0, config.train.steps, step);
+  std::optional<MetricsWriter> metrics;
+  if (lead) metrics.emplace(config.out_dir, resume.has_value() ? std::optional<int64_t>(step) : std::nullopt);
+  std::ostringstream quiet;  // other ranks' progress goes nowhere
+  ProgressLine progress(lead ? static_cast<std::ostream&>(std::cerr) : quiet, lead && ::isatty(2) != 0,
+                        config.train.steps, step);
   ROUNDPIPE_LOG(launcher_log(), kInfo, "training ", config.train.steps, " steps on ", model.devices().size(),
                 " device(s); plan ", model.plan().to_string());
 
@@ -114,10 +132,12 @@ void run_training(const LauncherConfig& config, const std::optional<std::string>
   double window_start = first_time;
 
   auto write_plot = [&] {
-    write_loss_plot(join_path(config.out_dir, "loss.svg"), metrics.records(), plot_title(config));
+    write_loss_plot(join_path(config.out_dir, "loss.svg"), metrics->records(), plot_title(config));
   };
   auto checkpoint = [&] {
+    if (!lead) return;
     TrainerState state;
+    state.world_size = world;
     state.step = step;
     state.tokens = tokens;
     state.sampler_state = sampler.state();
@@ -129,8 +149,9 @@ void run_training(const LauncherConfig& config, const std::optional<std::string>
   };
   auto run_eval = [&] {
     model.synchronize();
-    const double loss = evaluate(model, config, *valid_data);
-    metrics.log_eval({step, loss});
+    const double loss = evaluate(model, config, *valid_data);  // the same on every rank
+    if (!lead) return;
+    metrics->log_eval({step, loss});
     ROUNDPIPE_LOG(launcher_log(), kInfo, "step ", step, " eval_loss ", loss);
     progress.print_above("step " + std::to_string(step) + " | eval loss " + std::to_string(loss));
   };
@@ -140,6 +161,10 @@ void run_training(const LauncherConfig& config, const std::optional<std::string>
     step_loss = 0.0;
     for (int64_t micro = 0; micro < config.train.grad_accum; ++micro) {
       Batch batch = sampler.next();
+      if (world > 1) {
+        batch.inputs = batch.inputs.narrow(0, rank * config.train.batch_size, config.train.batch_size);
+        batch.labels = batch.labels.narrow(0, rank * config.train.batch_size, config.train.batch_size);
+      }
       model.forward_backward({batch.inputs}, batch.labels, loss_fn);
     }
     model.step(
@@ -161,9 +186,15 @@ void run_training(const LauncherConfig& config, const std::optional<std::string>
         },
         config.run.step_mode);
     if (scaler.is_enabled()) scaler.update();
+    if (group) {
+      // The logged loss is the global batch's: the mean of the ranks' (equal token counts).
+      at::Tensor sum = at::full({1}, step_loss, at::kDouble);
+      group->all_reduce(sum).wait();
+      step_loss = sum.item<double>() / static_cast<double>(world);
+    }
     ++step;
-    tokens += step_tokens;
-    window_tokens += step_tokens;
+    tokens += step_tokens * world;
+    window_tokens += step_tokens * world;
     TORCH_CHECK(std::isfinite(step_loss), "the training loss is ", step_loss, " at step ", step,
                 " (diverged): lower optimizer.lr, set train.clip_grad_norm or enable amp.scaler");
 
@@ -181,7 +212,7 @@ void run_training(const LauncherConfig& config, const std::optional<std::string>
       }
       if (scaler.is_enabled()) record.scale = scaler.get_scale();
       record.time_s = now;
-      metrics.log_train(record);
+      if (lead) metrics->log_train(record);
       progress.update({step, step_loss, record.tokens_per_s, lr, record.scale, now - first_time});
       ROUNDPIPE_LOG(launcher_log(), kInfo, "step ", step, " loss ", step_loss, " lr ", lr, " tok/s ",
                     record.tokens_per_s);
@@ -199,12 +230,16 @@ void run_training(const LauncherConfig& config, const std::optional<std::string>
   if (valid_data != nullptr && (config.eval.every > 0 || !config.data.valid.empty())) run_eval();
   checkpoint();
   progress.finish();
+  // Every rank exits once the lead's final checkpoint is written (or fails naming it if it died).
+  if (group) group->barrier();
+  if (!lead) return;
 
-  const auto& train_records = metrics.records().train;
+  const auto& train_records = metrics->records().train;
   std::cout << "trained " << step << " steps in " << format_duration(seconds_since_start());
   if (!train_records.empty()) std::cout << ", final loss " << train_records.back().loss;
-  if (!metrics.records().eval.empty()) std::cout << ", eval loss " << metrics.records().eval.back().eval_loss;
-  std::cout << "\n  metrics:    " << metrics.path()
+  if (!metrics->records().eval.empty()) std::cout << ", eval loss " << metrics->records().eval.back().eval_loss;
+  if (world > 1) std::cout << " (" << world << " ranks)";
+  std::cout << "\n  metrics:    " << metrics->path()
             << "\n  loss plot:  " << join_path(config.out_dir, "loss.svg")
             << "\n  checkpoint: " << last_checkpoint << " (also " << join_path(config.out_dir, "checkpoints/latest")
             << ")\n  log:        " << join_path(config.out_dir, "train.log") << "\n";

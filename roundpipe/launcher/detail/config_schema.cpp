@@ -381,6 +381,19 @@ std::vector<KeySpec> build_schema() {
                   "Batches (of train.batch_size windows) per evaluation; 0: all of data.valid.")
                   .range(ge(0))
                   .field([](C& c) -> int64_t& { return c.eval.max_batches; }));
+  t.push_back(Key("distributed", KeyKind::kSection, "{}",
+                  "Data parallelism across processes, when started by `roundpipe launch` or torchrun "
+                  "(docs/distributed.md); ignored in a single-process run.")
+                  .section());
+  t.push_back(Key("distributed.backend", KeyKind::kChoice, "auto",
+                  "Collective backend: `nccl` with CUDA devices and `gloo` otherwise (`auto`), or forced.")
+                  .one_of({"auto", "gloo", "nccl"})
+                  .field([](C& c) -> std::string& { return c.distributed.backend; }));
+  t.push_back(Key("distributed.timeout_s", KeyKind::kFloat, "600.0",
+                  "Seconds the rendezvous and each collective may take before the job fails naming the "
+                  "missing rank.")
+                  .range(gt(0))
+                  .field([](C& c) -> double& { return c.distributed.timeout_s; }));
   t.push_back(Key("log", KeyKind::kSection, "{}", "Console output and metrics.").section());
   t.push_back(Key("log.every", KeyKind::kInt, "1",
                   "Steps between metrics.jsonl records and progress-line updates.")
