@@ -1,5 +1,6 @@
 // The `roundpipe` executable: train, eval, plan, export and validate subcommands over a YAML
-// configuration (docs/launcher.md). Exit codes: 0 ok, 2 usage or configuration error, 1 runtime
+// configuration, and launch (start the ranks of a distributed job) with its diagnostic env
+// (docs/launcher.md). Exit codes: 0 ok, 2 usage or configuration error, 1 runtime
 // error. Errors print one line on stderr; the detail (with LibTorch's backtrace) goes to the log
 // file <out_dir>/train.log (train) when it is open.
 #include <CLI/CLI.hpp>
@@ -14,6 +15,7 @@
 #include "base/logging.h"
 #include "roundpipe/launcher/atomic_file.h"
 #include "roundpipe/launcher/cli/commands.h"
+#include "roundpipe/launcher/cli/launch.h"
 #include "roundpipe/launcher/cli/trainer.h"
 #include "roundpipe/launcher/config.h"
 
@@ -84,6 +86,37 @@ int main(int argc, char** argv) {
   CLI::App* validate = app.add_subcommand("validate", "check a configuration and print it resolved");
   add_config_args(validate, validate_args);
 
+  LaunchOptions launch_options;
+  CLI::App* launch = app.add_subcommand(
+      "launch", "start the local ranks of a distributed job (torchrun's environment), e.g. "
+                "roundpipe launch --nproc-per-node 2 train CONFIG [key=value ...]");
+  launch->add_option("--nproc-per-node", launch_options.nproc_per_node, "ranks on this node")
+      ->capture_default_str();
+  launch->add_option("--nnodes", launch_options.nnodes, "nodes of the job (run launch on each)")->capture_default_str();
+  launch->add_option("--node-rank", launch_options.node_rank, "this node's index in [0, nnodes)")
+      ->capture_default_str();
+  launch->add_option("--master-addr", launch_options.master_addr,
+                     "address of the node-rank-0 node (default 127.0.0.1; required with --nnodes > 1)");
+  launch->add_option("--master-port", launch_options.master_port,
+                     "port of rank 0's store (default: a free port with one node, else 29500)");
+  launch->add_option("--run-id", launch_options.run_id, "TORCHELASTIC_RUN_ID of the ranks")->capture_default_str();
+  launch->add_option("--grace-period", launch_options.grace_period_s,
+                     "seconds between SIGTERM and SIGKILL when stopping the ranks")
+      ->capture_default_str();
+  bool no_prefix = false;
+  launch->add_flag("--no-prefix", no_prefix, "let the ranks write to stdout/stderr directly, without \"[rank R]: \"");
+  launch->prefix_command();  // everything from COMMAND on is the ranks' command line
+  launch->footer("COMMAND [ARGS...]: what every rank runs, e.g. train CONFIG key=value (docs/launcher.md)");
+
+  EnvOptions env_options;
+  CLI::App* env = app.add_subcommand("env", "print the distributed launch variables this process sees "
+                                            "(try: roundpipe launch --nproc-per-node 2 env)");
+  // Test hooks (tests/launcher/launch_test.cpp), hidden from --help.
+  env->add_option("--test-fail-rank", env_options.fail_rank)->group("");
+  env->add_option("--test-exit-code", env_options.exit_code)->group("");
+  env->add_option("--test-sleep", env_options.sleep_s)->group("");
+  env->add_flag("--test-ignore-sigterm", env_options.ignore_sigterm)->group("");
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -109,6 +142,17 @@ int main(int argc, char** argv) {
       run_export(checkpoint_dir, export_dir, std::cout);
     } else if (*validate) {
       run_validate(load_config(validate_args.path, validate_args.overrides), std::cout);
+    } else if (*launch) {
+      launch_options.command = launch->remaining();
+      launch_options.prefix_output = !no_prefix;
+      std::vector<std::string> commands;
+      for (const CLI::App* command : app.get_subcommands({})) {
+        if (command != launch) commands.push_back(command->get_name());
+      }
+      resolve_launch_options(launch_options, commands);
+      return run_launch(launch_options, argv[0]);
+    } else if (*env) {
+      return run_env(env_options, std::cout);
     }
   } catch (const ConfigError& e) {
     return fail(2, e.what(), e.what());
