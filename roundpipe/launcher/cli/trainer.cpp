@@ -135,7 +135,12 @@ void run_training(const LauncherConfig& config, const std::optional<std::string>
     write_loss_plot(join_path(config.out_dir, "loss.svg"), metrics->records(), plot_title(config));
   };
   auto checkpoint = [&] {
-    if (!lead) return;
+    if (!lead) {
+      // A checkpoint is a sync point (Note [Checkpoints are sync points]) on every rank, or the
+      // ranks' next steps would see parameters of different staleness.
+      model.synchronize();
+      return;
+    }
     TrainerState state;
     state.world_size = world;
     state.step = step;
