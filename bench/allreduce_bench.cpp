@@ -140,6 +140,10 @@ void overlap_run(const std::shared_ptr<roundpipe::comm::ProcessGroup>& group, bo
   const double per_iter = time_per_call(iteration, 5.0, *group);
   model.synchronize();
   const auto after = model.data_parallel_stats();
+  // The same bytes all-reduced alone, in 25 MiB pieces, as the time the communication takes
+  // (every rank takes part).
+  auto t = torch::ones({25 << 18});
+  const double op = time_per_call([&] { group->all_reduce(t).wait(); }, 1.0, *group);
   if (group->rank() != 0) return;
   if (!with_group) {
     std::printf("| no process group | %.1f ms | - | - | - |\n", per_iter * 1e3);
@@ -148,9 +152,6 @@ void overlap_run(const std::shared_ptr<roundpipe::comm::ProcessGroup>& group, bo
   const double runs = static_cast<double>(after.runs - before.runs);
   const double bytes = static_cast<double>(after.bytes - before.bytes) / runs;
   const double wait_ms = (after.wait_ms - before.wait_ms) / runs;
-  // The same bytes all-reduced alone, in 25 MiB pieces, as the time the communication takes.
-  auto t = torch::ones({25 << 18});
-  const double op = time_per_call([&] { group->all_reduce(t).wait(); }, 1.0, *group);
   const double comm_ms = op * 1e3 * bytes / static_cast<double>(t.nbytes());
   std::printf("| %lld ranks | %.1f ms | %.1f MiB in %.1f buckets | %.1f ms | %.0f%% |\n",
               static_cast<long long>(group->world_size()), per_iter * 1e3, bytes / (1 << 20),

@@ -44,9 +44,13 @@ TEST(ProcessGroupTest, BadOptions_AreNamed) {
   EXPECT_THROW_WITH(pg->all_reduce(at::ones({2, 3}).t()), "contiguous CPU tensor");
 }
 
-// Worker: rank r contributes r+1; checks sum, max, min and broadcast from the last rank.
+// Worker: rank r contributes r+1; checks sum, max, min and broadcast from the last rank. With
+// ROUNDPIPE_TEST_NCCL set, over NCCL on GPU 0 (ranks may share it).
 TEST(ProcessGroupWorker, DISABLED_Collectives) {
-  auto pg = ProcessGroup::from_env(short_timeout(30));
+  auto options = short_timeout(30);
+  if (std::getenv("ROUNDPIPE_TEST_NCCL") != nullptr) options.device(c10::Device(c10::kCUDA, 0));
+  auto pg = ProcessGroup::from_env(options);
+  EXPECT_EQ(pg->backend(), std::getenv("ROUNDPIPE_TEST_NCCL") != nullptr ? "nccl" : "gloo");
   const auto r = static_cast<double>(pg->rank());
   const auto w = static_cast<double>(pg->world_size());
   auto sum = at::full({1000}, r + 1, at::kDouble);
@@ -69,6 +73,11 @@ TEST(ProcessGroupWorker, DISABLED_Collectives) {
 
 TEST(ProcessGroupTest, ThreeRanks_CollectivesOverGloo) {
   auto results = run_ranks("ProcessGroupWorker.DISABLED_Collectives", 3);
+  for (const auto& r : results) EXPECT_TRUE(r.passed()) << describe(results);
+}
+
+TEST(ProcessGroupTest, TwoRanks_CollectivesOverNccl_CUDA) {
+  auto results = run_ranks("ProcessGroupWorker.DISABLED_Collectives", 2, {{"ROUNDPIPE_TEST_NCCL", "1"}});
   for (const auto& r : results) EXPECT_TRUE(r.passed()) << describe(results);
 }
 

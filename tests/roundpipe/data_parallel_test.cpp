@@ -10,6 +10,7 @@
 #include <fstream>
 #include <iterator>
 #include <limits>
+#include <map>
 #include <string>
 
 #include "amp/grad_scaler.h"
@@ -40,11 +41,13 @@ struct Trained {
 // rows (drawn the same way for any world size), with a GradScaler and Adam. With `poison_rank`
 // >= 0, that rank's loss is multiplied by inf at kPoisonStep (world 1: the only rank).
 // Rank 1 starts from other weights than rank 0: the process group's broadcast must fix that.
-Trained train(const std::shared_ptr<comm::ProcessGroup>& group, StepMode mode, int64_t poison_rank) {
+// `devices`: each rank's (default two CPU workers).
+Trained train(const std::shared_ptr<comm::ProcessGroup>& group, StepMode mode, int64_t poison_rank,
+              std::vector<c10::Device> devices = {c10::kCPU, c10::kCPU}) {
   const int64_t world = group ? group->world_size() : 1;
   const int64_t rank = group ? group->rank() : 0;
   RoundPipe model(testing::make_mlp(rank == 0 ? 11 : 12),
-                  RoundPipeOptions().devices({c10::kCPU, c10::kCPU}).process_group(group).seed(5));
+                  RoundPipeOptions().devices(devices).process_group(group).seed(5));
   auto opt = [&] {
     OptimizerCtx ctx;
     return torch::optim::Adam(model.parameters(), torch::optim::AdamOptions(0.01));
@@ -94,22 +97,34 @@ Trained load(const std::string& path) {
 
 StepMode env_mode() { return std::string(std::getenv("ROUNDPIPE_TEST_MODE")) == "sync" ? StepMode::kSync : StepMode::kAsync; }
 
+// With ROUNDPIPE_TEST_CUDA set: GPU 0 (shared by the ranks) and NCCL.
+std::vector<c10::Device> env_devices() {
+  if (std::getenv("ROUNDPIPE_TEST_CUDA") != nullptr) return {c10::Device(c10::kCUDA, 0)};
+  return {c10::kCPU, c10::kCPU};
+}
+
 TEST(DataParallelWorker, DISABLED_Train) {
-  auto group = comm::ProcessGroup::from_env(comm::ProcessGroupOptions().timeout(std::chrono::seconds(60)));
-  const Trained t = train(group, env_mode(), std::atoi(std::getenv("ROUNDPIPE_TEST_POISON")));
+  const auto devices = env_devices();
+  auto group = comm::ProcessGroup::from_env(
+      comm::ProcessGroupOptions().timeout(std::chrono::seconds(60)).device(devices.front().is_cuda() ? devices.front()
+                                                                                                      : c10::kCPU));
+  const Trained t = train(group, env_mode(), std::atoi(std::getenv("ROUNDPIPE_TEST_POISON")), devices);
   save(t, std::string(std::getenv("ROUNDPIPE_TEST_OUT")) + "/rank" + std::to_string(group->rank()) + ".pt");
 }
 
-void two_ranks_match_one_process(StepMode mode, int64_t poison_rank) {
+void two_ranks_match_one_process(StepMode mode, int64_t poison_rank, bool cuda = false) {
   const std::string dir = testing::make_temp_dir("roundpipe-dp-");
-  auto results = run_ranks("DataParallelWorker.DISABLED_Train", 2,
-                           {{"ROUNDPIPE_TEST_MODE", mode == StepMode::kSync ? "sync" : "async"},
-                            {"ROUNDPIPE_TEST_POISON", std::to_string(poison_rank)},
-                            {"ROUNDPIPE_TEST_OUT", dir}});
+  std::map<std::string, std::string> env{{"ROUNDPIPE_TEST_MODE", mode == StepMode::kSync ? "sync" : "async"},
+                                         {"ROUNDPIPE_TEST_POISON", std::to_string(poison_rank)},
+                                         {"ROUNDPIPE_TEST_OUT", dir}};
+  if (cuda) env["ROUNDPIPE_TEST_CUDA"] = "1";
+  auto results = run_ranks("DataParallelWorker.DISABLED_Train", 2, env);
   for (const auto& r : results) ASSERT_TRUE(r.passed()) << describe(results);
   const Trained r0 = load(dir + "/rank0.pt"), r1 = load(dir + "/rank1.pt");
   // The reference: one process, the whole batch; the poisoned step poisons its whole loss.
-  const Trained ref = train(nullptr, mode, poison_rank >= 0 ? 0 : -1);
+  const Trained ref = train(nullptr, mode, poison_rank >= 0 ? 0 : -1,
+                            cuda ? std::vector<c10::Device>{c10::Device(c10::kCUDA, 0)}
+                                 : std::vector<c10::Device>{c10::kCPU, c10::kCPU});
   EXPECT_TRUE(torch::equal(r0.params, r1.params)) << "the ranks diverged: max diff "
                                                   << testing::max_abs_diff(r0.params, r1.params);
   EXPECT_LE(testing::max_abs_diff(r0.params, ref.params), 1e-6);
@@ -138,6 +153,9 @@ TEST(DataParallelTest, TwoRanks_AsyncStep_MatchOneProcessWithTwiceTheBatch) {
 TEST(DataParallelTest, InfOnOneRankOnly_BothSkipAndBackOffIdentically) {
   two_ranks_match_one_process(StepMode::kAsync, 1);
 }
+
+// NCCL on one GPU shared by both ranks (TF32 is off by default in LibTorch: fp32 matmuls).
+TEST(DataParallelTest, TwoRanks_AsyncStep_Nccl_CUDA) { two_ranks_match_one_process(StepMode::kAsync, 1, true); }
 
 // Worker: rank 1 builds a model with another layer width.
 TEST(DataParallelWorker, DISABLED_MismatchedModels) {
