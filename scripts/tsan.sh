@@ -13,4 +13,4 @@ export OMP_NUM_THREADS=1
 export TSAN_OPTIONS="halt_on_error=0 second_deadlock_stack=1 suppressions=$root/scripts/tsan.supp ${TSAN_OPTIONS:-}"
 "$ROUNDPIPE_BUILD_DIR/tests/amp/amp_tests" --gtest_filter="GradScalerCrossThreadTest.*:-*_CUDA"
 "$ROUNDPIPE_BUILD_DIR/tests/optim/optim_tests" --gtest_filter="ParallelTasksTest.*:AdamKernelTest.ResultsIndependentOfThreadCount"
-"$ROUNDPIPE_BUILD_DIR/tests/roundpipe/runtime_tests" --gtest_filter="${1:-AsyncStepTest.*:RoundPipeTest.Dropout*:RoundPipeTest.Errors*:RoundPipeTest.Equivalence_Mlp*:RoundPipeTest.LayerShells*:RoundPipeTest.Tied*:GradScalerEngineTest.*:StageTraceTest.*}"
+"$ROUNDPIPE_BUILD_DIR/tests/roundpipe/runtime_tests" --gtest_filter="${1:-AsyncStepTest.*:RoundPipeTest.Dropout*:RoundPipeTest.Errors*:RoundPipeTest.Equivalence_Mlp*:RoundPipeTest.LayerShells*:RoundPipeTest.Tied*:GradScalerEngineTest.*:StageTraceTest.*:DataParallelTest.*}"

@@ -35,10 +35,11 @@ struct Trained {
   torch::Tensor params;  // every parameter, flattened and concatenated
   torch::Tensor scales;  // the GradScaler's scale after each step
   torch::Tensor losses;  // forward_backward's loss per step (this rank's)
+  torch::Tensor norms;   // the gradient norm clipping saw per step
 };
 
 // Trains make_mlp for kSteps steps on this rank's rows of a global batch of world * kRowsPerRank
-// rows (drawn the same way for any world size), with a GradScaler and Adam. With `poison_rank`
+// rows (drawn the same way for any world size), with a GradScaler, gradient clipping and Adam. With `poison_rank`
 // >= 0, that rank's loss is multiplied by inf at kPoisonStep (world 1: the only rank).
 // Rank 1 starts from other weights than rank 0: the process group's broadcast must fix that.
 // `devices`: each rank's (default two CPU workers).
@@ -54,6 +55,7 @@ Trained train(const std::shared_ptr<comm::ProcessGroup>& group, StepMode mode, i
   }();
   amp::GradScaler scaler(amp::GradScalerOptions().init_scale(256.0).growth_interval(2));
   std::vector<double> scales, losses;
+  std::vector<double> norms(kSteps, 0.0);  // written by step job `step` only, read after synchronize
   const double inf = std::numeric_limits<double>::infinity();
   for (int step = 0; step < kSteps; ++step) {
     torch::manual_seed(100 + step);
@@ -69,7 +71,10 @@ Trained train(const std::shared_ptr<comm::ProcessGroup>& group, StepMode mode, i
     auto loss = model.forward_backward({x}, y, [&](const torch::Tensor& out, const torch::Tensor& t) {
       return scaler.scale(torch::mse_loss(out, t, torch::Reduction::Sum) / n * factor);
     }, cfg);
-    model.step([&] {
+    model.step([&, step] {
+      // Clipping to a norm below the gradients' sees the averaged gradients: the global norm.
+      scaler.unscale_(opt);
+      norms[step] = torch::nn::utils::clip_grad_norm_(opt.parameters(), 0.05);
       scaler.step(opt);
       opt.zero_grad();
     }, mode);
@@ -80,11 +85,12 @@ Trained train(const std::shared_ptr<comm::ProcessGroup>& group, StepMode mode, i
   model.synchronize();
   std::vector<torch::Tensor> flat;
   for (const auto& p : model.module()->parameters()) flat.push_back(p.detach().reshape(-1));
-  return {torch::cat(flat), torch::tensor(scales, torch::kDouble), torch::tensor(losses, torch::kDouble)};
+  return {torch::cat(flat), torch::tensor(scales, torch::kDouble), torch::tensor(losses, torch::kDouble),
+          torch::tensor(norms, torch::kDouble)};
 }
 
 void save(const Trained& t, const std::string& path) {
-  auto bytes = torch::pickle_save(c10::IValue(std::vector<torch::Tensor>{t.params, t.scales, t.losses}));
+  auto bytes = torch::pickle_save(c10::IValue(std::vector<torch::Tensor>{t.params, t.scales, t.losses, t.norms}));
   std::ofstream(path, std::ios::binary).write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
 }
 
@@ -92,7 +98,7 @@ Trained load(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   auto list = torch::pickle_load(bytes).toTensorVector();
-  return {list.at(0), list.at(1), list.at(2)};
+  return {list.at(0), list.at(1), list.at(2), list.at(3)};
 }
 
 StepMode env_mode() { return std::string(std::getenv("ROUNDPIPE_TEST_MODE")) == "sync" ? StepMode::kSync : StepMode::kAsync; }
@@ -130,6 +136,11 @@ void two_ranks_match_one_process(StepMode mode, int64_t poison_rank, bool cuda =
   EXPECT_LE(testing::max_abs_diff(r0.params, ref.params), 1e-6);
   EXPECT_TRUE(torch::equal(r0.scales, r1.scales)) << r0.scales << r1.scales;
   EXPECT_TRUE(torch::equal(r0.scales, ref.scales)) << r0.scales << ref.scales;
+  // Clipping was active, and saw the global norm on every rank.
+  EXPECT_GT(ref.norms.nan_to_num(0, 0, 0).max().item<double>(), 0.05) << ref.norms;
+  EXPECT_TRUE(torch::allclose(r0.norms.nan_to_num(0, 0, 0), ref.norms.nan_to_num(0, 0, 0), 1e-5))
+      << r0.norms << ref.norms;
+  EXPECT_TRUE(torch::equal(r0.norms.nan_to_num(0, 0, 0), r1.norms.nan_to_num(0, 0, 0)));
   // Each rank's loss is its own rows' mean (scaled); their average is the one-process loss, up to
   // float32 rounding of the differently grouped sums.
   if (poison_rank < 0) {
