@@ -179,7 +179,8 @@ TEST(ErrorsTest, InputOfWrongDtype_ErrorNamesLayerAndDtypes) {
 TEST(ErrorsTest, InputWithoutData_ErrorNamesStage) {
   RoundPipe rp(make_mlp(1), RoundPipeOptions().devices(cpu_devices(2)).name("meta"));
   auto x = torch::empty({6, 8}, torch::kMeta), y = torch::randn({6, 4});
-  EXPECT_THROW_WITH(rp.forward_backward({x}, y, mse_over(y.numel()), microbatches(2)), "RoundPipe 'meta': ");
+  EXPECT_THROW_WITH(rp.forward_backward({x}, y, mse_over(y.numel()), microbatches(2)),
+                    "RoundPipe 'meta': fused stage [0, 3) on cpu, microbatch 0: Cannot copy out of meta tensor");
 }
 
 // Inputs and labels on another device than the stage's are copied to it: a CUDA batch trains a
@@ -286,6 +287,18 @@ TEST(ErrorsTest, StepFunctionThatSkipsSomeSteps_Accepted) {
     rp.step([&] { opt.zero_grad(); });
   }
   EXPECT_NO_THROW(rp.synchronize());
+}
+
+TEST(ErrorsTest, SyncStepFunctionThrows_ErrorReachesCallerAndModelStaysUsable) {
+  auto reference = make_mlp(7);
+  RoundPipe rp(make_mlp(7), RoundPipeOptions().devices(cpu_devices(2)));
+  auto x = torch::randn({6, 8}), y = torch::randn({6, 4});
+  rp.forward_backward({x}, y, mse_over(y.numel()));
+  EXPECT_THROW_WITH(rp.step([] { TORCH_CHECK(false, "optimizer exploded"); }, StepMode::kSync), "optimizer exploded");
+  // The failed step published nothing; the next call must not wait for it (it used to hang).
+  auto out = rp.forward({x});
+  EXPECT_TRUE(testing::tensors_close(out, reference->forward(x).detach(), 1e-6));
+  EXPECT_NO_THROW(rp.forward_backward({x}, y, mse_over(y.numel())));
 }
 
 TEST(ErrorsTest, Fp16MasterWeights_Refused) {
