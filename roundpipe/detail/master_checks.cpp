@@ -7,9 +7,10 @@ namespace roundpipe::detail {
 void check_master_dtype(c10::ScalarType dtype, const std::string& what) {
   TORCH_CHECK(c10::isFloatingType(dtype), what, " is ", dtype, ": master weights need a floating-point dtype, e.g. "
               "RoundPipeOptions().optim_dtype(torch::kFloat32)");
-  TORCH_CHECK(dtype != c10::kHalf, what, " is float16 (torch::kHalf): float16 master weights lose small updates (and overflow "
-              "above 65504), so training stalls or diverges. Keep float32 masters (RoundPipeOptions().optim_dtype("
-              "torch::kFloat32)) with float16 compute copies, and scale the loss with roundpipe::amp::GradScaler");
+  TORCH_CHECK(dtype != c10::kHalf, what, " is float16 (torch::kHalf): float16 master weights lose small updates "
+              "(and overflow above 65504), so training stalls or diverges. Keep float32 masters (RoundPipeOptions()."
+              "optim_dtype(torch::kFloat32)) with float16 compute copies, and scale the loss with "
+              "roundpipe::amp::GradScaler");
 }
 
 void check_parameter_master_dtypes(const std::vector<std::vector<at::Tensor>>& params) {

@@ -209,7 +209,8 @@ TEST(ErrorsTest, PlanWithGapOrOverlap_RefusedThroughRoundPipe) {
                     "forward stage 1 [2, 3) leaves a gap: layers [1, 2)");
   RunConfig overlap = microbatches(2);
   overlap.execute_plan = scheduler::ExecutePlan({{0, 2}, {1, 3}}, {});
-  EXPECT_THROW_WITH(rp.forward({x}, overlap), "forward stage 1 [1, 3) overlaps the previous forward stage: layers [1, 2)");
+  EXPECT_THROW_WITH(rp.forward({x}, overlap),
+                    "forward stage 1 [1, 3) overlaps the previous forward stage: layers [1, 2)");
 }
 
 // The mistake: an optimizer on the compute copies (module()->parameters()) sees no gradient at
