@@ -4,6 +4,8 @@
 #include <c10/util/Exception.h>
 #include <torch/cuda.h>
 
+#include <string>
+
 #include "base/config.h"
 #if ROUNDPIPE_WITH_CUDA
 #include <ATen/cuda/CUDAContext.h>
@@ -51,7 +53,10 @@ void check_devices(const std::vector<c10::Device>& devices) {
     TORCH_CHECK(d.has_index(), "RoundPipeOptions::devices[", i, "] = ", d,
                 " has no index: write torch::Device(torch::kCUDA, k)");
     TORCH_CHECK(d.index() < num_cuda, "RoundPipeOptions::devices[", i, "] = ", d, " but only ", num_cuda,
-                " CUDA device(s) are visible");
+                " CUDA device(s) are visible: ",
+                num_cuda == 0 ? std::string("use CPU devices ({torch::kCPU}) or run where a GPU is visible")
+                              : "use indices 0 to " + std::to_string(num_cuda - 1) +
+                                    " (CUDA_VISIBLE_DEVICES renumbers the visible GPUs from 0)");
   }
 }
 

@@ -21,6 +21,7 @@
 #include "comm/process_group.h"
 #include "roundpipe/detail/device_worker.h"
 #include "roundpipe/detail/grad_sync.h"
+#include "roundpipe/detail/master_checks.h"
 #include "roundpipe/detail/planner.h"
 #include "roundpipe/detail/run_launcher.h"
 #include "roundpipe/detail/stage_jobs.h"
@@ -120,13 +121,7 @@ struct RoundPipe::Impl {
     ctx.autocast = amp::AutocastState::capture();
     ctx.inputs = detail::split_batch(inputs, M, "inputs", options.name());
     if (ctx.training) {
-      if (label.defined() && label.dim() > 0) {
-        TORCH_CHECK(label.size(0) == rows, "label has ", label.size(0), " rows but the inputs have ", rows);
-        auto chunks = label.tensor_split(M, 0);
-        ctx.labels.assign(chunks.begin(), chunks.end());
-      } else {
-        ctx.labels.assign(M, label);
-      }
+      ctx.labels = detail::split_label(label, rows, M, options.name());
       if (measure_if_automatic && !cfg.execute_plan) ctx.forward_ms.assign(static_cast<size_t>(num_layers()), 0.0);
     }
     const int64_t steps_before = steps->steps();
@@ -205,6 +200,7 @@ RoundPipe::RoundPipe(torch::nn::Sequential model, RoundPipeOptions options) : im
     std::lock_guard<std::mutex> lock(gen.mutex());
     m.seed = gen.get<at::CPUGeneratorImpl>()->random64();
   }
+  if (options.optim_dtype()) detail::check_master_dtype(*options.optim_dtype(), "RoundPipeOptions::optim_dtype");
   if (options.master_grad_dtype()) {
     TORCH_CHECK(c10::isFloatingType(*options.master_grad_dtype()),
                 "RoundPipeOptions::master_grad_dtype must be a floating-point dtype (e.g. torch::kBFloat16), got ",

@@ -25,6 +25,8 @@ class ProcessGroup;
 /// Options of a RoundPipe model. Validated by the RoundPipe constructor.
 struct RoundPipeOptions {
   /// dtype of the master weights the optimizer updates; default: each parameter's own dtype.
+  /// float16 masters are refused (here, or for fp16 parameters when the masters are made): keep
+  /// float32 masters with fp16 compute copies and amp::GradScaler.
   TORCH_ARG(std::optional<c10::ScalarType>, optim_dtype) = std::nullopt;
   /// dtype of the master gradients step functions see; default: the master's own dtype (each step
   /// casts the compute copies' gradients into one reused buffer per master). Set it to the compute
@@ -127,7 +129,9 @@ class RoundPipe {
   /// Moves this iteration's gradients into the master copies (cast to master_grad_dtype, by
   /// default optim_dtype, added to their .grad; docs/architecture.md, "step"), runs `step_fn`
   /// (optimizer step, zero_grad, ...), then writes the master values back into the compute copies. kSync: before returning. kAsync: on the optimizer thread
-  /// (docs/user-guide.md, "Async vs sync step": staleness one).
+  /// (docs/user-guide.md, "Async vs sync step": staleness one). A non-empty `step_fn` that leaves
+  /// every master and master gradient untouched in 8 consecutive steps with gradients pending
+  /// (an optimizer built on the compute copies) fails the step (docs/errors.md).
   void step(std::function<void()> step_fn, StepMode mode = StepMode::kAsync);
 
   /// Waits for queued optimizer steps; afterwards master and compute copies hold the values after

@@ -56,6 +56,16 @@ std::vector<Activations> split_batch(const std::vector<at::Tensor>& tensors, int
   return per_mb;
 }
 
+std::vector<at::Tensor> split_label(const at::Tensor& label, int64_t rows, int64_t num_microbatch,
+                                    const std::string& model_name) {
+  if (!label.defined() || label.dim() == 0) return std::vector<at::Tensor>(num_microbatch, label);
+  TORCH_CHECK(label.size(0) == rows, "RoundPipe '", model_name, "': forward_backward: the label has ", label.size(0),
+              " rows (shape ", label.sizes(), ") but the inputs have ", rows, ": the label is split along dim 0 with ",
+              "the inputs, so give it one row per input row (or a 0-dim label, which every microbatch gets whole)");
+  auto chunks = label.tensor_split(num_microbatch, 0);
+  return {chunks.begin(), chunks.end()};
+}
+
 namespace {
 
 std::vector<ChannelPtr> channels(int64_t n) {

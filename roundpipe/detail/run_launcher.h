@@ -45,6 +45,11 @@ ResolvedRunConfig resolve_run_config(const RunConfig& call, const RunConfig& mod
 /// Rows of a batch: size(0) of the first input with a dimension; -1 if none has one.
 int64_t batch_rows(const std::vector<at::Tensor>& inputs);
 
+/// Splits `label` along dim 0 like inputs of `rows` rows (a 0-dim or undefined label is
+/// replicated to every microbatch); checks that it has `rows` rows.
+std::vector<at::Tensor> split_label(const at::Tensor& label, int64_t rows, int64_t num_microbatch,
+                                    const std::string& model_name);
+
 /// Splits every tensor with a batch dimension into `num_microbatch` pieces along dim 0 (0-dim and
 /// undefined tensors are replicated); [microbatch][tensor]. `what` names the tensors in errors.
 std::vector<Activations> split_batch(const std::vector<at::Tensor>& tensors, int64_t num_microbatch,

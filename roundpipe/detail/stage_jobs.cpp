@@ -291,7 +291,11 @@ void run_fused_stage(RunContext& ctx, scheduler::LayerRange r, c10::Device devic
         loss = (*ctx.loss_fn)(acts[0], label);
       }
       TORCH_CHECK(loss.defined() && loss.numel() == 1, "loss_fn must return a one-element tensor, got ",
-                  loss.defined() ? c10::str(loss.sizes()) : "an undefined tensor");
+                  loss.defined() ? "shape " + c10::str(loss.sizes()) : "an undefined tensor",
+                  ": reduce the loss to a scalar inside loss_fn (e.g. a sum over the microbatch divided by the full "
+                  "batch size)");
+      TORCH_CHECK(loss.requires_grad(), "loss_fn returned a loss that does not require grad: compute it from the "
+                  "output tensor without detaching it (no .detach(), .item() or NoGradGuard inside loss_fn)");
       pos.step = "backward";
       loss.backward();
       pos.step = "";

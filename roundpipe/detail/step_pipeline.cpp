@@ -136,6 +136,7 @@ void StepPipeline::consume_grads_layer(size_t l) {
 
 const std::vector<std::vector<at::Tensor>>& StepPipeline::masters() {
   if (!masters_.empty() || params_->empty()) return masters_;
+  if (!optim_dtype_) check_parameter_master_dtypes(*params_);  // before any master exists
   at::NoGradGuard no_grad;
   masters_.resize(params_->size());
   master_grad_buffers_.resize(params_->size());
@@ -226,6 +227,7 @@ void StepPipeline::step(std::function<void()> step_fn, StepMode mode) {
   rethrow_async_error();
   masters();
   const int64_t k = ++steps_;
+  step_fn = watch_.wrap(std::move(step_fn));
   if (pending_iteration_) {
     // The step function runs inside the scope of the iteration its gradients come from.
     step_fn = [scaler = scaler_, iteration = std::move(pending_iteration_), fn = std::move(step_fn)] {
@@ -237,7 +239,12 @@ void StepPipeline::step(std::function<void()> step_fn, StepMode mode) {
     drain();
     rethrow_async_error();
     for (size_t l = 0; l < params_->size(); ++l) consume_grads_layer(l);
-    if (step_fn) step_fn();
+    try {
+      if (step_fn) step_fn();
+    } catch (...) {
+      raise_all(k);  // the next run must not wait for this step's publish forever
+      throw;
+    }
     for (size_t l = 0; l < params_->size(); ++l) publish_layer(l);
     raise_all(k);
     return;

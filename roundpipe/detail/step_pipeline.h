@@ -18,6 +18,7 @@
 
 #include "amp/detail/grad_scaler_access.h"
 #include "roundpipe/detail/device_worker.h"
+#include "roundpipe/detail/master_checks.h"
 #include "roundpipe/detail/stage_jobs.h"
 #include "roundpipe/run_config.h"
 
@@ -94,6 +95,7 @@ class StepPipeline {
   // Per master: the gradient buffer (in master_grad_dtype()) reused by every step whose compute
   // copy grads have another dtype (Note [Gradient hand-over]); lazy.
   std::vector<std::vector<at::Tensor>> master_grad_buffers_;
+  MasterWatch watch_{&masters_};  // wraps every step function (Note [Untouched masters])
 
   std::unique_ptr<DeviceWorker> optimizer_thread_;
   std::vector<std::future<void>> pending_steps_;  // caller thread only
