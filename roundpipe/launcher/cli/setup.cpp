@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <sstream>
 
 #include <nlohmann/json.hpp>
 
@@ -102,9 +103,14 @@ void warn_replaced_options(const models::LoraOptions& wanted, const models::Lora
   auto note = [&](const std::string& key, const std::string& ours, const std::string& theirs) {
     if (ours != theirs) changes += " " + key + " " + ours + " -> " + theirs + ";";
   };
+  auto text = [](double v) {
+    std::ostringstream out;
+    out << v;
+    return out.str();
+  };
   note("rank", std::to_string(wanted.rank()), std::to_string(applied.rank()));
-  note("alpha", std::to_string(wanted.alpha()), std::to_string(applied.alpha()));
-  note("dropout", std::to_string(wanted.dropout()), std::to_string(applied.dropout()));
+  note("alpha", text(wanted.alpha()), text(applied.alpha()));
+  note("dropout", text(wanted.dropout()), text(applied.dropout()));
   note("targets", join_names(wanted.target_modules()), join_names(applied.target_modules()));
   if (!changes.empty()) {
     ROUNDPIPE_LOG(Logger::get("launcher"), kWarn, "model.lora: the adapter ", adapter,
