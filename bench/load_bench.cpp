@@ -164,14 +164,20 @@ void remove_dir(const std::string& dir) {
   ::rmdir(dir.c_str());
 }
 
-void print_row(const char* what, const Measurement& m, double gb, double target_gb) {
+// `gb`: bytes read (0: not a load, no GB/s); `model_gb`: the loaded model's size in its dtype (0:
+// none); `baseline_gb`: the peak RSS of the same kind of process doing nothing.
+void print_row(const char* what, const Measurement& m, double gb, double model_gb, double baseline_gb) {
   if (!m.ok) {
-    std::printf("| %-36s | failed |\n", what);
+    std::printf("| %-36s | failed | | | |\n", what);
     return;
   }
-  char ratio[32] = "";
-  if (target_gb > 0) std::snprintf(ratio, sizeof(ratio), "%.2f", m.peak_rss_gb / target_gb);
-  std::printf("| %-36s | %7.2f | %6.2f | %6.2f | %5s |\n", what, m.seconds, gb / m.seconds, m.peak_rss_gb, ratio);
+  char rate[32] = "-", ratio[64] = "-";
+  if (gb > 0) std::snprintf(rate, sizeof(rate), "%.2f", gb / m.seconds);
+  if (model_gb > 0) {
+    std::snprintf(ratio, sizeof(ratio), "%.2f GB = %.2f x", m.peak_rss_gb - baseline_gb,
+                  (m.peak_rss_gb - baseline_gb) / model_gb);
+  }
+  std::printf("| %-36s | %7.2f | %6s | %6.2f | %s |\n", what, m.seconds, rate, m.peak_rss_gb, ratio);
   std::fflush(stdout);
 }
 
@@ -217,7 +223,8 @@ int main(int argc, char** argv) {
   const std::vector<std::string> files = checkpoint_files(dir);
   const double gb = static_cast<double>(file_bytes(files)) / 1e9;
   std::printf("checkpoint: %s, %zu safetensors files, %.3f GB (bf16)\n\n", dir.c_str(), files.size(), gb);
-  std::printf("| %-36s | wall s | GB/s | peak RSS GB | RSS / model |\n", "step (each in a fresh process)");
+  std::printf("| %-36s | wall s | GB/s | peak RSS GB | peak RSS over the baseline = x model size |\n",
+              "step (each in a fresh process)");
   std::printf("|---|---|---|---|---|\n");
   const double bf16_gb = gb, fp32_gb = 2 * gb;  // the model's size in the target dtype
 
@@ -229,28 +236,39 @@ int main(int argc, char** argv) {
     return run_child({"sh", "-c", cmd}, false);
   };
   evict(files);
-  print_row("cat > /dev/null, cold", cat_to_null(), gb, 0);
-  print_row("cat > /dev/null, warm", cat_to_null(), gb, 0);
-  print_row("process baseline (libtorch loaded)", run_child({self_path, "--child-noop"}, false), gb, 0);
+  print_row("cat > /dev/null, cold", cat_to_null(), gb, 0, 0);
+  print_row("cat > /dev/null, warm", cat_to_null(), gb, 0, 0);
+  const Measurement baseline = run_child({self_path, "--child-noop"}, false);
+  print_row("baseline: this process, no load", baseline, 0, 0, 0);
+  const std::vector<std::string> load_bf16 = {self_path, "--child-load", dir, "bf16"};
+  const std::vector<std::string> load_fp32 = {self_path, "--child-load", dir, "fp32"};
   evict(files);
-  print_row("load_pretrained -> bf16, cold", run_child({self_path, "--child-load", dir, "bf16"}, true), gb, bf16_gb);
-  print_row("load_pretrained -> bf16, warm", run_child({self_path, "--child-load", dir, "bf16"}, true), gb, bf16_gb);
-  print_row("load_pretrained -> fp32, warm", run_child({self_path, "--child-load", dir, "fp32"}, true), gb, fp32_gb);
+  print_row("load_pretrained -> bf16, cold", run_child(load_bf16, true), gb, bf16_gb, baseline.peak_rss_gb);
+  print_row("load_pretrained -> bf16, warm", run_child(load_bf16, true), gb, bf16_gb, baseline.peak_rss_gb);
+  evict(files);
+  print_row("load_pretrained -> fp32, cold", run_child(load_fp32, true), gb, fp32_gb, baseline.peak_rss_gb);
+  print_row("load_pretrained -> fp32, warm", run_child(load_fp32, true), gb, fp32_gb, baseline.peak_rss_gb);
   if (!python.empty()) {
     const std::string script =
         "import sys, time, torch\n"
         "from transformers import AutoModelForCausalLM\n"
+        "from transformers.utils import logging\n"
+        "logging.disable_progress_bar()\n"
         "if sys.argv[1] == 'none':\n"
         "    print('seconds=0'); sys.exit(0)\n"
         "dtype = torch.bfloat16 if sys.argv[1] == 'bf16' else torch.float32\n"
         "t = time.perf_counter()\n"
         "m = AutoModelForCausalLM.from_pretrained(sys.argv[2], dtype=dtype)\n"
-        "print('seconds=%.6f' % (time.perf_counter() - t))\n";
-    print_row("python: import torch + transformers", run_child({python, "-c", script, "none", dir}, false), gb, 0);
+        "print('seconds=%.6f' % (time.perf_counter() - t))\n"
+        "# Weights still backed by the file mapping count in RSS only once read: read them all.\n"
+        "with torch.no_grad():\n"
+        "    for p in m.parameters(): p.sum()\n";
+    const Measurement py = run_child({python, "-c", script, "none", dir}, false);
+    print_row("baseline: python, import transformers", py, 0, 0, 0);
     print_row("transformers from_pretrained -> bf16", run_child({python, "-c", script, "bf16", dir}, true), gb,
-              bf16_gb);
+              bf16_gb, py.peak_rss_gb);
     print_row("transformers from_pretrained -> fp32", run_child({python, "-c", script, "fp32", dir}, true), gb,
-              fp32_gb);
+              fp32_gb, py.peak_rss_gb);
   }
   if (!keep) remove_dir(dir);
   return 0;
