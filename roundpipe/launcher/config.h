@@ -30,11 +30,13 @@ enum class DataFormat { kTokens, kBytes, kSynthetic };
 enum class OptimizerName { kAdamW, kAdam, kSgd };
 
 /// model.lora: present (non-null) enables LoRA fine-tuning of model.pretrained.
+/// PEFT's names: rank = r, alpha = lora_alpha, dropout = lora_dropout, targets = target_modules.
 struct LoraConfig {
   int64_t rank;
   double alpha;
   double dropout;
-  std::vector<std::string> targets;  ///< module names, e.g. q_proj, v_proj
+  std::vector<std::string> targets;  ///< module names, e.g. q_proj, v_proj; or all-linear
+  std::string adapter;               ///< PEFT adapter directory to start from; "" = fresh adapters
 };
 
 struct ModelConfig {

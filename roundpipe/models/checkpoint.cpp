@@ -171,6 +171,8 @@ at::Tensor CheckpointReader::get(const std::string& name, c10::ScalarType dtype)
   return file_of(name).get(name, dtype);
 }
 
+void CheckpointReader::release_pages(const std::string& name) const { file_of(name).release_pages(name); }
+
 // Note [Sharding]: the split is huggingface_hub's split_state_dict_into_shards_factory (used by
 // save_pretrained): walk the tensors in the given order; a tensor larger than the limit gets a shard
 // of its own; otherwise a new shard starts when the tensor would push the current one past the

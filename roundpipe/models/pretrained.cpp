@@ -94,9 +94,18 @@ Pretrained load_pretrained(const std::string& hf_dir, const LoadOptions& options
                 " model of its config.json does not use: ", list,
                 " (is model_type right? MoE or other architectures are not supported)");
   }
+  // Note [Releasing mapped pages]: each tensor's mapped pages are dropped once it has been copied
+  // (when the next one is asked for, and after the last), so the peak resident set is the model
+  // plus about one tensor, not the model plus the whole checkpoint.
+  std::string copied;
   load_hf_state_dict(model, config, [&](const std::string& name) {
-    return reader.contains(name) ? reader.get(name) : at::Tensor();
+    if (!copied.empty()) reader.release_pages(copied);
+    copied.clear();
+    if (!reader.contains(name)) return at::Tensor();
+    copied = name;
+    return reader.get(name);
   });
+  if (!copied.empty()) reader.release_pages(copied);
   return {model, config};
 }
 

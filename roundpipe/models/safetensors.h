@@ -73,6 +73,13 @@ class SafetensorsFile {
   /// `get(name)` when `dtype` is the stored dtype, else a converted copy (`get(name).to(dtype)`).
   at::Tensor get(const std::string& name, c10::ScalarType dtype) const;
 
+  /// Drops this process's resident pages of `name`'s bytes (madvise MADV_DONTNEED on the pages
+  /// they span), e.g. once a loader has copied the tensor: the resident set shrinks by them and the
+  /// page cache keeps them. Tensors from `get` stay valid: the mapping is private and never
+  /// written, so a later read faults the same bytes back in from the file. See Note [Releasing
+  /// mapped pages].
+  void release_pages(const std::string& name) const;
+
  private:
   SafetensorsFile() = default;
 
@@ -122,6 +129,8 @@ class CheckpointReader {
   /// See SafetensorsFile::get (zero-copy, read-only).
   at::Tensor get(const std::string& name) const;
   at::Tensor get(const std::string& name, c10::ScalarType dtype) const;
+  /// See SafetensorsFile::release_pages.
+  void release_pages(const std::string& name) const;
   /// The files backing the checkpoint (one, or the shards in file-name order).
   const std::vector<std::shared_ptr<SafetensorsFile>>& files() const { return files_; }
 

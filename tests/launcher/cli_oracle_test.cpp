@@ -110,7 +110,7 @@ TEST(CliOracleTest, GpuConfigs_ValidateWithATransformersModel) {
   ScratchDir dir;
   const std::string hf = make_hf_dir(dir);
   write_token_file(dir.file("data.bin"), std::vector<int64_t>(100, 1), TokenWidth::kUint16);
-  for (const char* name : {"llama-3.2-1b", "qwen3-1.7b", "llama-3.1-8b"}) {
+  for (const char* name : {"llama-3.2-1b", "qwen3-1.7b", "llama-3.1-8b", "llama-3.1-8b-lora"}) {
     const std::string config = std::string(ROUNDPIPE_SOURCE_DIR) + "/configs/" + name + ".yaml";
     CliResult r = run_cli(dir, "validate " + config + " model.pretrained=" + hf + " data.train=" +
                                    dir.file("data.bin") + " data.valid=" + dir.file("data.bin"));

@@ -125,8 +125,6 @@ TEST(CliTest, ConfigErrors_ExitWithCode2NamingTheKey) {
       {"missing file", "train run.yaml data.format=bytes data.train=missing.txt", "data.train"},
       {"incompatible combination", "plan run.yaml model.master_dtype=float16", "model.master_dtype"},
       {"lora without pretrained", "train run.yaml model.lora={}", "model.lora"},
-      {"lora not available", "train run.yaml model.preset=null model.config={} model.pretrained=hf model.lora={}",
-       "LoRA is not available yet"},
       {"vocabulary", "train run.yaml data.format=bytes data.train=run.yaml", "vocab_size"},
       {"usage: no subcommand", "", nullptr},
       {"usage: unknown option", "train run.yaml --bogus", nullptr},

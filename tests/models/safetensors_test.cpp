@@ -8,6 +8,7 @@
 #include <signal.h>
 #include <sys/resource.h>
 
+#include <cctype>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
@@ -239,6 +240,45 @@ TEST(SafetensorsTest, Get_ZeroCopy_DataLiesInTheMappingAndOutlivesTheFile) {
   w = at::Tensor();  // the view alone keeps the mapping
   EXPECT_TENSOR_EQ(view, weight.slice(0, 3, 9));
   EXPECT_EQ(view.const_data_ptr(), view_data);
+}
+
+// Resident KiB of this process's mappings of `path` (the Rss lines of /proc/self/smaps).
+int64_t mapped_rss_kib(const std::string& path) {
+  std::ifstream smaps("/proc/self/smaps");
+  std::string line;
+  bool in_file = false;
+  int64_t kib = 0;
+  while (std::getline(smaps, line)) {
+    const bool header = !line.empty() && std::isxdigit(static_cast<unsigned char>(line[0])) &&
+                        line.find('-') != std::string::npos && line.find(':') > line.find(' ');
+    if (header) {
+      in_file = line.size() >= path.size() && line.compare(line.size() - path.size(), path.size(), path) == 0;
+    } else if (in_file && line.rfind("Rss:", 0) == 0) {
+      kib += std::stoll(line.substr(4));
+    }
+  }
+  return kib;
+}
+
+// Note [Releasing mapped pages]: release_pages drops the tensor's pages from the resident set; the
+// tensor stays readable with the same bytes.
+TEST(SafetensorsTest, ReleasePages_ShrinksResidentSetAndKeepsTensorsValid) {
+  ScratchDir dir;
+  const std::string path = dir.file("r.safetensors");
+  const at::Tensor big = at::randn({8 << 20});  // 32 MiB
+  const at::Tensor small = at::arange(10, at::kFloat);
+  save_safetensors(path, {{"big", big}, {"small", small}});
+  auto file = SafetensorsFile::open(path);
+  at::Tensor view = file->get("big");
+  EXPECT_TENSOR_EQ(view, big);  // reads every page
+  EXPECT_GE(mapped_rss_kib(path), 32 << 10);
+  file->release_pages("big");
+  EXPECT_LT(mapped_rss_kib(path), 64);  // at most the header's and `small`'s pages
+  EXPECT_TENSOR_EQ(view, big);          // faulted back in with the same bytes
+  EXPECT_GE(mapped_rss_kib(path), 32 << 10);
+  file->release_pages("big");
+  file->release_pages("small");
+  EXPECT_TENSOR_EQ(file->get("small"), small);
 }
 
 TEST(SafetensorsTest, Get_MissingTensor_ErrorNamesFileAndTensor) {

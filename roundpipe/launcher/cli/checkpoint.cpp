@@ -10,9 +10,15 @@
 #include <unistd.h>
 
 #include <cstdlib>
+#include <functional>
+#include <fstream>
+#include <iterator>
 #include <sstream>
 
+#include <nlohmann/json.hpp>
+
 #include "roundpipe/launcher/atomic_file.h"
+#include "roundpipe/launcher/cli/setup.h"
 #include "roundpipe/models/pretrained.h"
 #include "roundpipe/models/safetensors.h"
 
@@ -29,6 +35,10 @@ namespace {
 
 constexpr const char* kTrainerStateFile = "trainer_state.pt";
 constexpr const char* kOptimizerFile = "optimizer.pt";
+constexpr const char* kAdapterConfigFile = "adapter_config.json";
+constexpr const char* kAdapterWeightsFile = "adapter_model.safetensors";
+// PEFT's prefix of an adapter tensor's name before the HF parameter name.
+constexpr const char* kPeftPrefix = "base_model.model.";
 
 void fsync_file(const std::string& path) {
   int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
@@ -71,9 +81,13 @@ void maybe_inject_failure(int64_t step) {
 
 }  // namespace
 
+bool is_lora_checkpoint_dir(const std::string& dir) {
+  return is_regular_file(join_path(dir, kAdapterConfigFile));
+}
+
 bool is_checkpoint_dir(const std::string& dir) {
   return is_regular_file(join_path(dir, kTrainerStateFile)) &&
-         is_regular_file(join_path(dir, "config.json"));
+         (is_regular_file(join_path(dir, "config.json")) || is_lora_checkpoint_dir(dir));
 }
 
 std::string save_checkpoint_dir(CheckpointContents c) {
@@ -83,8 +97,13 @@ std::string save_checkpoint_dir(CheckpointContents c) {
   const std::string final_dir = join_path(parent, step_dir_name(c.state.step));
   const std::string staging = make_staging_directory(final_dir);
 
-  models::save_pretrained(c.model, c.model_config, staging);
-  fsync_files_in(staging);  // save_pretrained's files (write_file_atomically fsyncs its own)
+  if (c.lora != nullptr) {
+    // Note [LoRA in the launcher]: the adapters' masters only; the base is model.pretrained.
+    models::save_lora_adapter(c.model, c.model_config, *c.lora, staging, lora_base_model_path(c.config));
+  } else {
+    models::save_pretrained(c.model, c.model_config, staging);
+  }
+  fsync_files_in(staging);  // the models library's files (write_file_atomically fsyncs its own)
   {
     torch::serialize::OutputArchive archive;
     c.optimizer.save(archive);
@@ -122,32 +141,85 @@ std::string resolve_resume_dir(const LauncherConfig& config, const std::string& 
     dir = (*target)[0] == '/' ? *target : join_path(parent_directory(link), *target);
   }
   TORCH_CHECK(is_checkpoint_dir(dir), "--resume: '", dir, "' is not a checkpoint directory (it has no ",
-              kTrainerStateFile, " and config.json)");
+              kTrainerStateFile, " and config.json or ", kAdapterConfigFile, ")");
   return dir;
 }
 
+namespace {
+
+// The checkpoint's adapter_config.json must describe the adapters of the run's model.
+void check_adapter_config(const std::string& dir, const models::LoraOptions& lora) {
+  const std::string path = join_path(dir, kAdapterConfigFile);
+  std::ifstream in(path);
+  nlohmann::json json;
+  try {
+    json = nlohmann::json::parse(std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()));
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "checkpoint '", dir, "': ", path, " is not valid JSON: ", e.what());
+  }
+  const int64_t rank = json.value("r", int64_t{-1});
+  const double alpha = json.value("lora_alpha", -1.0);
+  TORCH_CHECK(rank == lora.rank() && alpha == lora.alpha(), "checkpoint '", dir, "' holds LoRA adapters with r = ",
+              rank, ", lora_alpha = ", alpha, " but the run's model.lora has rank ", lora.rank(), ", alpha ",
+              lora.alpha(), ": resume with the configuration of that run");
+}
+
+// Copies each trainable parameter of `module` (compute copy) and each master from `get(hf_name)`.
+void load_weights(RoundPipe& model, const models::ModelConfig& model_config, bool trainable_only,
+                  const std::string& dir, const std::function<at::Tensor(const std::string&)>& get) {
+  torch::nn::Sequential module = model.module();
+  at::NoGradGuard no_grad;
+  if (trainable_only) {
+    for (const auto& item : module->named_parameters()) {
+      if (!item.value().requires_grad()) continue;
+      const std::string hf_name = models::hf_parameter_name(item.key(), model_config.num_hidden_layers);
+      at::Tensor saved = get(hf_name);
+      TORCH_CHECK(saved.sizes() == item.value().sizes(), "checkpoint '", dir, "': tensor '", hf_name,
+                  "' has shape ", saved.sizes(), " but the model's is ", item.value().sizes());
+      item.value().copy_(saved);
+    }
+  } else {
+    models::load_hf_state_dict(module, model_config, get);
+  }
+  OptimizerCtx ctx;
+  for (const auto& [name, master] : model.optim_named_parameters()) {
+    const std::string hf_name = models::hf_parameter_name(name, model_config.num_hidden_layers);
+    at::Tensor saved = get(hf_name);
+    TORCH_CHECK(saved.sizes() == master.sizes(), "checkpoint '", dir, "': tensor '", hf_name,
+                "' has shape ", saved.sizes(), " but the model's is ", master.sizes());
+    master.copy_(saved);
+  }
+}
+
+}  // namespace
+
 TrainerState load_checkpoint_dir(const std::string& dir, RoundPipe& model,
                                  const models::ModelConfig& model_config,
-                                 torch::optim::Optimizer& optimizer) {
-  models::CheckpointReader reader = models::CheckpointReader::open(dir);
-  auto get = [&](const std::string& name) {
-    TORCH_CHECK(reader.contains(name), "checkpoint '", dir, "' has no tensor '", name,
-                "': it was written for another model");
-    return reader.get(name);
-  };
+                                 torch::optim::Optimizer& optimizer, const models::LoraOptions* lora) {
+  const bool lora_checkpoint = is_lora_checkpoint_dir(dir);
+  TORCH_CHECK(!lora_checkpoint || lora != nullptr, "checkpoint '", dir, "' is a LoRA checkpoint (adapters only) "
+              "but this run trains every weight: set model.lora as in that run (or train from a merged "
+              "export: roundpipe export --merge)");
+  TORCH_CHECK(lora_checkpoint || lora == nullptr, "checkpoint '", dir, "' holds a full model, not LoRA adapters, "
+              "but this run has model.lora: remove model.lora to resume it (or set model.pretrained to it to "
+              "start LoRA from those weights)");
   // Compute copies (rounded to model.dtype) and exact master values.
-  torch::nn::Sequential module = model.module();
-  models::load_hf_state_dict(module, model_config, get);
-  {
-    at::NoGradGuard no_grad;
-    OptimizerCtx ctx;
-    for (const auto& [name, master] : model.optim_named_parameters()) {
-      const std::string hf_name = models::hf_parameter_name(name, model_config.num_hidden_layers);
-      at::Tensor saved = get(hf_name);
-      TORCH_CHECK(saved.sizes() == master.sizes(), "checkpoint '", dir, "': tensor '", hf_name,
-                  "' has shape ", saved.sizes(), " but the model's is ", master.sizes());
-      master.copy_(saved);
-    }
+  if (lora_checkpoint) {
+    check_adapter_config(dir, *lora);
+    auto file = models::SafetensorsFile::open(join_path(dir, kAdapterWeightsFile));
+    load_weights(model, model_config, /*trainable_only=*/true, dir, [&](const std::string& name) {
+      const std::string peft_name = kPeftPrefix + name;
+      TORCH_CHECK(file->contains(peft_name), "checkpoint '", dir, "' has no adapter tensor '", peft_name,
+                  "': it was written with other model.lora.targets or another model");
+      return file->get(peft_name);
+    });
+  } else {
+    models::CheckpointReader reader = models::CheckpointReader::open(dir);
+    load_weights(model, model_config, /*trainable_only=*/false, dir, [&](const std::string& name) {
+      TORCH_CHECK(reader.contains(name), "checkpoint '", dir, "' has no tensor '", name,
+                  "': it was written for another model");
+      return reader.get(name);
+    });
   }
   {
     torch::serialize::InputArchive archive;

@@ -1,7 +1,9 @@
 // Training checkpoints of the launcher: out_dir/checkpoints/step-NNNNNN/ holds the master weights
 // as a transformers model directory (config.json + model.safetensors, so `roundpipe export` and
-// from_pretrained read them), optimizer.pt, trainer_state.pt (step, tokens, sampler, CPU RNG,
-// GradScaler) and config.yaml (the resolved run configuration). See docs/launcher.md.
+// from_pretrained read them) or, for a LoRA run, the adapters as a PEFT adapter directory
+// (adapter_config.json + adapter_model.safetensors; the frozen base stays in model.pretrained),
+// optimizer.pt, trainer_state.pt (step, tokens, sampler, CPU RNG, GradScaler) and config.yaml (the
+// resolved run configuration). See docs/launcher.md.
 #pragma once
 
 #include <torch/optim/optimizer.h>
@@ -12,6 +14,7 @@
 
 #include "amp/grad_scaler.h"
 #include "roundpipe/launcher/config.h"
+#include "roundpipe/models/lora.h"
 #include "roundpipe/models/model_config.h"
 #include "roundpipe/round_pipe.h"
 
@@ -34,6 +37,8 @@ struct CheckpointContents {
   torch::optim::Optimizer& optimizer;
   const LauncherConfig& config;
   TrainerState state;
+  /// The LoRA options of a LoRA run (then only the adapters are saved); null for full training.
+  const models::LoraOptions* lora = nullptr;
 };
 
 /// Writes out_dir/checkpoints/step-NNNNNN atomically (staging directory, fsync, rename; Note
@@ -47,13 +52,19 @@ std::string save_checkpoint_dir(CheckpointContents contents);
 std::string resolve_resume_dir(const LauncherConfig& config, const std::string& requested);
 
 /// Loads a checkpoint into a freshly built model (before its first forward_backward): master and
-/// compute weights (a tensor of another shape fails naming it), the optimizer state; returns the
-/// trainer state.
+/// compute weights (a tensor of another shape fails naming it; a LoRA run reads only its adapters,
+/// whose rank and alpha must match `lora`), the optimizer state; returns the trainer state. A LoRA
+/// checkpoint into a full run, or the reverse, fails saying which.
 TrainerState load_checkpoint_dir(const std::string& dir, RoundPipe& model,
                                  const models::ModelConfig& model_config,
-                                 torch::optim::Optimizer& optimizer);
+                                 torch::optim::Optimizer& optimizer,
+                                 const models::LoraOptions* lora = nullptr);
 
-/// True when `dir` looks like a launcher checkpoint (trainer_state.pt and config.json present).
+/// True when `dir` looks like a launcher checkpoint (trainer_state.pt and config.json, or
+/// adapter_config.json for LoRA, present).
 bool is_checkpoint_dir(const std::string& dir);
+
+/// True when `dir` holds a PEFT adapter (adapter_config.json): a LoRA checkpoint.
+bool is_lora_checkpoint_dir(const std::string& dir);
 
 }  // namespace roundpipe::launcher

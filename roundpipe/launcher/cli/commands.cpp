@@ -7,15 +7,20 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <fstream>
 #include <iomanip>
+#include <iterator>
 #include <limits>
 #include <sstream>
 #include <vector>
+
+#include <nlohmann/json.hpp>
 
 #include "roundpipe/launcher/atomic_file.h"
 #include "roundpipe/launcher/cli/checkpoint.h"
 #include "roundpipe/launcher/cli/setup.h"
 #include "roundpipe/launcher/metrics.h"
+#include "roundpipe/models/lora.h"
 
 namespace roundpipe::launcher {
 namespace {
@@ -76,6 +81,60 @@ void copy_file(const std::string& from, const std::string& to) {
   TORCH_CHECK(::rename(tmp.c_str(), to.c_str()) == 0, "export: cannot rename '", tmp, "' to '", to, "'");
 }
 
+// The base model directory of a LoRA checkpoint: `requested`, else the adapter's
+// base_model_name_or_path.
+std::string lora_base_dir(const std::string& checkpoint_dir, const std::string& requested) {
+  if (!requested.empty()) {
+    TORCH_CHECK(is_regular_file(join_path(requested, "config.json")), "export --base: '", requested,
+                "' holds no config.json (expected the Hugging Face directory the adapters were trained on)");
+    return requested;
+  }
+  const std::string path = join_path(checkpoint_dir, "adapter_config.json");
+  std::ifstream in(path);
+  nlohmann::json json = nlohmann::json::parse(
+      std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()), nullptr, false);
+  const std::string base = json.is_object() && json.value("base_model_name_or_path", nlohmann::json()).is_string()
+                               ? json["base_model_name_or_path"].get<std::string>()
+                               : std::string();
+  TORCH_CHECK(!base.empty() && is_regular_file(join_path(base, "config.json")), "export --merge: the base model '",
+              base, "' named by ", path, " (base_model_name_or_path) is not a Hugging Face directory here: pass "
+              "--base DIR (the model.pretrained of the LoRA run)");
+  return base;
+}
+
+// Note [LoRA export]: the checkpoint's adapter_config.json + adapter_model.safetensors already are
+// a PEFT adapter directory (fp32 masters); export copies them. --merge loads the base in float32,
+// applies and folds the adapters (W + B A alpha / r, as PEFT's merge_and_unload) and saves the
+// result in the base checkpoint's dtype, so the merged directory replaces the base one for one.
+void export_lora(const std::string& checkpoint_dir, const std::string& out_dir, std::ostream& out,
+                 const ExportOptions& options) {
+  TORCH_CHECK(is_checkpoint_dir(checkpoint_dir), "export: '", checkpoint_dir,
+              "' is not a checkpoint directory of `roundpipe train` (expected adapter_config.json and "
+              "trainer_state.pt)");
+  TORCH_CHECK(options.merge || options.base.empty(), "export: --base only applies with --merge");
+  if (options.merge) {
+    const std::string base = lora_base_dir(checkpoint_dir, options.base);
+    models::Pretrained pre = models::load_pretrained(base, models::LoadOptions().dtype(at::kFloat));
+    const std::optional<c10::ScalarType> base_dtype = pre.config.dtype;
+    models::load_lora_adapter(pre.model, pre.config, checkpoint_dir);
+    models::merge_lora(pre.model);
+    models::SaveOptions save;
+    if (base_dtype.has_value()) save.dtype(*base_dtype);
+    make_directories(out_dir);
+    models::save_pretrained(pre.model, pre.config, out_dir, save);
+    out << "exported the merged model (base " << base << " + adapters of " << checkpoint_dir << ") to "
+        << out_dir << " (load with transformers' AutoModelForCausalLM.from_pretrained)\n";
+    return;
+  }
+  make_directories(out_dir);
+  for (const char* name : {"adapter_config.json", "adapter_model.safetensors"}) {
+    copy_file(join_path(checkpoint_dir, name), join_path(out_dir, name));
+  }
+  fsync_directory(out_dir);
+  out << "exported the LoRA adapters of " << checkpoint_dir << " to " << out_dir
+      << " (load with peft.PeftModel.from_pretrained(base_model, OUT_DIR); --merge writes the merged model)\n";
+}
+
 }  // namespace
 
 void run_validate(const LauncherConfig& config, std::ostream& out) {
@@ -85,16 +144,22 @@ void run_validate(const LauncherConfig& config, std::ostream& out) {
 }
 
 void run_plan(const LauncherConfig& config, std::ostream& out) {
-  models::Pretrained pre = make_launcher_model(config, /*allocate_only=*/true);
+  LauncherModel pre = make_launcher_model(config, /*allocate_only=*/true);
+  const ParameterCounts counts = count_parameters(*pre.model);
   RoundPipe model(pre.model, round_pipe_options(config));
   const int64_t num_layers = model.num_layers();
   const std::vector<scheduler::LayerCost> costs = model.layer_costs();
-  int64_t numel = 0;
-  for (const at::Tensor& p : models::unique_parameters(*pre.model)) numel += p.numel();
+  const int64_t numel = counts.total;
 
   out << "model: " << pre.config.model_type << ", " << pre.config.num_hidden_layers
       << " decoder layers, " << numel << " parameters, compute " << dtype_name(config.model.dtype)
       << ", masters " << dtype_name(config.model.master_dtype) << "\n";
+  if (pre.lora.has_value()) {
+    out << "LoRA: rank " << pre.lora->rank() << ", alpha " << pre.lora->alpha() << " on";
+    for (const std::string& t : pre.lora->target_modules()) out << " " << t;
+    out << "; the base is frozen (no master, gradient or optimizer state)\n";
+  }
+  out << describe_parameter_counts(counts) << "\n";
   out << "devices (" << model.devices().size() << "):";
   for (const c10::Device& d : model.devices()) out << " " << d.str();
   out << "\n";
@@ -118,8 +183,9 @@ void run_plan(const LauncherConfig& config, std::ostream& out) {
   for (const auto& range : plan.forward_stages()) print_stage("fwd", range, false);
   for (const auto& range : plan.backward_stages()) print_stage("bwd", range, true);
 
+  // Frozen parameters (LoRA's base) have a compute copy only.
   const int64_t compute = numel * static_cast<int64_t>(c10::elementSize(config.model.dtype));
-  const int64_t master = numel * static_cast<int64_t>(c10::elementSize(config.model.master_dtype));
+  const int64_t master = counts.trainable * static_cast<int64_t>(c10::elementSize(config.model.master_dtype));
   int64_t optimizer_state = 0;
   switch (config.optimizer.name) {
     case OptimizerName::kAdam:
@@ -143,7 +209,7 @@ void run_plan(const LauncherConfig& config, std::ostream& out) {
 }
 
 void run_eval(const LauncherConfig& config, std::ostream& out) {
-  models::Pretrained pre = make_launcher_model(config);
+  LauncherModel pre = make_launcher_model(config);
   const std::string& path = config.data.valid.empty() ? config.data.train : config.data.valid;
   std::unique_ptr<TokenSource> data = open_data(config, path, config.data.valid.empty() ? 0 : 1);
   RoundPipe model(pre.model, round_pipe_options(config));
@@ -157,11 +223,14 @@ void run_eval(const LauncherConfig& config, std::ostream& out) {
   out << "eval_loss=" << text << "\n";
 }
 
-void run_export(const std::string& checkpoint_dir, const std::string& out_dir, std::ostream& out) {
-  if (is_regular_file(join_path(checkpoint_dir, "adapter_config.json"))) {
-    TORCH_CHECK(false, "export: '", checkpoint_dir, "' is a LoRA checkpoint; exporting PEFT adapters "
-                "is not available yet (issue 13)");
+void run_export(const std::string& checkpoint_dir, const std::string& out_dir, std::ostream& out,
+                const ExportOptions& options) {
+  if (is_lora_checkpoint_dir(checkpoint_dir)) {
+    export_lora(checkpoint_dir, out_dir, out, options);
+    return;
   }
+  TORCH_CHECK(!options.merge, "export --merge: '", checkpoint_dir, "' is not a LoRA checkpoint (no "
+              "adapter_config.json); a full checkpoint exports as it is, without --merge");
   TORCH_CHECK(is_checkpoint_dir(checkpoint_dir), "export: '", checkpoint_dir,
               "' is not a checkpoint directory of `roundpipe train` (expected config.json and "
               "trainer_state.pt, e.g. runs/x/checkpoints/latest)");

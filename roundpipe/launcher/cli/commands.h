@@ -22,8 +22,21 @@ void run_plan(const LauncherConfig& config, std::ostream& out);
 /// `eval_loss=<float>`. Appends {"step": 0, "eval_loss"} to <out_dir>/metrics.jsonl.
 void run_eval(const LauncherConfig& config, std::ostream& out);
 
+/// Options of `roundpipe export`.
+struct ExportOptions {
+  /// LoRA checkpoints: write the merged full model (base + B A alpha / r, PEFT's
+  /// merge_and_unload) instead of the PEFT adapter directory.
+  bool merge = false;
+  /// LoRA checkpoints with `merge`: the base model directory; "" = the adapter's
+  /// base_model_name_or_path (model.pretrained of the run, absolute).
+  std::string base;
+};
+
 /// Writes a transformers model directory (config.json + safetensors of the master weights) from a
-/// checkpoint directory of `roundpipe train`.
-void run_export(const std::string& checkpoint_dir, const std::string& out_dir, std::ostream& out);
+/// checkpoint directory of `roundpipe train`. A LoRA checkpoint gives a PEFT adapter directory
+/// (adapter_config.json + adapter_model.safetensors, for peft.PeftModel.from_pretrained), or with
+/// `merge` the base model with the adapters folded in, saved in the base's dtype.
+void run_export(const std::string& checkpoint_dir, const std::string& out_dir, std::ostream& out,
+                const ExportOptions& options = {});
 
 }  // namespace roundpipe::launcher

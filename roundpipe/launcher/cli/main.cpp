@@ -80,9 +80,17 @@ int main(int argc, char** argv) {
   CLI::App* plan = app.add_subcommand("plan", "devices, pipeline stages and memory estimates, without training");
   add_config_args(plan, plan_args);
   std::string checkpoint_dir, export_dir;
-  CLI::App* exp = app.add_subcommand("export", "write a transformers model directory from a checkpoint");
+  ExportOptions export_options;
+  CLI::App* exp = app.add_subcommand("export", "write a transformers model directory (or, for a LoRA "
+                                               "checkpoint, a PEFT adapter directory) from a checkpoint");
   exp->add_option("CHECKPOINT_DIR", checkpoint_dir, "e.g. runs/default/checkpoints/latest")->required();
-  exp->add_option("OUT_DIR", export_dir, "directory to write config.json + model.safetensors into")->required();
+  exp->add_option("OUT_DIR", export_dir, "directory to write config.json + model.safetensors (LoRA: "
+                  "adapter_config.json + adapter_model.safetensors) into")->required();
+  exp->add_flag("--merge", export_options.merge,
+                "LoRA checkpoint: write the base model with the adapters merged in (PEFT's merge_and_unload)");
+  exp->add_option("--base", export_options.base,
+                  "LoRA checkpoint with --merge: the base model directory (default: the adapter's "
+                  "base_model_name_or_path, the run's model.pretrained)");
   CLI::App* validate = app.add_subcommand("validate", "check a configuration and print it resolved");
   add_config_args(validate, validate_args);
 
@@ -139,7 +147,7 @@ int main(int argc, char** argv) {
     } else if (*plan) {
       run_plan(load_config(plan_args.path, plan_args.overrides), std::cout);
     } else if (*exp) {
-      run_export(checkpoint_dir, export_dir, std::cout);
+      run_export(checkpoint_dir, export_dir, std::cout, export_options);
     } else if (*validate) {
       run_validate(load_config(validate_args.path, validate_args.overrides), std::cout);
     } else if (*launch) {

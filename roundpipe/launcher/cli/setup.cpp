@@ -4,11 +4,17 @@
 #include <ATen/core/grad_mode.h>
 #include <c10/util/Exception.h>
 
+#include <climits>
+#include <cstdlib>
+
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
+#include <sstream>
 
 #include <nlohmann/json.hpp>
 
+#include "base/logging.h"
 #include "roundpipe/devices.h"
 
 namespace roundpipe::launcher {
@@ -19,11 +25,17 @@ namespace roundpipe::launcher {
 // size-based plan instead (measure_layer_times = false): a run and its resumed continuation then
 // execute identical plans, one of the conditions of bitwise-equal resumes (docs/launcher.md).
 
+// Note [LoRA in the launcher]:
+// With model.lora the pretrained base is loaded in model.dtype, apply_lora (models/lora.h) adds
+// PEFT-initialised adapters (seeded by train.seed, so a run is reproducible) or
+// load_lora_adapter reads model.lora.adapter, and every base weight is frozen (requires_grad
+// false). RoundPipe keeps no master copy, gradient or optimizer state for frozen parameters, so
+// the optimizer only sees the adapters. Checkpoints hold the adapters as a PEFT directory
+// (adapter_config.json + adapter_model.safetensors, fp32 masters) instead of the whole model; the
+// frozen base is re-read from model.pretrained on resume, which is why a resumed run is bitwise
+// equal to a straight one as long as that directory does not change.
+
 void check_supported(const LauncherConfig& config, const models::ModelConfig& model_config) {
-  if (config.model.lora.has_value()) {
-    throw ConfigError("model.lora: LoRA is not available yet (issue 13); remove model.lora to "
-                      "fine-tune every weight");
-  }
   std::optional<int64_t> data_vocab = data_vocab_size(config);
   if (data_vocab.has_value() && *data_vocab > model_config.vocab_size) {
     throw ConfigError("data.format: " + std::string(data_format_name(config.data.format)) +
@@ -47,9 +59,25 @@ models::ModelConfig resolve_model_config(const LauncherConfig& config) {
   }
 }
 
-models::Pretrained make_launcher_model(const LauncherConfig& config, bool allocate_only) {
-  models::ModelConfig model_config = resolve_model_config(config);
-  check_supported(config, model_config);
+std::optional<models::LoraOptions> lora_options(const LauncherConfig& config) {
+  if (!config.model.lora.has_value()) return std::nullopt;
+  const LoraConfig& lora = *config.model.lora;
+  std::vector<std::string> targets;
+  for (const std::string& target : lora.targets) {
+    if (target == "all-linear") {
+      // PEFT's all-linear: every Linear but the output layer.
+      targets = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"};
+      break;
+    }
+    if (std::find(targets.begin(), targets.end(), target) == targets.end()) targets.push_back(target);
+  }
+  return models::LoraOptions().rank(lora.rank).alpha(lora.alpha).dropout(lora.dropout).target_modules(targets);
+}
+
+namespace {
+
+models::Pretrained make_base_model(const LauncherConfig& config, const models::ModelConfig& model_config,
+                                   bool allocate_only) {
   const c10::ScalarType dtype = config.model.dtype;
   if (allocate_only) {
     return {models::make_model(model_config, at::TensorOptions().dtype(dtype)), model_config};
@@ -61,6 +89,86 @@ models::Pretrained make_launcher_model(const LauncherConfig& config, bool alloca
   models::Pretrained pre = models::build(model_config);
   pre.model->to(dtype);
   return pre;
+}
+
+std::string join_names(const std::vector<std::string>& names) {
+  std::string out;
+  for (const std::string& n : names) out += (out.empty() ? "" : ",") + n;
+  return "[" + out + "]";
+}
+
+// The adapter's options replace model.lora's keys; say so when they differ.
+void warn_replaced_options(const models::LoraOptions& wanted, const models::LoraOptions& applied,
+                           const std::string& adapter) {
+  std::string changes;
+  auto note = [&](const std::string& key, const std::string& ours, const std::string& theirs) {
+    if (ours != theirs) changes += " " + key + " " + ours + " -> " + theirs + ";";
+  };
+  auto text = [](double v) {
+    std::ostringstream out;
+    out << v;
+    return out.str();
+  };
+  note("rank", std::to_string(wanted.rank()), std::to_string(applied.rank()));
+  note("alpha", text(wanted.alpha()), text(applied.alpha()));
+  note("dropout", text(wanted.dropout()), text(applied.dropout()));
+  note("targets", join_names(wanted.target_modules()), join_names(applied.target_modules()));
+  if (!changes.empty()) {
+    ROUNDPIPE_LOG(Logger::get("launcher"), kWarn, "model.lora: the adapter ", adapter,
+                  " replaces model.lora's keys:", changes);
+  }
+}
+
+}  // namespace
+
+LauncherModel make_launcher_model(const LauncherConfig& config, bool allocate_only) {
+  models::ModelConfig model_config = resolve_model_config(config);
+  check_supported(config, model_config);
+  models::Pretrained pre = make_base_model(config, model_config, allocate_only);
+  LauncherModel out{pre.model, pre.config, lora_options(config)};
+  if (!out.lora.has_value()) return out;
+  // Note [LoRA in the launcher]
+  if (!config.model.lora->adapter.empty()) {
+    models::LoraOptions applied = models::load_lora_adapter(out.model, out.config, config.model.lora->adapter);
+    warn_replaced_options(*out.lora, applied, config.model.lora->adapter);
+    out.lora = applied;
+  } else {
+    at::manual_seed(config.train.seed);
+    models::apply_lora(out.model, *out.lora);
+  }
+  return out;
+}
+
+ParameterCounts count_parameters(const torch::nn::Module& model) {
+  ParameterCounts counts;
+  for (const at::Tensor& p : models::unique_parameters(model)) {
+    counts.total += p.numel();
+    if (p.requires_grad()) counts.trainable += p.numel();
+  }
+  return counts;
+}
+
+std::string describe_parameter_counts(const ParameterCounts& counts) {
+  auto grouped = [](int64_t n) {
+    std::string digits = std::to_string(n), out;
+    for (size_t i = 0; i < digits.size(); ++i) {
+      if (i > 0 && (digits.size() - i) % 3 == 0) out += ',';
+      out += digits[i];
+    }
+    return out;
+  };
+  char percent[32];
+  std::snprintf(percent, sizeof(percent), "%.4f",
+                counts.total > 0 ? 100.0 * static_cast<double>(counts.trainable) / static_cast<double>(counts.total)
+                                 : 0.0);
+  return "trainable parameters: " + grouped(counts.trainable) + " of " + grouped(counts.total) + " (" + percent +
+         "%)";
+}
+
+std::string lora_base_model_path(const LauncherConfig& config) {
+  char resolved[PATH_MAX];
+  if (::realpath(config.model.pretrained.c_str(), resolved) != nullptr) return resolved;
+  return config.model.pretrained;
 }
 
 namespace {

@@ -4,28 +4,58 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "comm/process_group.h"
 #include "roundpipe/launcher/config.h"
 #include "roundpipe/launcher/token_data.h"
+#include "roundpipe/models/lora.h"
 #include "roundpipe/models/pretrained.h"
 #include "roundpipe/round_pipe.h"
 
 namespace roundpipe::launcher {
 
-/// Refuses what the launcher cannot run yet (model.lora: issue 13) and checks the data against
-/// the model (vocabulary). Throws ConfigError naming the key.
+/// Checks the data against the model (vocabulary). Throws ConfigError naming the key.
 void check_supported(const LauncherConfig& config, const models::ModelConfig& model_config);
 
 /// The HF model configuration (model.pretrained's config.json with model.config laid over it,
 /// or the preset with model.config). Throws ConfigError naming model.config when it is invalid.
 models::ModelConfig resolve_model_config(const LauncherConfig& config);
 
+/// The launcher's model: the Sequential, its HF configuration and, with model.lora, the LoRA
+/// options applied (those of model.lora.adapter when it is set).
+struct LauncherModel {
+  torch::nn::Sequential model;
+  models::ModelConfig config;
+  std::optional<models::LoraOptions> lora;
+};
+
+/// The LoRA options of model.lora (targets `all-linear` expanded to the seven projections), or
+/// nullopt without model.lora.
+std::optional<models::LoraOptions> lora_options(const LauncherConfig& config);
+
 /// The model in model.dtype: model.pretrained's weights, or a fresh HF-style random init seeded
-/// with train.seed. `allocate_only`: uninitialised parameters (plan: no init cost).
-models::Pretrained make_launcher_model(const LauncherConfig& config, bool allocate_only = false);
+/// with train.seed. With model.lora: LoRA adapters on the frozen base (Note [LoRA in the
+/// launcher]): model.lora.adapter's weights and options, else PEFT's init seeded with train.seed.
+/// `allocate_only`: uninitialised base parameters (plan: no init cost).
+LauncherModel make_launcher_model(const LauncherConfig& config, bool allocate_only = false);
+
+/// Parameter counts of a model (shared tensors once): those that train (requires_grad) and all.
+struct ParameterCounts {
+  int64_t trainable = 0;
+  int64_t total = 0;
+};
+ParameterCounts count_parameters(const torch::nn::Module& model);
+
+/// "trainable parameters: 2,048 of 1,050,624 (0.1949%)" (PEFT's print_trainable_parameters).
+std::string describe_parameter_counts(const ParameterCounts& counts);
+
+/// The directory recorded as a LoRA adapter's base_model_name_or_path: model.pretrained made
+/// absolute (so `roundpipe export --merge` and PEFT's AutoPeftModel find it from anywhere).
+std::string lora_base_model_path(const LauncherConfig& config);
 
 /// RoundPipe options of the config: devices (run.devices, else default_devices(); under a
 /// multi-rank launch on one node, the GPUs are dealt out to the local ranks), master dtype,

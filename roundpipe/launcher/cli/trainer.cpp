@@ -61,7 +61,9 @@ void run_training(const LauncherConfig& config, const std::optional<std::string>
   const int64_t world = group ? group->world_size() : 1;
   const int64_t rank = group ? group->rank() : 0;
   const bool lead = rank == 0;
-  models::Pretrained pre = make_launcher_model(config);
+  LauncherModel pre = make_launcher_model(config);
+  const models::LoraOptions* lora = pre.lora.has_value() ? &*pre.lora : nullptr;
+  const std::string parameter_line = describe_parameter_counts(count_parameters(*pre.model));
   std::unique_ptr<TokenSource> train_data = open_data(config, config.data.train, 0);
   std::unique_ptr<TokenSource> valid_data;
   if (!config.data.valid.empty() || config.data.format == DataFormat::kSynthetic) {
@@ -89,7 +91,7 @@ void run_training(const LauncherConfig& config, const std::optional<std::string>
   int64_t tokens = 0;
   if (resume.has_value()) {
     const std::string dir = resolve_resume_dir(config, *resume);
-    TrainerState state = load_checkpoint_dir(dir, model, pre.config, *optimizer);
+    TrainerState state = load_checkpoint_dir(dir, model, pre.config, *optimizer, lora);
     if (state.world_size != world) {
       throw ConfigError("--resume " + dir + ": the checkpoint was written by a job of " +
                         std::to_string(state.world_size) + " rank(s), this job has " + std::to_string(world) +
@@ -103,7 +105,20 @@ void run_training(const LauncherConfig& config, const std::optional<std::string>
     if (config.amp.scaler) scaler.load_state_dict(state.scaler);
     ROUNDPIPE_LOG(launcher_log(), kInfo, "resumed from ", dir, " at step ", step);
     if (lead) std::cerr << "resumed from " << dir << " at step " << step << "\n";
+    if (lora != nullptr && lora->dropout() > 0.0) {
+      ROUNDPIPE_LOG(launcher_log(), kWarn, "model.lora.dropout = ", lora->dropout(), ": the resumed run draws "
+                    "other dropout masks than a straight run would (RoundPipe's iteration counter restarts at "
+                    "0), so it is not bitwise equal to one");
+    }
   }
+  std::string lora_line;
+  if (lora != nullptr) {
+    std::string targets;
+    for (const std::string& t : lora->target_modules()) targets += (targets.empty() ? "" : ", ") + t;
+    lora_line = "LoRA rank " + std::to_string(lora->rank()) + " on " + targets + "; ";
+  }
+  if (lead) std::cerr << lora_line << parameter_line << "\n";
+  ROUNDPIPE_LOG(launcher_log(), kInfo, lora_line, parameter_line);
   std::optional<MetricsWriter> metrics;
   if (lead) metrics.emplace(config.out_dir, resume.has_value() ? std::optional<int64_t>(step) : std::nullopt);
   std::ostringstream quiet;  // other ranks' progress goes nowhere
@@ -148,7 +163,7 @@ void run_training(const LauncherConfig& config, const std::optional<std::string>
     state.sampler_state = sampler.state();
     state.cpu_rng_state = at::detail::getDefaultCPUGenerator().get_state();
     state.scaler = scaler.state_dict();
-    last_checkpoint = save_checkpoint_dir({model, pre.config, *optimizer, config, state});
+    last_checkpoint = save_checkpoint_dir({model, pre.config, *optimizer, config, state, lora});
     write_plot();
     ROUNDPIPE_LOG(launcher_log(), kInfo, "checkpoint ", last_checkpoint);
   };

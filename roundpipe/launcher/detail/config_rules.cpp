@@ -2,6 +2,8 @@
 // combination of keys after all keys have been parsed and throws ConfigError naming them.
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
+
 #include "roundpipe/launcher/atomic_file.h"
 #include "roundpipe/launcher/detail/config_schema.h"
 #include "roundpipe/launcher/detail/yaml_value.h"
@@ -60,6 +62,30 @@ std::vector<Rule> build_rules() {
                    config_fail("model.lora", "{rank: " + std::to_string(c.model.lora->rank) + ", ...}",
                                "LoRA fine-tunes a pretrained model but model.pretrained is not "
                                "set: set it, or remove model.lora to train all weights");
+                 }
+               }});
+  r.push_back({"`model.lora.targets` names projections of the presets (q_proj, k_proj, v_proj, o_proj, "
+               "gate_proj, up_proj, down_proj) or is `all-linear`; `model.lora.adapter`, when set, is a "
+               "directory holding adapter_config.json.",
+               [](const C& c) {
+                 if (!c.model.lora) {
+                   return;
+                 }
+                 const std::vector<std::string> known = {"q_proj", "k_proj", "v_proj", "o_proj",
+                                                         "gate_proj", "up_proj", "down_proj", "all-linear"};
+                 for (const std::string& target : c.model.lora->targets) {
+                   if (std::find(known.begin(), known.end(), target) == known.end()) {
+                     config_fail("model.lora.targets", quoted(target),
+                                 "not a Linear module of the Llama/Mistral/Qwen3 models; available: "
+                                 "q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj (or "
+                                 "all-linear for all of them)");
+                   }
+                 }
+                 const std::string& adapter = c.model.lora->adapter;
+                 if (!adapter.empty() && !is_regular_file(join_path(adapter, "adapter_config.json"))) {
+                   config_fail("model.lora.adapter", quoted(adapter),
+                               "no adapter_config.json there: point it at a PEFT adapter directory "
+                               "(a LoRA checkpoint of `roundpipe train` or `roundpipe export` output)");
                  }
                }});
   r.push_back({"`model.master_dtype` is float32: low-precision master weights lose small updates "

@@ -182,20 +182,31 @@ std::vector<KeySpec> build_schema() {
                         }
                       },
                       [](const C& c) { return c.model.lora ? Value(true) : Value(); }));
-  t.push_back(Key("model.lora.rank", KeyKind::kInt, "8", "Rank r of each adapter's update B A.")
+  t.push_back(Key("model.lora.rank", KeyKind::kInt, "8",
+                  "Rank r of each adapter's update B A (PEFT's `r`).")
                   .range(ge(1))
                   .field([](C& c) -> int64_t& { return c.model.lora->rank; }));
   t.push_back(Key("model.lora.alpha", KeyKind::kFloat, "16.0",
-                  "Scale of the update: the adapter adds (alpha / rank) B A x.")
+                  "Scale of the update: the adapter adds (alpha / rank) B A x (PEFT's `lora_alpha`).")
                   .range(gt(0))
                   .field([](C& c) -> double& { return c.model.lora->alpha; }));
-  t.push_back(Key("model.lora.dropout", KeyKind::kFloat, "0.0", "Dropout on the adapters' input.")
+  t.push_back(Key("model.lora.dropout", KeyKind::kFloat, "0.0",
+                  "Dropout on the adapters' input in training (PEFT's `lora_dropout`).")
                   .range(in_co(0, 1))
                   .field([](C& c) -> double& { return c.model.lora->dropout; }));
   t.push_back(Key("model.lora.targets", KeyKind::kStringList, "[q_proj, v_proj]",
-                  "Linear layers that get adapters, by the last component of their module name.")
+                  "Linear layers that get adapters, by the last component of their module name "
+                  "(PEFT's `target_modules`): q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, "
+                  "down_proj, or `all-linear` for all seven (not lm_head, as in PEFT).")
                   .range(ge(1))
                   .field([](C& c) -> std::vector<std::string>& { return c.model.lora->targets; }));
+  t.push_back(Key("model.lora.adapter", KeyKind::kString, "null",
+                  "PEFT adapter directory (adapter_config.json + adapter_model.safetensors: a LoRA "
+                  "checkpoint of `roundpipe train`, an export, or a PEFT save_pretrained) to start "
+                  "from or to evaluate; its r, lora_alpha, lora_dropout and target_modules replace "
+                  "the keys above. null: fresh adapters (PEFT's init, seeded by `train.seed`).")
+                  .nullable()
+                  .field([](C& c) -> std::string& { return c.model.lora->adapter; }));
 
   // ---- data ----
   t.push_back(Key("data", KeyKind::kSection, "{}", "Training and evaluation data.").section());
