@@ -79,7 +79,8 @@ TEST(ConcurrencyTest, TwoThreadsDrivingOneModel_SecondGetsClearError) {
     return loss.detach();
   };
   rp.forward_backward({x}, y, mse_over(y.numel()), cfg);  // warm-up: shells, masters, threads
-  rp.step(step, StepMode::kSync);
+  rp.step(step);
+  rp.synchronize();
   ref_iteration();
   const auto before = testing::Resources::now();
   gate->armed = true;

@@ -94,9 +94,10 @@ void fault_case(const FaultCase& c, const std::vector<c10::Device>& devices) {
     opt.step();
     opt.zero_grad();
   };
-  auto iterate = [&](const Batch& b) {
+  auto iterate = [&](const Batch& b) {  // async + synchronize: a sync step that starts the optimizer thread
     rp.forward_backward({b.x.to(input_device)}, b.y.to(input_device), mse_over(b.y.numel()), cfg);
-    rp.step(good_step, StepMode::kSync);
+    rp.step(good_step, StepMode::kAsync);
+    rp.synchronize();
   };
   auto ref_backward = [&](const Batch& b) {
     mse_over(b.y.numel())(reference->forward(b.x), b.y).backward();
@@ -185,7 +186,8 @@ TEST(FaultInjectionTest, CallbackCallingItsModel_ClearErrorNoDeadlock) {
   torch::optim::SGD ref_opt(reference->parameters(), 0.05);
   const Batch b = batch(0), next = batch(1);
   rp.forward_backward({b.x}, b.y, mse_over(b.y.numel()));
-  rp.step([&] { opt.step(); opt.zero_grad(); }, StepMode::kSync);
+  rp.step([&] { opt.step(); opt.zero_grad(); });
+  rp.synchronize();
   const auto before = testing::Resources::now();
 
   const LossFn calls_forward = [&](const torch::Tensor& out, const torch::Tensor& y) {

@@ -28,7 +28,7 @@ struct CountedBlock {
 void free_counted(void* ctx) {
   auto* block = static_cast<CountedBlock*>(ctx);
   live_bytes.fetch_sub(static_cast<int64_t>(block->bytes));
-  live_blocks.fetch_sub(1);
+  live_blocks.fetch_sub(block->bytes > 0 ? 1 : 0);
   delete block;  // frees the inner allocation through its own deleter
 }
 
@@ -41,7 +41,7 @@ class CountingCpuAllocator final : public c10::Allocator {
     const c10::Device device = inner.device();
     auto* block = new CountedBlock{std::move(inner), n};
     live_bytes.fetch_add(static_cast<int64_t>(n));
-    live_blocks.fetch_add(1);
+    live_blocks.fetch_add(n > 0 ? 1 : 0);
     return c10::DataPtr(data, block, &free_counted, device);
   }
   void copy_data(void* dest, const void* src, std::size_t count) const override { std::memcpy(dest, src, count); }

@@ -25,9 +25,10 @@ class Watchdog {
 int64_t thread_count();
 /// Open file descriptors of this process (entries of /proc/self/fd, less the one listing them).
 int64_t fd_count();
-/// Bytes and blocks of CPU memory currently allocated through c10's CPU allocator (every CPU
-/// tensor's storage), counted by a wrapper installed before main (CountingCpuAllocator in
-/// reliability_util.cpp). Memory allocated before it was installed is not counted.
+/// Bytes and (non-empty) blocks of CPU memory currently allocated through c10's CPU allocator
+/// (every CPU tensor's storage), counted by a wrapper installed before main (CountingCpuAllocator
+/// in reliability_util.cpp). Memory allocated before it was installed is not counted, nor are
+/// zero-byte storages (LibTorch keeps a few in thread-local state).
 struct CpuMemory {
   int64_t bytes = 0;
   int64_t blocks = 0;

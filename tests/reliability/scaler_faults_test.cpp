@@ -199,7 +199,8 @@ TEST(ScalerFaultsTest, ScalerCalledFromWrongThread_ClearErrorThenUsable) {
     ref_opt.zero_grad();
     ref_scaler.update();
   };
-  good_iteration(StepMode::kSync);  // installs the scaler's executor, as in a real loop
+  good_iteration(StepMode::kAsync);  // installs the scaler's executor and starts the optimizer thread
+  rp.synchronize();
   const auto before = testing::Resources::now();
 
   const std::vector<std::string> in_loss_fn = {"() called inside a RoundPipe loss_fn (on a device worker thread)",
