@@ -31,6 +31,21 @@ std::string scale_is_none_message(const char* funcname) {
          "earlier in the iteration.";
 }
 
+// Note [Scaler calls on RoundPipe's threads]:
+// Inside RoundPipe, loss_fn runs on a device worker (a ScaleObserver is installed there) and may
+// only call scale(); unscale_/step belong in the step function and update() on the caller's
+// thread. Called from loss_fn, unscale_/step would move gradients of an iteration still being
+// computed and update() would change the scale in the middle of a run; called from a step
+// function (inside an IterationScope, on the optimizer thread), update() would race the
+// caller's next iteration (async) for the scale. Both used to go through silently; they now
+// throw here, and RoundPipe reports the error at the call that ran the callback.
+void check_not_in_loss_fn(const char* funcname) {
+  TORCH_CHECK(detail::current_scale_observer() == nullptr, "GradScaler::", funcname,
+              "() called inside a RoundPipe loss_fn (on a device worker thread); loss_fn may only call scale(): "
+              "call unscale_/step in the step function passed to RoundPipe::step and update() on your own thread "
+              "after step() returns (docs/amp.md, \"With RoundPipe\")");
+}
+
 const at::Tensor& checked_scale(const at::Tensor& scale, const char* funcname) {
   TORCH_CHECK(scale.defined(), scale_is_none_message(funcname));
   return scale;
@@ -138,6 +153,7 @@ std::vector<at::Tensor> GradScaler::scale(const std::vector<at::Tensor>& outputs
 
 void GradScaler::unscale_(torch::optim::Optimizer& optimizer) {
   if (!enabled_) return;
+  check_not_in_loss_fn("unscale_");
   if (detail::Iteration* iteration = detail::scope_iteration(*this)) {
     TORCH_CHECK(iteration->scale.defined(), scale_is_none_message("unscale_"));
     unscale_in(iteration->states, iteration->scale, optimizer);
@@ -164,6 +180,7 @@ bool GradScaler::step(torch::optim::Optimizer& optimizer) {
     optimizer.step();
     return true;
   }
+  check_not_in_loss_fn("step");
   if (detail::Iteration* iteration = detail::scope_iteration(*this)) {
     TORCH_CHECK(iteration->scale.defined(), scale_is_none_message("step"));
     return step_in(iteration->states, iteration->scale, optimizer);
@@ -187,6 +204,10 @@ bool GradScaler::step(torch::optim::Optimizer& optimizer) {
 
 void GradScaler::update(std::optional<double> new_scale) {
   if (!enabled_) return;
+  check_not_in_loss_fn("update");
+  TORCH_CHECK(detail::scope_iteration(*this) == nullptr,
+              "GradScaler::update() called inside a RoundPipe step function (on the optimizer thread); call "
+              "update() on your own thread after RoundPipe::step returns (docs/amp.md, \"With RoundPipe\")");
   detail::ScalerCore& core = *core_;
   std::lock_guard<std::mutex> lock(core.mutex);
   core.complete_deferred_update_locked();

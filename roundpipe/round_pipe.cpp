@@ -19,6 +19,7 @@
 #include "amp/grad_scaler.h"
 #include "base/logging.h"
 #include "comm/process_group.h"
+#include "roundpipe/detail/caller_guard.h"
 #include "roundpipe/detail/device_worker.h"
 #include "roundpipe/detail/grad_sync.h"
 #include "roundpipe/detail/master_checks.h"
@@ -41,6 +42,9 @@ namespace {
 using scheduler::RunType;
 
 thread_local int optimizer_ctx_depth = 0;
+// The model whose async step function runs on this thread (its optimizer thread), else null
+// (Note [One caller thread]).
+thread_local const void* async_step_of = nullptr;
 std::atomic<uint64_t> next_flag_batch{1};  // run ids for GradScaler flags, unique in the process
 
 }  // namespace
@@ -66,9 +70,27 @@ struct RoundPipe::Impl {
   const Logger* log = &Logger::get("runtime");
   std::unique_ptr<detail::Planner> planner;
   std::unique_ptr<detail::GradSync> grad_sync;  // with a process group of more than one rank
+  detail::CallerGuard caller_guard;  // Note [One caller thread]
   std::unique_ptr<detail::StepPipeline> steps;  // declared last: destroyed (drained) first
 
   int64_t num_layers() const { return static_cast<int64_t>(layer_set.layers.size()); }
+
+  // The entry of forward_backward, forward, step and synchronize (Note [One caller thread]): one
+  // thread at a time, and never one of the model's own threads, where a callback calling back in
+  // would wait for itself (a device worker waits for its own job, the optimizer thread drains
+  // its own step).
+  detail::CallerGuard::Scope enter(const char* entry) {
+    for (const auto& worker : workers) {
+      TORCH_CHECK(!worker->is_current(), "RoundPipe '", options.name(), "': ", entry,
+                  " called from inside a loss_fn or a layer, on the model's device worker for ", worker->device(),
+                  "; callbacks run on RoundPipe's threads and must not call back into the model: call ", entry,
+                  " from your own thread after forward_backward returns");
+    }
+    TORCH_CHECK(async_step_of != this, "RoundPipe '", options.name(), "': ", entry,
+                " called from inside a step function, on the model's optimizer thread (it would wait for "
+                "itself); call ", entry, " from your own thread after step() returns");
+    return caller_guard.enter(entry, options.name());
+  }
 
   // Per layer: parameter + buffer bytes, or with `grads_only` the trainable parameters' bytes.
   std::vector<int64_t> layer_bytes(bool grads_only) const {
@@ -242,6 +264,7 @@ RoundPipe::~RoundPipe() = default;
 torch::Tensor RoundPipe::forward_backward(const std::vector<torch::Tensor>& inputs, const torch::Tensor& label,
                                           const LossFn& loss_fn, const RunConfig& config) {
   Impl& m = *impl_;
+  const auto entered = m.enter("forward_backward");
   m.steps->rethrow_async_error();
   TORCH_CHECK(static_cast<bool>(loss_fn), "forward_backward needs a loss_fn");
   detail::RunContext ctx;
@@ -293,6 +316,7 @@ torch::Tensor RoundPipe::forward_backward(const std::vector<torch::Tensor>& inpu
 
 torch::Tensor RoundPipe::forward(const std::vector<torch::Tensor>& inputs, const RunConfig& config) {
   Impl& m = *impl_;
+  const auto entered = m.enter("forward");
   m.steps->rethrow_async_error();
   detail::RunContext ctx;
   m.run(ctx, RunType::kInfer, "forward", inputs, torch::Tensor(), config, /*measure_if_automatic=*/false);
@@ -304,9 +328,27 @@ torch::Tensor RoundPipe::forward(const std::vector<torch::Tensor>& inputs, const
   return torch::cat(outs, 0);
 }
 
-void RoundPipe::step(std::function<void()> step_fn, StepMode mode) { impl_->steps->step(std::move(step_fn), mode); }
+void RoundPipe::step(std::function<void()> step_fn, StepMode mode) {
+  const auto entered = impl_->enter("step");
+  if (mode == StepMode::kAsync && step_fn) {
+    step_fn = [impl = impl_.get(), fn = std::move(step_fn)] {
+      async_step_of = impl;  // marks the optimizer thread for Impl::enter
+      try {
+        fn();
+      } catch (...) {
+        async_step_of = nullptr;
+        throw;
+      }
+      async_step_of = nullptr;
+    };
+  }
+  impl_->steps->step(std::move(step_fn), mode);
+}
 
-void RoundPipe::synchronize() { impl_->steps->synchronize(); }
+void RoundPipe::synchronize() {
+  const auto entered = impl_->enter("synchronize");
+  impl_->steps->synchronize();
+}
 
 std::vector<torch::Tensor> RoundPipe::optim_parameters() {
   std::vector<torch::Tensor> out;

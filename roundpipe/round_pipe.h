@@ -94,8 +94,10 @@ uint64_t layer_seed(uint64_t base_seed, int64_t iteration, int64_t microbatch, i
 
 /// A pipeline-parallel wrapper of a torch::nn::Sequential.
 ///
-/// Thread-safety: one RoundPipe is driven by one caller thread (forward_backward, forward,
-/// step, synchronize). Internally, one worker thread per device runs stage jobs; a run's
+/// Thread-safety: one RoundPipe is driven by one caller thread at a time (forward_backward,
+/// forward, step, synchronize); a second thread calling in while one is inside, or a callback
+/// (loss_fn, a layer, a step function) calling back into its model, gets a c10::Error (Note [One
+/// caller thread]); the model may change threads between calls. Internally, one worker thread per device runs stage jobs; a run's
 /// channels (futures) are the only state shared between workers, and results are applied to the
 /// model by the caller thread after every job of the call has finished.
 /// Layers must be Cloneable modules (all torch::nn modules are; custom ones derive from

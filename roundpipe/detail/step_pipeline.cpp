@@ -236,17 +236,22 @@ void StepPipeline::step(std::function<void()> step_fn, StepMode mode) {
     };
   }
   if (mode == StepMode::kSync) {
-    drain();
-    rethrow_async_error();
-    for (size_t l = 0; l < params_->size(); ++l) consume_grads_layer(l);
+    // Note [Failed sync step]: the counters reach k even when this step fails (an earlier queued
+    // step's error, or step_fn throwing): the next run waits for published[l] >= k and would
+    // otherwise wait forever. The compute copies get whatever the masters hold, as a plain
+    // loop's parameters would after a throwing optimizer step.
+    std::exception_ptr error;
     try {
+      drain();
+      rethrow_async_error();
+      for (size_t l = 0; l < params_->size(); ++l) consume_grads_layer(l);
       if (step_fn) step_fn();
     } catch (...) {
-      raise_all(k);  // the next run must not wait for this step's publish forever
-      throw;
+      error = std::current_exception();
     }
     for (size_t l = 0; l < params_->size(); ++l) publish_layer(l);
     raise_all(k);
+    if (error) std::rethrow_exception(error);
     return;
   }
   pending_steps_.push_back(optimizer_thread().post([this, k, fn = std::move(step_fn)] {
