@@ -19,6 +19,7 @@ apt_packages=(
   libspdlog-dev libfmt-dev libboost-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   libyaml-cpp-dev libcli11-dev nlohmann-json3-dev
+  clang libclang-rt-14-dev   # scripts/asan.sh and scripts/fuzz.sh (ASan/UBSan, libFuzzer)
   fortunes-min   # English text for configs/default.yaml
 )
 missing=()
