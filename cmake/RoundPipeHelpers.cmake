@@ -8,11 +8,25 @@ function(roundpipe_global_flags)
     add_compile_options(-Werror)
   endif()
   if(ROUNDPIPE_SANITIZE)
-    if(NOT ROUNDPIPE_SANITIZE MATCHES "^(address|thread|undefined)$")
-      message(FATAL_ERROR "ROUNDPIPE_SANITIZE='${ROUNDPIPE_SANITIZE}' is not one of address, thread, undefined")
+    # A comma-separated list: thread, address, undefined, or address,undefined (docs/sanitizers.md).
+    if(NOT ROUNDPIPE_SANITIZE MATCHES "^(thread|address|undefined|address,undefined|undefined,address)$")
+      message(FATAL_ERROR "ROUNDPIPE_SANITIZE='${ROUNDPIPE_SANITIZE}' is not one of thread, address, "
+        "undefined, address,undefined (ThreadSanitizer cannot be combined with the others)")
     endif()
     add_compile_options(-fsanitize=${ROUNDPIPE_SANITIZE} -fno-omit-frame-pointer)
     add_link_options(-fsanitize=${ROUNDPIPE_SANITIZE})
+  endif()
+  if(ROUNDPIPE_FUZZ)
+    if(NOT CMAKE_CXX_COMPILER_ID STREQUAL "Clang")
+      message(FATAL_ERROR "ROUNDPIPE_FUZZ=ON needs clang (libFuzzer): configure with CXX=clang++ "
+        "(CMAKE_CXX_COMPILER is ${CMAKE_CXX_COMPILER_ID} ${CMAKE_CXX_COMPILER})")
+    endif()
+    # Coverage instrumentation for libFuzzer in every library; only the fuzz targets link its main.
+    add_compile_options(-fsanitize=fuzzer-no-link)
+  endif()
+  if(CMAKE_CXX_COMPILER_ID STREQUAL "Clang")
+    # Lets ccache reuse clang's precompiled header (it refuses PCHs that embed a timestamp).
+    add_compile_options("SHELL:-Xclang -fno-pch-timestamp")
   endif()
 endfunction()
 

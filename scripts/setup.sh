@@ -20,6 +20,7 @@ apt_packages=(
   libgtest-dev libgmock-dev libbenchmark-dev
   libyaml-cpp-dev libcli11-dev nlohmann-json3-dev
   libgloo-dev    # headers only: c10d's ProcessGroupGloo.hpp includes them (never link -lgloo)
+  clang libclang-rt-14-dev   # scripts/asan.sh and scripts/fuzz.sh (ASan/UBSan, libFuzzer)
   fortunes-min   # English text for configs/default.yaml
 )
 missing=()

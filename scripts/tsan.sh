@@ -7,10 +7,26 @@
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 export ROUNDPIPE_BUILD_DIR="$root/build-tsan"
-export ROUNDPIPE_BUILD_TARGETS="amp_tests optim_tests runtime_tests"  # only what runs below
+export ROUNDPIPE_BUILD_TARGETS="amp_tests optim_tests runtime_tests reliability_tests"  # only what runs below
 "$root/scripts/build.sh" -DROUNDPIPE_SANITIZE=thread -DROUNDPIPE_BUILD_BENCHMARKS=OFF -DROUNDPIPE_BUILD_EXAMPLES=OFF
 export OMP_NUM_THREADS=1
 export TSAN_OPTIONS="halt_on_error=0 second_deadlock_stack=1 suppressions=$root/scripts/tsan.supp ${TSAN_OPTIONS:-}"
-"$ROUNDPIPE_BUILD_DIR/tests/amp/amp_tests" --gtest_filter="GradScalerCrossThreadTest.*:-*_CUDA"
-"$ROUNDPIPE_BUILD_DIR/tests/optim/optim_tests" --gtest_filter="ParallelTasksTest.*:AdamKernelTest.ResultsIndependentOfThreadCount"
-"$ROUNDPIPE_BUILD_DIR/tests/roundpipe/runtime_tests" --gtest_filter="${1:-AsyncStepTest.*:RoundPipeTest.Dropout*:RoundPipeTest.Errors*:RoundPipeTest.Equivalence_Mlp*:RoundPipeTest.LayerShells*:RoundPipeTest.Tied*:GradScalerEngineTest.*:StageTraceTest.*:DataParallelTest.*}"
+log="$ROUNDPIPE_BUILD_DIR/tsan.log"
+: > "$log"
+rc=0
+run() {  # one test binary; its output goes to the terminal and to the log
+  set +e
+  "$@" 2>&1 | tee -a "$log"
+  local status=${PIPESTATUS[0]}
+  set -e
+  [ "$status" -eq 0 ] || rc=$status
+}
+run "$ROUNDPIPE_BUILD_DIR/tests/amp/amp_tests" --gtest_filter="GradScalerCrossThreadTest.*:-*_CUDA"
+run "$ROUNDPIPE_BUILD_DIR/tests/optim/optim_tests" --gtest_filter="ParallelTasksTest.*:AdamKernelTest.ResultsIndependentOfThreadCount"
+run "$ROUNDPIPE_BUILD_DIR/tests/roundpipe/runtime_tests" --gtest_filter="${1:-AsyncStepTest.*:RoundPipeTest.Dropout*:RoundPipeTest.Errors*:RoundPipeTest.Equivalence_Mlp*:RoundPipeTest.LayerShells*:RoundPipeTest.Tied*:GradScalerEngineTest.*:StageTraceTest.*:DataParallelTest.*}"
+ROUNDPIPE_SOAK_ITERATIONS=100 run "$ROUNDPIPE_BUILD_DIR/tests/reliability/reliability_tests" --gtest_filter="-*_CUDA"
+passed=$(sed -n 's/^\[  PASSED  \] \([0-9]*\) tests\{0,1\}[,.].*/\1/p' "$log" | awk '{n += $1} END {print n + 0}')
+failed=$(sed -n 's/^\[  FAILED  \] \([0-9]*\) tests\{0,1\}, listed below.*/\1/p' "$log" | awk '{n += $1} END {print n + 0}')
+warnings=$(grep -c 'WARNING: ThreadSanitizer' "$log" || true)
+echo "TSan summary: ${passed:-0} tests passed, $failed failed, $warnings ThreadSanitizer warnings (4 binaries, exit $rc)"
+exit "$rc"

@@ -1,7 +1,22 @@
 // Runtime selection of the Adam kernel ISA (baseline flags; never calls into a TU the CPU lacks).
 #include "optim/detail/adam_kernel.h"
 
+#if ROUNDPIPE_OPTIM_X86
+#include <cpuid.h>
+#endif
+
 namespace roundpipe::optim::detail {
+namespace {
+
+#if ROUNDPIPE_OPTIM_X86
+// F16C from CPUID leaf 1 (ECX bit 29): clang 14's __builtin_cpu_supports does not know "f16c".
+bool cpu_has_f16c() {
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  return __get_cpuid(1, &eax, &ebx, &ecx, &edx) != 0 && (ecx & bit_F16C) != 0;
+}
+#endif
+
+}  // namespace
 
 bool cpu_supports(CpuIsa isa) {
   switch (isa) {
@@ -9,15 +24,13 @@ bool cpu_supports(CpuIsa isa) {
       return true;
     case CpuIsa::kAvx2:
 #if ROUNDPIPE_OPTIM_X86
-      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-             __builtin_cpu_supports("f16c");
+      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && cpu_has_f16c();
 #else
       return false;
 #endif
     case CpuIsa::kAvx512:
 #if ROUNDPIPE_OPTIM_X86
-      return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("fma") &&
-             __builtin_cpu_supports("f16c");
+      return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("fma") && cpu_has_f16c();
 #else
       return false;
 #endif

@@ -336,7 +336,14 @@ Value parse_value(const KeySpec& spec, const YAML::Node& node) {
       if (!node.IsMap()) {
         wrong_type();
       }
-      return detail::yaml_to_json(node).dump();
+      try {
+        return detail::yaml_to_json(node).dump();
+      } catch (const nlohmann::json::type_error& e) {
+        // Found by fuzz/fuzz_config: dump() refuses text that is not UTF-8 (error 316).
+        config_fail(spec.path, shown,
+                    std::string("a key or string is not valid UTF-8 (this map is passed on as JSON, "
+                                "which must be UTF-8; ") + e.what() + "); fix the file's encoding");
+      }
   }
   TORCH_INTERNAL_ASSERT(false, "unhandled key kind of ", spec.path);
 }

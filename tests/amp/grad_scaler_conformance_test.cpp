@@ -163,7 +163,7 @@ Run run_cpp(const Scenario& sc, const Inputs& in) {
 }
 
 void expect_conforms(const Scenario& sc, int64_t min_skipped) {
-  if (!testing::python_oracle_available()) GTEST_SKIP() << "no Python with torch (run scripts/setup.sh)";
+  ROUNDPIPE_REQUIRE_ORACLE();
   const Inputs in = make_inputs(sc);
   const Run cpp = run_cpp(sc, in);
 

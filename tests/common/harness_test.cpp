@@ -1,6 +1,11 @@
 // Tests of the test harness itself: tensor comparisons and the Python oracle.
 #include <ATen/ATen.h>
+#include <gtest/gtest-spi.h>
 #include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <optional>
+#include <string>
 
 #include "tests/common/python_oracle.h"
 #include "tests/common/tensor_compare.h"
@@ -30,7 +35,7 @@ TEST(TensorCompareTest, Equal_IsBitwise) {
 }
 
 TEST(PythonOracleTest, RoundTripsTensors) {
-  if (!python_oracle_available()) GTEST_SKIP() << "no Python with torch (run scripts/setup.sh)";
+  ROUNDPIPE_REQUIRE_ORACLE();
   auto x = at::randn({3, 4}, at::kDouble);
   auto out = run_python("outputs['y'] = inputs['x'].matmul(inputs['x'].T)\noutputs['n'] = 7\n", {{"x", x}});
   EXPECT_TRUE(tensors_equal(out.at("y"), x.matmul(x.t())));
@@ -38,13 +43,58 @@ TEST(PythonOracleTest, RoundTripsTensors) {
 }
 
 TEST(PythonOracleTest, FailuresCarryPythonsError) {
-  if (!python_oracle_available()) GTEST_SKIP() << "no Python with torch (run scripts/setup.sh)";
+  ROUNDPIPE_REQUIRE_ORACLE();
   try {
     run_python("raise ValueError('oracle says no')");
     FAIL() << "expected an exception";
   } catch (const std::runtime_error& e) {
     EXPECT_NE(std::string(e.what()).find("oracle says no"), std::string::npos) << e.what();
   }
+}
+
+// Sets (or unsets, with nullopt) an environment variable for one scope.
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, std::optional<std::string> value) : name_(name) {
+    if (const char* old = std::getenv(name)) old_ = old;
+    if (value) {
+      ::setenv(name, value->c_str(), 1);
+    } else {
+      ::unsetenv(name);
+    }
+  }
+  ~ScopedEnv() {
+    if (old_) {
+      ::setenv(name_, old_->c_str(), 1);
+    } else {
+      ::unsetenv(name_);
+    }
+  }
+
+ private:
+  const char* name_;
+  std::optional<std::string> old_;
+};
+
+void require_a_missing_oracle() { ROUNDPIPE_ORACLE_OR_SKIP(false, "the test oracle"); }
+
+TEST(PythonOracleTest, OracleRequired_OnlyWhenCiIsTrue) {
+  {
+    ScopedEnv ci("CI", "true");
+    EXPECT_TRUE(oracle_required());
+  }
+  for (const char* value : {"false", "1", ""}) {
+    ScopedEnv ci("CI", std::string(value));
+    EXPECT_FALSE(oracle_required()) << "CI=" << value;
+  }
+  ScopedEnv ci("CI", std::nullopt);
+  EXPECT_FALSE(oracle_required());
+}
+
+// Issue 17: on CI a missing oracle is a failure, never a skip.
+TEST(PythonOracleTest, MissingOracle_FailsWhenCiIsTrue) {
+  ScopedEnv ci("CI", "true");
+  EXPECT_FATAL_FAILURE(require_a_missing_oracle(), "CI=true but the test oracle is missing");
 }
 
 }  // namespace

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <gtest/gtest.h>
 
 #include <map>
 #include <string>
@@ -20,7 +21,31 @@ using TensorMap = std::map<std::string, at::Tensor>;
 ///   auto out = run_python("outputs['y'] = inputs['x'] * 2", {{"x", x}});
 TensorMap run_python(const std::string& snippet, const TensorMap& inputs = {});
 
-/// True when the oracle interpreter exists and imports torch (tests GTEST_SKIP otherwise).
+/// True when the oracle interpreter exists and imports torch (tests use ROUNDPIPE_REQUIRE_ORACLE).
 bool python_oracle_available();
+
+/// True when the environment variable CI is "true": a missing oracle then fails the test.
+bool oracle_required();
+
+}  // namespace roundpipe::testing
+
+/// Skips the calling test (or returns from the calling helper) when `available` is false, naming
+/// `what` is missing; fails instead when CI=true, so that CI cannot pass by skipping the
+/// comparisons it exists to run.
+#define ROUNDPIPE_ORACLE_OR_SKIP(available, what)                                       \
+  do {                                                                                  \
+    if (!(available)) {                                                                 \
+      if (::roundpipe::testing::oracle_required()) {                                    \
+        FAIL() << "CI=true but " << what << " is missing (run scripts/setup.sh)";       \
+      }                                                                                 \
+      GTEST_SKIP() << what << " is missing (run scripts/setup.sh)";                     \
+    }                                                                                   \
+  } while (false)
+
+/// ROUNDPIPE_ORACLE_OR_SKIP for the Python oracle itself (the venv's Python with torch).
+#define ROUNDPIPE_REQUIRE_ORACLE() \
+  ROUNDPIPE_ORACLE_OR_SKIP(::roundpipe::testing::python_oracle_available(), "the Python oracle (venv with torch)")
+
+namespace roundpipe::testing {
 
 }  // namespace roundpipe::testing

@@ -196,6 +196,16 @@ TEST(ConfigTest, Overrides_ErrorsNameTheOverride) {
   EXPECT_CONFIG_ERROR(parse_with("", {"run.devices=[gpu:0]"}), "run.devices[0] = 'gpu:0'", "cuda:N");
 }
 
+// Regression (fuzz/fuzz_config): a free map with a key that is not UTF-8 used to escape as
+// nlohmann::json::type_error (std::terminate in the launcher) instead of a ConfigError.
+TEST(ConfigTest, FreeMap_InvalidUtf8_IsAConfigError) {
+  EXPECT_CONFIG_ERROR(parse_config("model:\n  preset: qwen3\n  config: {vocab_size: 64, hidden_size\xc8 32}\n"
+                                   "data: {format: synthetic}\n",
+                                   {}, "test.yaml"),
+                      "model.config", "not valid UTF-8");
+  EXPECT_CONFIG_ERROR(parse_with("", {"model.config.name=\xff"}), "model.config", "not valid UTF-8");
+}
+
 TEST(ConfigTest, Load_ReportsFileLineAndColumn) {
   ScratchDir dir;
   std::string path = dir.write("run.yaml", std::string(kSynthetic) + "train:\n  steps: -3\n");

@@ -215,9 +215,7 @@ TEST(TokenDataTest, EvalBatches_CoverConsecutiveWindows) {
 }
 
 TEST(TokenDataTest, PrepareDataScript_WritesFilesThisReaderAccepts) {
-  if (!roundpipe::testing::python_oracle_available()) {
-    GTEST_SKIP() << "no Python oracle";
-  }
+  ROUNDPIPE_REQUIRE_ORACLE();
   try {
     roundpipe::testing::run_python("import tokenizers");
   } catch (const std::exception&) {

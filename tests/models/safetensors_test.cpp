@@ -125,8 +125,9 @@ std::pair<std::string, roundpipe::testing::TensorMap> python_tensor_spec(const N
   roundpipe::testing::TensorMap inputs;
   spec << "{";
   for (const auto& [name, t] : tensors) {
+    // Init-capture: C++17 cannot capture a structured binding (clang refuses; gcc accepts).
     const auto& c = *std::find_if(dtype_cases().begin(), dtype_cases().end(),
-                                  [&](const DtypeCase& d) { return d.dtype == t.scalar_type(); });
+                                  [&, &t = t](const DtypeCase& d) { return d.dtype == t.scalar_type(); });
     spec << py_str(name) << ": (" << c.torch_name << ", [";
     for (int64_t d : t.sizes()) spec << d << ",";
     spec << "]),";

