@@ -206,6 +206,11 @@ std::string format_double(double value) {
     }
   }
   std::string text = buffer;
+  if (text.find_first_of("eE") != std::string::npos && value == std::floor(value) && std::fabs(value) < 1e15) {
+    // The shortest round trip of a whole number may be "6e+02": write 600.0 as people do.
+    std::snprintf(buffer, sizeof(buffer), "%.0f", value);
+    text = buffer;
+  }
   if (text.find_first_of(".eE") == std::string::npos) {
     text += ".0";
   }
