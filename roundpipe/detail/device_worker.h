@@ -15,7 +15,8 @@ namespace roundpipe::detail {
 
 /// A FIFO executor with exactly one thread, bound to one device (Boost.Asio thread_pool(1)).
 /// `post` may be called from any thread; jobs run in posting order. A job's exception is
-/// captured in its future (never terminates the thread). The destructor waits for posted jobs.
+/// captured in its future (never terminates the thread). A job and its captures are destroyed
+/// before its future becomes ready. The destructor waits for posted jobs.
 class DeviceWorker {
  public:
   explicit DeviceWorker(c10::Device device);

@@ -4,8 +4,14 @@
 #include <torch/torch.h>
 
 #include <atomic>
+#include <chrono>
+#include <future>
+#include <memory>
+#include <stdexcept>
+#include <thread>
 
 #include "optim/adam.h"
+#include "roundpipe/detail/device_worker.h"
 #include "roundpipe/round_pipe.h"
 #include "tests/common/tensor_compare.h"
 #include "tests/roundpipe/test_models.h"
@@ -228,6 +234,47 @@ TEST(AsyncStepTest, Stress_RandomLayers200Iterations) {
   rp.synchronize();
   ref.synchronize();
   EXPECT_TRUE(testing::tensor_lists_close(rp.module()->parameters(), ref.compute->parameters(), 1e-5));
+}
+
+// synchronize() waits on the optimizer thread's futures and the leak checks of the reliability
+// tests count live tensors right after it: a job's captures (an iteration's scale copy) must be
+// destroyed on the worker before its future is ready. (They used to live in the future's shared
+// state: freed by whichever of waiter and pool let go last, sometimes after the wait returned.)
+TEST(DeviceWorkerTest, JobCapturesDestroyedOnWorkerBeforeFutureReady) {
+  struct Destruction {
+    std::atomic<bool> done{false};
+    std::thread::id thread;
+  };
+  struct SlowToDestroy {
+    explicit SlowToDestroy(Destruction* d) : destruction(d) {}
+    SlowToDestroy(const SlowToDestroy&) = delete;
+    SlowToDestroy& operator=(const SlowToDestroy&) = delete;
+    ~SlowToDestroy() {
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));  // widens any window to fail in
+      destruction->thread = std::this_thread::get_id();
+      destruction->done.store(true);
+    }
+    Destruction* destruction;
+  };
+  detail::DeviceWorker worker(c10::Device(c10::kCPU));
+  for (bool throws : {false, false, true}) {
+    Destruction destruction;
+    auto captured = std::make_shared<SlowToDestroy>(&destruction);
+    std::promise<void> go;
+    auto future = worker.post([captured, throws, started = go.get_future().share()] {
+      started.wait();
+      if (throws) throw std::runtime_error("job failed");
+    });
+    captured.reset();  // the job now holds the only reference
+    go.set_value();
+    if (throws) {
+      EXPECT_THROW(future.get(), std::runtime_error);
+    } else {
+      future.get();
+    }
+    ASSERT_TRUE(destruction.done.load()) << "captures still alive after the future became ready";
+    EXPECT_NE(destruction.thread, std::this_thread::get_id()) << "captures destroyed by the waiter, not the worker";
+  }
 }
 
 }  // namespace
