@@ -15,6 +15,9 @@ jobs="${ROUNDPIPE_JOBS:-$(nproc)}"
 export CCACHE_BASEDIR="$root"
 export CCACHE_SLOPPINESS="pch_defines,time_macros,include_file_mtime,include_file_ctime"
 export CCACHE_NOHASHDIR=1
+# Three object sets live in the cache (build/, build-tsan/, build-asan/ with the sanitizer phases,
+# ~2 GB each with debug info); the default 5 GB cap would evict one with every CI run.
+export CCACHE_MAXSIZE="${CCACHE_MAXSIZE:-15G}"
 
 if [ ! -f "$build/build.ninja" ]; then
   torch_prefix="$("$venv/bin/python" -c 'import torch.utils; print(torch.utils.cmake_prefix_path)')"
