@@ -50,8 +50,9 @@ struct RoundPipeOptions {
   TORCH_ARG(std::optional<uint64_t>, seed) = std::nullopt;
   /// Automatic plans start from size-based cost estimates; with this on, the first
   /// forward_backward that uses the automatic plan also times every layer's forward (on CUDA with
-  /// a device sync around each layer, in that call only), and later calls use a plan partitioned
-  /// from the measured times (backward taken as 3x forward: recompute + backward).
+  /// a device sync around each layer, in that call only), and later calls use the plan whose
+  /// simulated makespan for the measured times is smallest (backward taken as 3x forward:
+  /// recompute + backward; docs/schedule.md).
   TORCH_ARG(bool, measure_layer_times) = true;
   /// Bytes of parameters and buffers (plus gradients, for backward stages) one stage may hold on
   /// a device; automatic plans respect it, and a layer that alone exceeds it fails at

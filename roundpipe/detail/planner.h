@@ -13,8 +13,11 @@
 
 namespace roundpipe::detail {
 
-/// Chooses the plan of each run: the call's (or model's) own, else an automatic plan partitioned
-/// from the layer costs, size-based until measured forward times replace them.
+/// Chooses the plan of each run: the call's (or model's) own, else an automatic plan. Until layer
+/// times are measured, the automatic plan is partitioned from size-based costs (the
+/// partitioner's cost model: fast, and bytes say little about time anyway); once measured, it is
+/// the plan whose simulated makespan is smallest (scheduler::plan_by_simulation, one isolated
+/// iteration at the measured num_microbatch, docs/schedule.md).
 ///
 /// Thread-safety: the caller thread only (plans are computed between runs).
 class Planner {
@@ -34,8 +37,9 @@ class Planner {
   /// Whether layer times were measured (RoundPipeOptions::measure_layer_times).
   bool measured() const { return measured_; }
   /// Replaces the costs by measured forward times (`forward_ms[l]` summed over `num_microbatch`
-  /// microbatches; backward taken as 3x forward, like the size-based model) and drops the cached
-  /// plans. Returns a line describing the new plan and the old one, for the log.
+  /// microbatches; backward taken as 3x forward, like the size-based model), drops the cached
+  /// plans and plans again by simulation for `num_microbatch` microbatches. Returns a line
+  /// describing the new plan and the old one with their simulated figures, for the log.
   std::string use_measured_times(const std::vector<double>& forward_ms, int64_t num_microbatch);
 
  private:
@@ -44,6 +48,8 @@ class Planner {
   int64_t num_devices_;
   int64_t memory_budget_bytes_;
   bool measured_ = false;
+  int64_t measured_num_microbatch_ = 0;  // the call that measured the costs
+  std::vector<scheduler::ExecutePlan> seeds_;  // starting plans for the simulation planner
   mutable std::vector<scheduler::LayerCost> costs_;  // lazy
   mutable std::optional<scheduler::ExecutePlan> auto_fused_plan_, auto_infer_plan_;
 };

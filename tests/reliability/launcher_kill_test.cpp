@@ -153,8 +153,10 @@ TEST(LauncherKillTest, SigkillDuringTrainingAndCheckpointWrites_ResumeIsBitwiseE
     // Even attempts: a random time into what is left of the run; odd: during a checkpoint write
     // (the first one seen in attempt 1, else one of the next three still to come).
     const bool in_write = attempt % 2 == 1;
+    // At most half the time the straight run took for the steps left: a run that happens to be
+    // faster than the straight one (a loaded machine slowed that one) is still killed.
     const int64_t left_ms = std::max<int64_t>(200, straight_ms * (kSteps - resume_step) / kSteps);
-    const auto delay = std::chrono::milliseconds(std::uniform_int_distribution<int64_t>(0, left_ms)(rng));
+    const auto delay = std::chrono::milliseconds(std::uniform_int_distribution<int64_t>(0, left_ms / 2)(rng));
     const int writes_left = static_cast<int>((kSteps - resume_step) / 2);
     int skip_writes =
         attempt == 1 ? 0 : std::uniform_int_distribution<int>(0, std::max(0, std::min(2, writes_left - 1)))(rng);
