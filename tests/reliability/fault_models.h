@@ -10,6 +10,8 @@
 #include <future>
 #include <memory>
 
+#include "tests/roundpipe/test_models.h"  // Poison
+
 namespace roundpipe::testing {
 
 /// Where an InjectImpl throws while armed.
@@ -43,26 +45,6 @@ struct InjectImpl : torch::nn::Cloneable<InjectImpl> {
   std::shared_ptr<std::atomic<int>> mode_;
 };
 TORCH_MODULE(Inject);
-
-/// Identity whose backward multiplies the gradient by `poison` (1, inf or nan).
-struct PoisonFn : torch::autograd::Function<PoisonFn> {
-  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, torch::Tensor x, double poison) {
-    ctx->saved_data["poison"] = poison;
-    return x.clone();
-  }
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list g) {
-    return {g[0] * ctx->saved_data["poison"].toDouble(), torch::Tensor()};
-  }
-};
-
-struct PoisonImpl : torch::nn::Cloneable<PoisonImpl> {
-  explicit PoisonImpl(std::shared_ptr<std::atomic<double>> poison) : poison_(std::move(poison)) {}
-  void reset() override {}
-  torch::Tensor forward(const torch::Tensor& x) { return PoisonFn::apply(x, poison_->load()); }
-  std::shared_ptr<std::atomic<double>> poison_;
-};
-TORCH_MODULE(Poison);
 
 /// Shared by a GateImpl and its clones: the first no-grad forward announces itself on `entered`
 /// and then waits (at most 60 s, then throws) for `release`.

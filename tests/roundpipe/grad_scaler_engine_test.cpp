@@ -16,24 +16,7 @@
 namespace roundpipe {
 namespace {
 
-// Identity whose backward multiplies the gradient by `*poison` (1, inf or nan).
-struct PoisonFn : torch::autograd::Function<PoisonFn> {
-  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, torch::Tensor x, double poison) {
-    ctx->saved_data["poison"] = poison;
-    return x.clone();
-  }
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx, torch::autograd::variable_list g) {
-    return {g[0] * ctx->saved_data["poison"].toDouble(), torch::Tensor()};
-  }
-};
-
-struct PoisonImpl : torch::nn::Cloneable<PoisonImpl> {
-  explicit PoisonImpl(std::shared_ptr<std::atomic<double>> poison) : poison_(std::move(poison)) {}
-  void reset() override {}
-  torch::Tensor forward(const torch::Tensor& x) { return PoisonFn::apply(x, poison_->load()); }
-  std::shared_ptr<std::atomic<double>> poison_;
-};
-TORCH_MODULE(Poison);
+using testing::Poison;
 
 // loss_fn: the scaled sum-reduced MSE over a microbatch divided by the batch's element count `n`.
 LossFn scaled_mse(amp::GradScaler& scaler, double n) {
