@@ -11,13 +11,19 @@
 //     Note [Layer shells]: reset() re-initializes every parameter, then the values are copied)
 //     vs leasing a reused shell and uploading the values; the floor is one plain copy (clone()) of
 //     the same parameters.
-// Usage: pipeline_bench [sleep_ms=2] [layers=12]
+//  5. (`pipeline_bench paper` runs only this) The Python original's five workloads (issue 15): layers
+//     that sleep the artifact's per-layer forward / backward times, scaled so an iteration takes
+//     about two seconds, 8 CPU device workers, 16 microbatches. For the runtime's own automatic plan
+//     (from measured forward times) and for the plan the simulation planner picks from the true
+//     costs: simulated vs measured bubble, isolated and back-to-back async, next to the paper's.
+// Usage: pipeline_bench [sleep_ms=2] [layers=12] | pipeline_bench paper
 #include <ATen/ops/_fused_adam.h>
 #include <torch/torch.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstring>
 #include <functional>
 #include <thread>
 
@@ -26,6 +32,8 @@
 #include "roundpipe/detail/layer_shells.h"
 #include "roundpipe/round_pipe.h"
 #include "scheduler/dispatch.h"
+#include "scheduler/planner.h"
+#include "scheduler/simulator.h"
 
 namespace {
 
@@ -111,10 +119,133 @@ roundpipe::LossFn sum_loss() {
   return [](const torch::Tensor& out, const torch::Tensor&) { return out.sum(); };
 }
 
+// Section 5: y = x that sleeps `fwd_ms` in forward and `bwd_ms` in backward (per microbatch).
+struct SleepPairFn : torch::autograd::Function<SleepPairFn> {
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, torch::Tensor x, double fwd_ms, double bwd_ms) {
+    ctx->saved_data["bwd"] = bwd_ms;
+    std::this_thread::sleep_for(std::chrono::duration<double, std::milli>(fwd_ms));
+    return x.clone();
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    std::this_thread::sleep_for(std::chrono::duration<double, std::milli>(ctx->saved_data["bwd"].toDouble()));
+    return {grads[0], torch::Tensor(), torch::Tensor()};
+  }
+};
+
+struct SleepPairLayerImpl : torch::nn::Cloneable<SleepPairLayerImpl> {
+  SleepPairLayerImpl(double fwd_ms, double bwd_ms) : fwd_ms_(fwd_ms), bwd_ms_(bwd_ms) { reset(); }
+  void reset() override { weight = register_parameter("weight", torch::ones({1})); }
+  torch::Tensor forward(const torch::Tensor& x) { return SleepPairFn::apply(x * weight[0], fwd_ms_, bwd_ms_); }
+  double fwd_ms_, bwd_ms_;
+  torch::Tensor weight;
+};
+TORCH_MODULE(SleepPairLayer);
+
+struct PaperWorkload {
+  const char* name;
+  int layers;
+  double fwd, bwd, head_fwd, head_bwd;  // ms per microbatch (bwd without recompute), the artifact's
+  double paper_isolated, paper_async, paper_1f1b;  // % bubble, the artifact's simulator
+};
+
+void paper_workloads() {
+  namespace rs = roundpipe::scheduler;
+  using roundpipe::RoundPipe;
+  using roundpipe::RoundPipeOptions;
+  using roundpipe::RunConfig;
+  constexpr int kDevices = 8, kMicro = 16, kIsolatedRuns = 3, kAsyncRuns = 8;
+  constexpr double kTargetMs = 2000;
+  const std::vector<PaperWorkload> workloads = {
+      {"Qwen3-1.7B", 28, 7.429, 15.831, 22.0655, 43.707, 19.1, 4.0, 35.2},
+      {"Llama3-8B", 32, 18.50370313, 41.20659375, 37.2255, 74.501, 14.3, 1.3, 42.1},
+      {"GPT-OSS-20B", 24, 21.6445625, 81.780875, 44.2925, 86.264, 14.0, 3.3, 41.7},
+      {"Qwen3-32B", 64, 40.5610625, 91.17429688, 54.928, 108.294, 6.7, 2.6, 34.9},
+      {"Qwen3-235B", 94, 43.016, 58.376, 42.444, 43.294, 3.3, 1.0, 31.2},
+  };
+  std::printf("== 5. paper workloads: %d CPU device workers, %d microbatches, sleeping layers scaled to ~%.0f ms "
+              "per iteration\n", kDevices, kMicro, kTargetMs);
+  std::printf("bubble = 1 - work / (%d x time); work = the layers' sleep (blocks recomputed, the fused tail not). "
+              "sim = scheduler::simulate with the true costs and no overheads; async = back-to-back kAsync "
+              "iterations, mean of the last %d.\n", kDevices, kAsyncRuns - 2);
+  std::printf("%-12s %-22s %6s %8s %8s %8s %8s %8s %8s  %s\n", "workload", "plan", "scale", "sim_iso", "meas_iso",
+              "sim_async", "meas_asy", "paper", "1F1B", "stages");
+  for (const auto& w : workloads) {
+    // True costs: LayerCost::backward = recompute + backward (the fused tail's forward + backward).
+    std::vector<rs::LayerCost> costs(w.layers, rs::LayerCost{w.fwd, w.fwd + w.bwd, 0, 0});
+    costs.push_back(rs::LayerCost{w.head_fwd, w.head_fwd + w.head_bwd, 0, 0});
+    double work_per_mb = 0;
+    for (const auto& c : costs) work_per_mb += c.forward + c.backward;
+    const double scale = kTargetMs * kDevices * 0.85 / (kMicro * work_per_mb);
+    for (auto& c : costs) c.forward *= scale, c.backward *= scale;
+    auto sim_options = rs::SimulateOptions().set_overlap_backward_tail(false);
+    const auto true_plan = rs::plan_by_simulation(
+        costs, rs::RunType::kFused,
+        rs::PlannerOptions().set_num_devices(kDevices).set_num_microbatch(kMicro).set_simulate(sim_options));
+
+    auto make = [&] {
+      torch::nn::Sequential model;
+      for (int l = 0; l < w.layers; ++l) model->push_back(SleepPairLayer(w.fwd * scale, w.bwd * scale));
+      model->push_back(SleepPairLayer(w.head_fwd * scale, w.head_bwd * scale));
+      return model;
+    };
+    auto run = [&](const char* what, std::optional<rs::ExecutePlan> fixed) {
+      RoundPipe model(make(), RoundPipeOptions().devices(std::vector<c10::Device>(kDevices, c10::kCPU)));
+      RunConfig cfg;
+      cfg.num_microbatch = kMicro;
+      cfg.preserve_rng_state = false;
+      cfg.execute_plan = fixed;
+      auto x = torch::ones({kMicro, 1});
+      // A real (negligible) optimizer step: sleeping layers only multiply by a weight of ~1.
+      torch::optim::SGD sgd(model.optim_parameters(), 1e-9);
+      auto step = [&sgd] {
+        sgd.step();
+        sgd.zero_grad();
+      };
+      model.forward_backward({x}, torch::Tensor(), sum_loss(), cfg);  // measures the layers (automatic plan)
+      model.step(step, roundpipe::StepMode::kSync);
+      const rs::ExecutePlan plan = fixed ? *fixed : model.plan(cfg);
+      // The work the sleeps add up to for this plan: forward stages, the fused tail, recompute + backward.
+      const auto sim = rs::simulate(plan, rs::RunType::kFused, costs, kDevices, kMicro, sim_options);
+      const auto steady = rs::simulate_steady_state(plan, rs::RunType::kFused, costs, kDevices, kMicro, sim_options);
+      std::vector<double> isolated;
+      for (int r = 0; r < kIsolatedRuns; ++r) {
+        const auto t0 = Clock::now();
+        model.forward_backward({x}, torch::Tensor(), sum_loss(), cfg);
+        model.step(step, roundpipe::StepMode::kSync);
+        isolated.push_back(ms_since(t0));
+      }
+      model.synchronize();
+      std::vector<Clock::time_point> ends;
+      for (int r = 0; r < kAsyncRuns; ++r) {
+        model.forward_backward({x}, torch::Tensor(), sum_loss(), cfg);
+        model.step(step, roundpipe::StepMode::kAsync);
+        ends.push_back(Clock::now());
+      }
+      model.synchronize();
+      const double async_ms =
+          std::chrono::duration<double, std::milli>(ends.back() - ends[1]).count() / (kAsyncRuns - 2);
+      const double capacity_iso = kDevices * median(isolated), capacity_async = kDevices * async_ms;
+      std::printf("%-12s %-22s %6.3f %7.1f%% %7.1f%% %7.1f%% %7.1f%% %3.1f/%3.1f %7.1f%%  %s\n", w.name, what, scale,
+                  100 * sim.bubble_ratio(), 100 * (1 - sim.work / capacity_iso), 100 * steady.bubble_ratio(),
+                  100 * (1 - sim.work / capacity_async), w.paper_isolated, w.paper_async, w.paper_1f1b,
+                  plan.to_string().c_str());
+      std::fflush(stdout);
+    };
+    run("runtime (auto)", std::nullopt);
+    run("planned, true costs", true_plan.plan);
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   using namespace roundpipe;
+  if (argc > 1 && std::strcmp(argv[1], "paper") == 0) {
+    torch::set_num_threads(1);
+    paper_workloads();
+    return 0;
+  }
   const double t = argc > 1 ? std::atof(argv[1]) : 2.0;
   const int layers = argc > 2 ? std::atoi(argv[2]) : 12;
   torch::set_num_threads(1);
