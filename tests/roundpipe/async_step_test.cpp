@@ -256,7 +256,7 @@ TEST(DeviceWorkerTest, JobCapturesDestroyedOnWorkerBeforeFutureReady) {
     }
     Destruction* destruction;
   };
-  detail::DeviceWorker worker(c10::Device(c10::kCPU));
+  detail::DeviceWorker worker{c10::Device(c10::kCPU)};
   for (bool throws : {false, false, true}) {
     Destruction destruction;
     auto captured = std::make_shared<SlowToDestroy>(&destruction);
