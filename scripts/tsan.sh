@@ -14,7 +14,9 @@ export TSAN_OPTIONS="halt_on_error=0 second_deadlock_stack=1 suppressions=$root/
 log="$ROUNDPIPE_BUILD_DIR/tsan.log"
 : > "$log"
 rc=0
+runs=0
 run() {  # one test binary; its output goes to the terminal and to the log
+  runs=$((runs + 1))
   set +e
   "$@" 2>&1 | tee -a "$log"
   local status=${PIPESTATUS[0]}
@@ -29,5 +31,5 @@ ROUNDPIPE_SOAK_ITERATIONS=100 run "$ROUNDPIPE_BUILD_DIR/tests/reliability/reliab
 passed=$(sed -n 's/^\[  PASSED  \] \([0-9]*\) tests\{0,1\}[,.].*/\1/p' "$log" | awk '{n += $1} END {print n + 0}')
 failed=$(sed -n 's/^\[  FAILED  \] \([0-9]*\) tests\{0,1\}, listed below.*/\1/p' "$log" | awk '{n += $1} END {print n + 0}')
 warnings=$(grep -c 'WARNING: ThreadSanitizer' "$log" || true)
-echo "TSan summary: ${passed:-0} tests passed, $failed failed, $warnings ThreadSanitizer warnings (4 binaries, exit $rc)"
+echo "TSan summary: ${passed:-0} tests passed, $failed failed, $warnings ThreadSanitizer warnings ($runs binaries, exit $rc)"
 exit "$rc"
