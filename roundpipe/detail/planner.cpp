@@ -27,8 +27,9 @@ scheduler::ExecutePlan Planner::plan_for(const std::optional<scheduler::ExecuteP
 namespace {
 
 // The runtime as the simulator models it today: forward_backward returns after the whole
-// iteration (issue 15 item 3 is not built), no recompute ahead, one job per stage. Overheads are
-// left at zero: on the measured CPU and GPU runs they are a few percent of a stage (docs/schedule.md).
+// iteration (issue 15 item 3 is not built), no recompute ahead, one job per stage. Per-job and
+// per-hop overheads are left at zero, which they are not: `pipeline_bench paper` measures 6-26
+// points more bubble than this model predicts (docs/benchmarks.md); calibrating them is open.
 scheduler::SimulateOptions runtime_model() {
   return scheduler::SimulateOptions().set_overlap_backward_tail(false);
 }
