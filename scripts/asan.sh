@@ -8,8 +8,9 @@
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 export ROUNDPIPE_BUILD_DIR="${ROUNDPIPE_ASAN_BUILD_DIR:-$root/build-asan}"
-export ROUNDPIPE_BUILD_TARGETS="base_tests scheduler_tests comm_tests optim_tests amp_tests runtime_tests
-  harness_tests models_tests launcher_tests launcher_cli_tests"
+# Every target (no list that could drift from what CTest registers: a test binary missing from a
+# hand-written list showed up as "Not Run" failures); benchmarks and examples are off below.
+unset ROUNDPIPE_BUILD_TARGETS
 # clang: the libFuzzer targets share these objects (gcc has no libFuzzer). Read at first configure.
 export CXX="${ROUNDPIPE_ASAN_CXX:-clang++}" CC="${ROUNDPIPE_ASAN_CC:-clang}"
 start=$(date +%s)
