@@ -73,6 +73,7 @@ struct SimulatedJob {
   LayerRange layers;
   int64_t device = 0;
   double start = 0;  ///< the device takes the job (its overhead starts)
+  double overhead = 0;  ///< device time spent from `start` on the upload (SimulateOptions::job_overhead)
   double end = 0;    ///< its last microbatch ends
   double microbatch_cost = 0;  ///< compute time of one microbatch
   std::vector<MicrobatchSpan> microbatches;

@@ -7,10 +7,16 @@
 #include <sstream>
 #include <utility>
 
+#include "base/svg.h"
 #include "roundpipe/launcher/atomic_file.h"
 
 namespace roundpipe::launcher {
 namespace {
+
+using svg::escape_xml;
+using svg::fmt;
+using svg::nice_ticks;
+using svg::tick_label;
 
 using Point = std::pair<double, double>;  // (step, loss)
 
@@ -26,40 +32,6 @@ constexpr const char* kEvalColor = "#e8590c";
 // Above this many training records, consecutive records are averaged into buckets so the file
 // stays small (about 30 bytes per point).
 constexpr size_t kMaxPoints = 20000;
-
-std::string escape_xml(const std::string& text) {
-  std::string out;
-  for (char c : text) {
-    switch (c) {
-      case '&': out += "&amp;"; break;
-      case '<': out += "&lt;"; break;
-      case '>': out += "&gt;"; break;
-      case '"': out += "&quot;"; break;
-      default: out += c;
-    }
-  }
-  return out;
-}
-
-std::string fmt(const char* format, double value) {
-  char buffer[64];
-  std::snprintf(buffer, sizeof(buffer), format, value);
-  return buffer;
-}
-
-/// Label of tick `value` on an axis whose ticks are `spacing` apart.
-std::string tick_label(double value, double spacing) {
-  if (std::fabs(value) < spacing * 1e-9) {
-    value = 0;
-  }
-  if (std::fabs(value) >= 10000 && std::fmod(spacing, 1000) == 0) {
-    return fmt("%.0fk", value / 1000);
-  }
-  int decimals = std::max(0, static_cast<int>(-std::floor(std::log10(spacing) + 1e-9)));
-  char buffer[64];
-  std::snprintf(buffer, sizeof(buffer), "%.*f", decimals, value);
-  return buffer;
-}
 
 std::vector<Point> finite_train_points(const MetricsLog& log) {
   std::vector<Point> points;
@@ -132,28 +104,6 @@ std::string polyline(const Frame& frame, const std::vector<Point>& points, const
 }
 
 }  // namespace
-
-std::vector<double> nice_ticks(double lo, double hi, int target) {
-  std::vector<double> ticks;
-  if (!(hi > lo) || target < 1) {
-    ticks.push_back(lo);
-    return ticks;
-  }
-  const double raw = (hi - lo) / target;
-  const double magnitude = std::pow(10.0, std::floor(std::log10(raw)));
-  double spacing = magnitude;
-  for (double m : {1.0, 2.0, 5.0, 10.0}) {
-    spacing = m * magnitude;
-    if (spacing >= raw) {
-      break;
-    }
-  }
-  const double first = std::ceil(lo / spacing - 1e-9);
-  for (double i = first; i * spacing <= hi + spacing * 1e-9; i += 1) {
-    ticks.push_back(std::fabs(i) < 0.5 ? 0.0 : i * spacing);
-  }
-  return ticks;
-}
 
 std::string loss_plot_svg(const MetricsLog& log, const std::string& title) {
   const std::vector<Point> train = finite_train_points(log);

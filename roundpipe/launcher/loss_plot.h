@@ -18,8 +18,4 @@ std::string loss_plot_svg(const MetricsLog& log, const std::string& title);
 /// Writes loss_plot_svg to `path` atomically (a viewer never sees half a file).
 void write_loss_plot(const std::string& path, const MetricsLog& log, const std::string& title);
 
-/// "Nice" tick positions covering [lo, hi]: multiples of 1, 2 or 5 x 10^k, about `target` of them.
-/// Pure function; exposed for tests.
-std::vector<double> nice_ticks(double lo, double hi, int target);
-
 }  // namespace roundpipe::launcher

@@ -120,7 +120,7 @@ void PipelineModel::iterate(const std::vector<JobSpec>& jobs, std::vector<Simula
                                 : nullptr;
       SimulatedJob* rec = nullptr;
       if (record) {
-        record->push_back(SimulatedJob{it, k, first, job.phase, job.layers, d, start, 0.0, job.cost, {}});
+        record->push_back(SimulatedJob{it, k, first, job.phase, job.layers, d, start, options_.job_overhead, 0.0, job.cost, {}});
         rec = &record->back();
         rec->microbatches.reserve(static_cast<size_t>(last - first));
       }

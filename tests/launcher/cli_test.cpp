@@ -5,16 +5,20 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <regex>
 #include <string>
 #include <vector>
 
 #include "cli_test_util.h"
 #include "roundpipe/launcher/metrics.h"
 #include "roundpipe/models/safetensors.h"
+#include "tests/common/svg_check.h"
 #include "tests/common/test_config.h"
 
 namespace roundpipe::launcher::testing {
 namespace {
+
+using ::roundpipe::testing::tags_balanced;
 
 std::string checkpoints(const std::string& run) { return join_path(run, "checkpoints"); }
 
@@ -142,7 +146,7 @@ TEST(CliTest, ConfigErrors_ExitWithCode2NamingTheKey) {
 TEST(CliTest, Plan_PrintsDevicesStagesAndMemory) {
   ScratchDir dir;
   dir.write("run.yaml", tiny_config("run"));
-  CliResult r = run_cli(dir, "plan run.yaml run.devices=3");
+  CliResult r = run_cli(dir, "plan --svg plan.svg run.yaml run.devices=3");
   ASSERT_EQ(r.code, 0) << r.err;
   // Parameters of the preset: embeddings + lm_head 2 x 64 x 32; per layer q, o 32 x 32, k, v
   // 16 x 32 (2 KV heads of 8), gate/up/down 3 x 32 x 64, 2 norms x 32; final norm 32.
@@ -157,6 +161,28 @@ TEST(CliTest, Plan_PrintsDevicesStagesAndMemory) {
   EXPECT_NE(r.out.find("estimated host memory"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("estimated device memory"), std::string::npos) << r.out;
   EXPECT_FALSE(path_exists(dir.file("run/metrics.jsonl")));  // no training
+
+  // The simulated timeline: one lane per device, one line per stage, and the SVG picture with one
+  // rectangle per stage and microbatch (the config's run.num_microbatch: 2).
+  EXPECT_NE(r.out.find("simulated timeline (size-based costs; one iteration = 100): 3 devices, 2 microbatches: "
+                       "makespan 100.0, bubble "), std::string::npos) << r.out;
+  for (const char* lane : {"device 0  |", "device 1  |", "device 2  |"}) {
+    EXPECT_NE(r.out.find(lane), std::string::npos) << lane << "\n" << r.out;
+  }
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(r.out, m, std::regex("stages \\(([0-9]+)\\)"))) << r.out;
+  const int stages = std::stoi(m[1]);
+  EXPECT_NE(r.out.find("  " + std::to_string(stages - 1) + "  stage " + std::to_string(stages - 1) + " (bwd"),
+            std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("timeline picture: plan.svg"), std::string::npos) << r.out;
+  const std::string svg = read_file(dir.file("plan.svg"));
+  std::string why;
+  EXPECT_TRUE(tags_balanced(svg, &why)) << why;
+  size_t rects = 0;
+  for (size_t at = svg.find("class=\"microbatch\""); at != std::string::npos; at = svg.find("class=\"microbatch\"", at + 1)) {
+    ++rects;
+  }
+  EXPECT_EQ(rects, static_cast<size_t>(stages) * 2);
 }
 
 TEST(CliTest, Validate_PrintsTheResolvedConfig) {

@@ -6,11 +6,13 @@
 #include <sstream>
 
 #include "launcher_test_util.h"
+#include "tests/common/svg_check.h"
 
 namespace roundpipe::launcher {
 namespace {
 
 using testing::ScratchDir;
+using ::roundpipe::testing::tags_balanced;
 
 MetricsLog example_log(int64_t steps) {
   MetricsLog log;
@@ -41,29 +43,6 @@ std::vector<std::pair<double, double>> polyline_points(const std::string& svg, c
     points.emplace_back(std::stod(pair.substr(0, comma)), std::stod(pair.substr(comma + 1)));
   }
   return points;
-}
-
-/// True when every element is closed in order (a small XML well-formedness check).
-bool tags_balanced(const std::string& svg, std::string* why) {
-  std::regex tag("<(/?)([a-zA-Z]+)[^>]*?(/?)>");
-  std::vector<std::string> stack;
-  for (auto it = std::sregex_iterator(svg.begin(), svg.end(), tag); it != std::sregex_iterator(); ++it) {
-    const std::smatch& m = *it;
-    if (m[3] == "/") {
-      continue;  // self-closing
-    }
-    if (m[1] == "/") {
-      if (stack.empty() || stack.back() != m[2]) {
-        *why = "unexpected </" + m[2].str() + ">";
-        return false;
-      }
-      stack.pop_back();
-    } else {
-      stack.push_back(m[2]);
-    }
-  }
-  *why = stack.empty() ? "" : "unclosed <" + stack.back() + ">";
-  return stack.empty();
 }
 
 TEST(LossPlotTest, Svg_IsWellFormedWithOnePointPerRecord) {
@@ -106,15 +85,6 @@ TEST(LossPlotTest, Svg_EscapesTitleAndHandlesNoData) {
   EXPECT_TRUE(tags_balanced(svg, &why)) << why;
   MetricsLog one = example_log(1);
   EXPECT_EQ(polyline_points(loss_plot_svg(one, "t"), "train-loss").size(), 1u);
-}
-
-TEST(LossPlotTest, NiceTicks_AreRoundNumbersCoveringTheRange) {
-  EXPECT_EQ(nice_ticks(0, 10, 5), (std::vector<double>{0, 2, 4, 6, 8, 10}));
-  std::vector<double> t = nice_ticks(0.13, 0.87, 4);
-  ASSERT_EQ(t.size(), 4u);
-  EXPECT_NEAR(t[0], 0.2, 1e-12);
-  EXPECT_NEAR(t[3], 0.8, 1e-12);
-  EXPECT_EQ(nice_ticks(1, 1000, 8), (std::vector<double>{200, 400, 600, 800, 1000}));
 }
 
 TEST(LossPlotTest, Write_StoresTheSvgAtomically) {

@@ -21,6 +21,7 @@
 #include "roundpipe/launcher/cli/setup.h"
 #include "roundpipe/launcher/metrics.h"
 #include "roundpipe/models/lora.h"
+#include "scheduler/plan_preview.h"
 
 namespace roundpipe::launcher {
 namespace {
@@ -143,7 +144,7 @@ void run_validate(const LauncherConfig& config, std::ostream& out) {
   out << to_yaml(config);
 }
 
-void run_plan(const LauncherConfig& config, std::ostream& out) {
+void run_plan(const LauncherConfig& config, std::ostream& out, const std::string& svg_path) {
   LauncherModel pre = make_launcher_model(config, /*allocate_only=*/true);
   const ParameterCounts counts = count_parameters(*pre.model);
   RoundPipe model(pre.model, round_pipe_options(config));
@@ -206,6 +207,29 @@ void run_plan(const LauncherConfig& config, std::ostream& out) {
   out << "estimated device memory: " << format_bytes(2 * largest)
       << " per device = 2 x the largest stage " << format_bytes(largest)
       << " (one running, one prefetched; activations not included)\n";
+
+  // The plan's simulated timeline. Before any layer time is measured the costs are size-based
+  // (bytes): rescaled so that one iteration takes 100 (the simulator is linear in the costs).
+  const int64_t num_devices = static_cast<int64_t>(model.devices().size());
+  const int64_t num_microbatch = config.run.num_microbatch.value_or(num_devices + 1);
+  scheduler::SimulationResult sim =
+      scheduler::simulate(plan, scheduler::RunType::kFused, costs, num_devices, num_microbatch);
+  if (sim.makespan > 0) {
+    std::vector<scheduler::LayerCost> scaled = costs;
+    for (scheduler::LayerCost& c : scaled) {
+      c.forward *= 100.0 / sim.makespan;
+      c.backward *= 100.0 / sim.makespan;
+    }
+    sim = scheduler::simulate(plan, scheduler::RunType::kFused, scaled, num_devices, num_microbatch);
+  }
+  const auto preview = scheduler::PreviewOptions()
+                           .set_time_unit("")
+                           .set_title("simulated timeline (size-based costs; one iteration = 100)");
+  out << "\n" << scheduler::timeline_text(sim, preview);
+  if (!svg_path.empty()) {
+    write_file_atomically(svg_path, scheduler::timeline_svg(sim, preview));
+    out << "timeline picture: " << svg_path << "\n";
+  }
 }
 
 void run_eval(const LauncherConfig& config, std::ostream& out) {

@@ -14,9 +14,10 @@ namespace roundpipe::launcher {
 /// configuration as YAML.
 void run_validate(const LauncherConfig& config, std::ostream& out);
 
-/// Prints the devices, the stages of the training plan (layer ranges, forward/backward, bytes)
-/// and estimated host and device memory, without training.
-void run_plan(const LauncherConfig& config, std::ostream& out);
+/// Prints the devices, the stages of the training plan (layer ranges, forward/backward, bytes),
+/// estimated host and device memory and the plan's simulated timeline (scheduler/plan_preview.h),
+/// without training. A non-empty `svg_path` also gets the timeline as an SVG picture (atomically).
+void run_plan(const LauncherConfig& config, std::ostream& out, const std::string& svg_path = "");
 
 /// Evaluates the configured model on data.valid (else data.train); the last line printed is
 /// `eval_loss=<float>`. Appends {"step": 0, "eval_loss"} to <out_dir>/metrics.jsonl.

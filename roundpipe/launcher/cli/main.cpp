@@ -77,8 +77,11 @@ int main(int argc, char** argv) {
   CLI::App* eval = app.add_subcommand("eval", "mean token cross-entropy on data.valid (else data.train); "
                                               "last line eval_loss=<float>");
   add_config_args(eval, eval_args);
-  CLI::App* plan = app.add_subcommand("plan", "devices, pipeline stages and memory estimates, without training");
+  CLI::App* plan = app.add_subcommand("plan", "devices, pipeline stages, memory estimates and the simulated "
+                                              "timeline, without training");
   add_config_args(plan, plan_args);
+  std::string plan_svg;
+  plan->add_option("--svg", plan_svg, "also write the simulated timeline as an SVG picture to this file");
   std::string checkpoint_dir, export_dir;
   ExportOptions export_options;
   CLI::App* exp = app.add_subcommand("export", "write a transformers model directory (or, for a LoRA "
@@ -145,7 +148,7 @@ int main(int argc, char** argv) {
       open_log(config, "eval.log");
       run_eval(config, std::cout);
     } else if (*plan) {
-      run_plan(load_config(plan_args.path, plan_args.overrides), std::cout);
+      run_plan(load_config(plan_args.path, plan_args.overrides), std::cout, plan_svg);
     } else if (*exp) {
       run_export(checkpoint_dir, export_dir, std::cout, export_options);
     } else if (*validate) {
