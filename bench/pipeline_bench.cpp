@@ -406,7 +406,7 @@ int main(int argc, char** argv) {
     });
     const double clone_ms = time_ms([&] { layers[0].clone(c10::Device(c10::kCPU)); });
     const double shell_ms = time_ms([&] {
-      roundpipe::detail::DeviceIo io(c10::Device(c10::kCPU));
+      roundpipe::detail::DeviceIo io{c10::Device(c10::kCPU)};
       roundpipe::detail::ShellLease lease(shells, 0);
       io.upload_layer(*lease.module().ptr(), *layers[0].ptr());
     });

@@ -37,6 +37,9 @@ struct ProcessGroupOptions {
 };
 
 /// One collective in flight. Move-only; wait() once.
+/// Lifetime: a pending Work refers to its ProcessGroup's internals; wait() for it (or drop it)
+/// before the group is destroyed. (The runtime's gradient sync holds the group by shared_ptr,
+/// declared before its buckets, so every bucket's Work goes first.)
 class Work {
  public:
   Work() = default;
