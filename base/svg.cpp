@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <sstream>
 
 namespace roundpipe::svg {
 
@@ -25,6 +26,18 @@ std::string fmt(const char* format, double value) {
   char buffer[64];
   std::snprintf(buffer, sizeof(buffer), format, value);
   return buffer;
+}
+
+std::string document_start(double width, double height, const std::string& title) {
+  std::ostringstream out;
+  out << "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n"
+      << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" << width << "\" height=\"" << height
+      << "\" viewBox=\"0 0 " << width << " " << height << "\" "
+      << "font-family=\"DejaVu Sans, Helvetica, Arial, sans-serif\" font-size=\"12\">\n"
+      << "  <rect width=\"100%\" height=\"100%\" fill=\"#ffffff\"/>\n"
+      << "  <text x=\"" << width / 2 << "\" y=\"26\" text-anchor=\"middle\" font-size=\"17\" "
+      << "font-weight=\"bold\" fill=\"#222\">" << escape_xml(title) << "</text>\n";
+  return out.str();
 }
 
 std::vector<double> nice_ticks(double lo, double hi, int target) {

@@ -32,18 +32,9 @@ std::string summary(const SimulationResult& r, const std::string& unit) {
   return out.str();
 }
 
-const char* phase_name(StagePhase phase) {
-  switch (phase) {
-    case StagePhase::kForward: return "fwd";
-    case StagePhase::kFused: return "fused";
-    case StagePhase::kBackward: return "bwd";
-  }
-  return "?";
-}
-
 std::string stage_label(const SimulatedJob& job) {
   std::ostringstream out;
-  out << "stage " << job.index << " (" << phase_name(job.phase) << ", layers " << job.layers.to_string() << ")";
+  out << "stage " << job.index << " (" << to_string(job.phase) << ", layers " << job.layers.to_string() << ")";
   if (job.iteration > 0) out << ", iteration " << job.iteration;
   return out.str();
 }
@@ -130,13 +121,7 @@ std::string timeline_svg(const SimulationResult& r, const PreviewOptions& option
   auto lane_y = [&](int64_t device) { return kTop + static_cast<double>(device) * (kLane + kGap); };
 
   std::ostringstream out;
-  out << "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n"
-      << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" << kWidth << "\" height=\"" << height
-      << "\" viewBox=\"0 0 " << kWidth << " " << height << "\" "
-      << "font-family=\"DejaVu Sans, Helvetica, Arial, sans-serif\" font-size=\"12\">\n"
-      << "  <rect width=\"100%\" height=\"100%\" fill=\"#ffffff\"/>\n"
-      << "  <text x=\"" << kWidth / 2 << "\" y=\"24\" text-anchor=\"middle\" font-size=\"16\" font-weight=\"bold\" "
-      << "fill=\"#222\">" << escape_xml(options.title) << "</text>\n"
+  out << svg::document_start(kWidth, height, options.title)
       << "  <text x=\"" << kWidth / 2 << "\" y=\"44\" text-anchor=\"middle\" fill=\"#555\">"
       << escape_xml(summary(r, options.time_unit)) << "</text>\n";
 
@@ -170,7 +155,7 @@ std::string timeline_svg(const SimulationResult& r, const PreviewOptions& option
     const double y = lane_y(job.device);
     const std::string label = stage_label(job);
     out << "  <g class=\"job\" data-stage=\"" << job.index << "\" data-device=\"" << job.device << "\" data-phase=\""
-        << phase_name(job.phase) << "\">\n";
+        << to_string(job.phase) << "\">\n";
     const auto upload = upload_span(job);
     if (upload.second > upload.first) {
       out << "    <rect class=\"upload\" x=\"" << fmt("%.2f", px(upload.first)) << "\" y=\"" << y << "\" width=\""

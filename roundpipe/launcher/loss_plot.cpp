@@ -109,13 +109,7 @@ std::string loss_plot_svg(const MetricsLog& log, const std::string& title) {
   const std::vector<Point> train = finite_train_points(log);
   const std::vector<Point> eval = finite_eval_points(log);
   std::ostringstream svg;
-  svg << "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n"
-      << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" << kWidth << "\" height=\"" << kHeight
-      << "\" viewBox=\"0 0 " << kWidth << " " << kHeight << "\" "
-      << "font-family=\"DejaVu Sans, Helvetica, Arial, sans-serif\" font-size=\"12\">\n"
-      << "  <rect width=\"100%\" height=\"100%\" fill=\"#ffffff\"/>\n"
-      << "  <text x=\"" << kWidth / 2 << "\" y=\"26\" text-anchor=\"middle\" font-size=\"17\" "
-      << "font-weight=\"bold\" fill=\"#222\">" << escape_xml(title) << "</text>\n";
+  svg << svg::document_start(kWidth, kHeight, title);
 
   if (train.empty() && eval.empty()) {
     svg << "  <text x=\"" << kWidth / 2 << "\" y=\"" << kHeight / 2

@@ -172,7 +172,7 @@ TEST(CliTest, Plan_PrintsDevicesStagesAndMemory) {
   std::smatch m;
   ASSERT_TRUE(std::regex_search(r.out, m, std::regex("stages \\(([0-9]+)\\)"))) << r.out;
   const int stages = std::stoi(m[1]);
-  EXPECT_NE(r.out.find("  " + std::to_string(stages - 1) + "  stage " + std::to_string(stages - 1) + " (bwd"),
+  EXPECT_NE(r.out.find("  " + std::to_string(stages - 1) + "  stage " + std::to_string(stages - 1) + " (backward"),
             std::string::npos) << r.out;
   EXPECT_NE(r.out.find("timeline picture: plan.svg"), std::string::npos) << r.out;
   const std::string svg = read_file(dir.file("plan.svg"));

@@ -34,9 +34,9 @@ TEST(PlanPreviewTest, Text_OneColumnPerTimeUnitMatchesTheHandComputedTimeline) {
                       "(fill 2.9%, drain 23.5%, steady 2.9%, upload 0.0%)");
   EXPECT_EQ(lines[2], "device 0  |000222222........|");
   EXPECT_EQ(lines[3], "device 1  |.111.333333333333|");
-  EXPECT_EQ(lines[5], "  0  stage 0 (fwd, layers [0, 1)) on device 0: 0.0 - 3.0 ms, 3 x 1.0 ms");
+  EXPECT_EQ(lines[5], "  0  stage 0 (forward, layers [0, 1)) on device 0: 0.0 - 3.0 ms, 3 x 1.0 ms");
   EXPECT_EQ(lines[7], "  2  stage 2 (fused, layers [2, 3)) on device 0: 3.0 - 9.0 ms, 3 x 2.0 ms");
-  EXPECT_EQ(lines[8], "  3  stage 3 (bwd, layers [0, 2)) on device 1: 5.0 - 17.0 ms, 3 x 4.0 ms");
+  EXPECT_EQ(lines[8], "  3  stage 3 (backward, layers [0, 2)) on device 1: 5.0 - 17.0 ms, 3 x 4.0 ms");
 }
 
 TEST(PlanPreviewTest, Text_HalfColumnsRoundToTheMajorityAndUploadsShow) {
@@ -87,7 +87,7 @@ TEST(PlanPreviewTest, Svg_IsWellFormedWithOneRectanglePerMicrobatch) {
   EXPECT_NEAR(std::stod(rects[11][1]), 84 + 13 * scale, 0.01);
   EXPECT_NEAR(std::stod(rects[11][3]), 4 * scale, 0.01);
   EXPECT_GT(std::stod(rects[11][2]), std::stod(rects[0][2]));
-  EXPECT_NE(svg.find("stage 3 (bwd, layers [0, 2)) on device 1, microbatch 2: 13.00 - 17.0 ms"), std::string::npos);
+  EXPECT_NE(svg.find("stage 3 (backward, layers [0, 2)) on device 1, microbatch 2: 13.00 - 17.0 ms"), std::string::npos);
   EXPECT_NE(svg.find("data-phase=\"fused\""), std::string::npos);
 }
 
