@@ -144,7 +144,10 @@ struct RoundPipe::Impl {
     ctx.inputs = detail::split_batch(inputs, M, "inputs", options.name());
     if (ctx.training) {
       ctx.labels = detail::split_label(label, rows, M, options.name());
-      if (measure_if_automatic && !cfg.execute_plan) ctx.forward_ms.assign(static_cast<size_t>(num_layers()), 0.0);
+      if (measure_if_automatic && !cfg.execute_plan) {
+        ctx.forward_ms.assign(static_cast<size_t>(num_layers()), 0.0);
+        ctx.backward_stage_ms.assign(plan.backward_stages().size(), 0.0);
+      }
     }
     const int64_t steps_before = steps->steps();
     ctx.wait_layer_ready = [this, steps_before](int64_t l) { steps->wait_published(l, steps_before); };
@@ -306,7 +309,7 @@ torch::Tensor RoundPipe::forward_backward(const std::vector<torch::Tensor>& inpu
   m.steps->accept_grads(m.layer_set, ctx.grads, steps_before);
   if (scaler != nullptr) m.steps->attach_scaler(*scaler, ctx.scaler_generation.load(), ctx.flag_batch, flags_posted);
   if (!ctx.forward_ms.empty()) {
-    const std::string plans = m.planner->use_measured_times(ctx.forward_ms, cfg.num_microbatch);
+    const std::string plans = m.planner->use_measured_times(ctx.forward_ms, ctx.backward_stage_ms, cfg.num_microbatch);
     ROUNDPIPE_LOG(*m.log, kInfo, "RoundPipe '", m.options.name(), "': plan from measured layer times: ", plans);
   }
   torch::Tensor total = ctx.losses[0].clone();

@@ -49,10 +49,11 @@ struct RoundPipeOptions {
   /// CPU generator at construction, so torch::manual_seed controls it.
   TORCH_ARG(std::optional<uint64_t>, seed) = std::nullopt;
   /// Automatic plans start from size-based cost estimates; with this on, the first
-  /// forward_backward that uses the automatic plan also times every layer's forward (on CUDA with
-  /// a device sync around each layer, in that call only), and later calls use the plan whose
-  /// simulated makespan for the measured times is smallest (backward taken as 3x forward:
-  /// recompute + backward; docs/schedule.md).
+  /// forward_backward that uses the automatic plan also times every layer's forward and every
+  /// backward stage's microbatches (on CUDA with a device sync around each, in that call only),
+  /// and later calls use the plan whose simulated makespan for the measured times is smallest
+  /// (a backward stage's time is shared among its layers in proportion to their forward times;
+  /// docs/user-guide.md, "Plans").
   TORCH_ARG(bool, measure_layer_times) = true;
   /// Bytes of parameters and buffers (plus gradients, for backward stages) one stage may hold on
   /// a device; automatic plans respect it, and a layer that alone exceeds it fails at

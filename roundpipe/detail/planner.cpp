@@ -1,5 +1,7 @@
 #include "roundpipe/detail/planner.h"
 
+#include <c10/util/Exception.h>
+
 #include <cstdio>
 #include <utility>
 
@@ -71,13 +73,24 @@ const std::vector<scheduler::LayerCost>& Planner::layer_costs() const {
   return costs_;
 }
 
-std::string Planner::use_measured_times(const std::vector<double>& forward_ms, int64_t num_microbatch) {
+std::string Planner::use_measured_times(const std::vector<double>& forward_ms,
+                                       const std::vector<double>& backward_stage_ms, int64_t num_microbatch) {
+  const auto before = auto_plan(scheduler::RunType::kFused);  // the plan the measuring call ran
+  TORCH_INTERNAL_ASSERT(forward_ms.size() == static_cast<size_t>(num_layers()) &&
+                        backward_stage_ms.size() == before.backward_stages().size());
+  const double per_mb = 1.0 / static_cast<double>(num_microbatch);
   auto measured = layer_costs();
-  for (size_t l = 0; l < measured.size(); ++l) {
-    measured[l].forward = forward_ms[l] / static_cast<double>(num_microbatch);
-    measured[l].backward = 3.0 * measured[l].forward;
+  for (size_t l = 0; l < measured.size(); ++l) measured[l].forward = forward_ms[l] * per_mb;
+  for (size_t s = 0; s < backward_stage_ms.size(); ++s) {
+    const scheduler::LayerRange r = before.backward_stages()[s];
+    double forward_sum = 0;
+    for (int64_t l = r.begin; l < r.end; ++l) forward_sum += forward_ms[static_cast<size_t>(l)];
+    for (int64_t l = r.begin; l < r.end; ++l) {
+      const double share = forward_sum > 0 ? forward_ms[static_cast<size_t>(l)] / forward_sum
+                                           : 1.0 / static_cast<double>(r.size());
+      measured[static_cast<size_t>(l)].backward = backward_stage_ms[s] * share * per_mb;
+    }
   }
-  const auto before = auto_plan(scheduler::RunType::kFused);
   seeds_ = {before};  // the search starts from it too: never rated worse than the size-based plan
   costs_ = std::move(measured);
   auto_fused_plan_.reset();

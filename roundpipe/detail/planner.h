@@ -36,11 +36,15 @@ class Planner {
   const std::vector<scheduler::LayerCost>& layer_costs() const;
   /// Whether layer times were measured (RoundPipeOptions::measure_layer_times).
   bool measured() const { return measured_; }
-  /// Replaces the costs by measured forward times (`forward_ms[l]` summed over `num_microbatch`
-  /// microbatches; backward taken as 3x forward, like the size-based model), drops the cached
-  /// plans and plans again by simulation for `num_microbatch` microbatches. Returns a line
-  /// describing the new plan and the old one with their simulated figures, for the log.
-  std::string use_measured_times(const std::vector<double>& forward_ms, int64_t num_microbatch);
+  /// Replaces the costs by measured times, drops the cached plans and plans again by simulation
+  /// for `num_microbatch` microbatches. `forward_ms[l]`: layer l's forward summed over the
+  /// microbatches. `backward_stage_ms[s]`: backward stage s of the current automatic plan (the
+  /// one the measuring call ran), summed over the microbatches; it is shared among the stage's
+  /// layers in proportion to their forward times (evenly if those are all zero) and becomes their
+  /// LayerCost::backward. Returns a line describing the new plan and the old one with their
+  /// simulated figures, for the log.
+  std::string use_measured_times(const std::vector<double>& forward_ms, const std::vector<double>& backward_stage_ms,
+                                 int64_t num_microbatch);
 
  private:
   std::vector<int64_t> param_bytes_;

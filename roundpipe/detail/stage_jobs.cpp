@@ -148,6 +148,33 @@ Activations run_layer(RunContext& ctx, ShellLease& shell, int64_t l, int64_t j, 
   return out;
 }
 
+// Times one microbatch of a backward or fused stage when the call measures layer times: from
+// construction (the microbatch's inputs are on the device) to stop(), with the device synchronized
+// at both ends, added into ctx.backward_stage_ms[stage].
+class StageTimer {
+ public:
+  StageTimer(RunContext& ctx, DeviceIo& io, size_t stage)
+      : ctx_(ctx), io_(io), stage_(stage), on_(stage < ctx.backward_stage_ms.size()) {
+    if (!on_) return;
+    io_.synchronize();
+    start_ = std::chrono::steady_clock::now();
+  }
+  void stop() {
+    if (!on_) return;
+    io_.synchronize();
+    ctx_.backward_stage_ms[stage_] +=
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start_).count();
+    on_ = false;
+  }
+
+ private:
+  RunContext& ctx_;
+  DeviceIo& io_;
+  size_t stage_;
+  bool on_;
+  std::chrono::steady_clock::time_point start_;
+};
+
 std::vector<at::Tensor> buffer_copies(ShellLease& shell, DeviceIo& io) { return io.download_copy(shell.module().ptr()->buffers()); }
 
 // The shell's gradients per parameter the layer uses (LayerSet::uses[l]), in host memory. A
@@ -275,6 +302,7 @@ void run_fused_stage(RunContext& ctx, scheduler::LayerRange r, c10::Device devic
       pos.microbatch = j;
       Activations leaves =
           r.begin == 0 ? io.upload(ctx.inputs[j]) : make_leaves(io, await(ctx.fwd_out[fwd_stages - 1][j]), true);
+      StageTimer timer(ctx, io, 0);
       Activations acts = leaves;
       for (int64_t l = r.begin; l < r.end; ++l) {
         pos.layer = l;
@@ -298,6 +326,7 @@ void run_fused_stage(RunContext& ctx, scheduler::LayerRange r, c10::Device devic
                   "output tensor without detaching it (no .detach(), .item() or NoGradGuard inside loss_fn)");
       pos.step = "backward";
       loss.backward();
+      timer.stop();
       pos.step = "";
       ctx.losses[j] = loss.detach().to(c10::kCPU).reshape({});
       if (r.begin > 0) ctx.bwd_grad[0][j]->set(io.download(leaf_grads(leaves)));
@@ -336,6 +365,7 @@ void run_backward_stage(RunContext& ctx, size_t stage, scheduler::LayerRange r, 
     for (int64_t j = 0; j < ctx.num_microbatch; ++j) {
       pos.microbatch = j;
       Activations grads = io.upload(await(ctx.bwd_grad[stage - 1][j]));
+      StageTimer timer(ctx, io, stage);
       if (ctx.grain == RecomputeGrain::kStage) {
         Activations leaves = make_leaves(io, await(ctx.saved[r.begin][j]), r.begin > 0);
         Activations acts = leaves;
@@ -360,6 +390,7 @@ void run_backward_stage(RunContext& ctx, size_t stage, scheduler::LayerRange r, 
         }
         pos.layer = -1;
       }
+      timer.stop();
       pos.step = "";
       if (r.begin > 0) ctx.bwd_grad[stage][j]->set(io.download(grads));
     }

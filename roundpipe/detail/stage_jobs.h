@@ -100,6 +100,11 @@ struct RunContext {
   /// in its forward or fused job (the one job that runs the layer's first pass) and read by the
   /// caller after every job has finished.
   std::vector<double> forward_ms;
+  /// When non-empty (measuring, with forward_ms): [backward stage] milliseconds of the stage's
+  /// passes summed over microbatches: recompute + backward for a backward stage, forward + loss +
+  /// backward for the fused tail (stage 0). Each slot is written by its job and read by the caller
+  /// after every job has finished.
+  std::vector<double> backward_stage_ms;
   std::atomic<amp::GradScaler*> scaler{nullptr};
   std::atomic<int64_t> scaler_generation{0};
   std::atomic<int64_t> flags_posted{0};
