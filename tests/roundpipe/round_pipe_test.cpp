@@ -387,6 +387,18 @@ struct SlowIdentityImpl : torch::nn::Cloneable<SlowIdentityImpl> {
 };
 TORCH_MODULE(SlowIdentity);
 
+// `rp`'s automatic plan is the simulation planner's plan for `costs` on 2 devices with 3
+// microbatches, as the runtime models itself; with 6 layers the planner enumerates every plan, so
+// that is the optimum.
+void expect_simulation_optimum(const RoundPipe& rp, const std::vector<scheduler::LayerCost>& costs) {
+  const auto planned = scheduler::plan_by_simulation(
+      costs, scheduler::RunType::kFused,
+      scheduler::PlannerOptions().set_num_devices(2).set_num_microbatch(3).set_simulate(
+          scheduler::SimulateOptions().set_overlap_backward_tail(false)));
+  ASSERT_TRUE(planned.exhaustive);
+  EXPECT_EQ(rp.plan().to_string(), planned.plan.to_string());
+}
+
 TEST(RoundPipeTest, MeasuredLayerTimes_ReplanAfterFirstCall) {
   const double slow_ms = 20;
   auto make = [&] {
@@ -418,14 +430,8 @@ TEST(RoundPipeTest, MeasuredLayerTimes_ReplanAfterFirstCall) {
     for (int64_t l = r.begin; l < r.end; ++l) stage_backward += costs[l].backward;
     EXPECT_GE(stage_backward, slow_ms) << r.to_string();
   }
-  // The plan minimises the simulated makespan for the measured costs, whatever they are: 6 layers
-  // are few enough for the planner to enumerate every plan, so it is the optimum.
-  const auto planned = scheduler::plan_by_simulation(
-      costs, scheduler::RunType::kFused,
-      scheduler::PlannerOptions().set_num_devices(2).set_num_microbatch(3).set_simulate(
-          scheduler::SimulateOptions().set_overlap_backward_tail(false)));
-  ASSERT_TRUE(planned.exhaustive);
-  EXPECT_EQ(rp.plan().to_string(), planned.plan.to_string());
+  // The plan minimises the simulated makespan for the measured costs, whatever they are.
+  expect_simulation_optimum(rp, costs);
   auto simulated = [&](const scheduler::ExecutePlan& plan) {
     return scheduler::simulate(plan, scheduler::RunType::kFused, costs, 2, 3).makespan;
   };
@@ -487,13 +493,8 @@ TEST(RoundPipeTest, MeasuredLayerTimes_BackwardStagesAreTimedAndSharedByForwardT
       EXPECT_NEAR(costs[l].backward, expected, 1e-9 * backward) << "layer " << l << " in " << r.to_string();
     }
   }
-  // The plan is the simulation planner's optimum for these costs (6 layers: exhaustive).
-  const auto planned = scheduler::plan_by_simulation(
-      costs, scheduler::RunType::kFused,
-      scheduler::PlannerOptions().set_num_devices(2).set_num_microbatch(3).set_simulate(
-          scheduler::SimulateOptions().set_overlap_backward_tail(false)));
-  ASSERT_TRUE(planned.exhaustive);
-  EXPECT_EQ(rp.plan().to_string(), planned.plan.to_string());
+  // The plan is the simulation planner's optimum for these costs.
+  expect_simulation_optimum(rp, costs);
 }
 
 TEST(RoundPipeTest, MemoryBudget_StagesFitAndOversizedLayerFailsAtConstruction) {
