@@ -250,7 +250,8 @@ void paper_workloads() {
       model.synchronize();
       const double async_ms =
           std::chrono::duration<double, std::milli>(ends.back() - ends[1]).count() / (kAsyncRuns - 2);
-      const double capacity_iso = kDevices * median(isolated), capacity_async = kDevices * async_ms;
+      const double iso_ms = median(isolated);
+      const double capacity_iso = kDevices * iso_ms, capacity_async = kDevices * async_ms;
       // Bisection: the simulated makespan does not decrease with the hop latency.
       auto makespan_at = [&](double hop) {
         return rs::simulate(plan, rs::RunType::kFused, costs, kDevices, kMicro,
@@ -258,10 +259,10 @@ void paper_workloads() {
             .makespan;
       };
       double lo = 0, hi = 1;
-      while (makespan_at(hi) < median(isolated) && hi < 1000) hi *= 2;
-      for (int i = 0; i < 40 && makespan_at(lo) < median(isolated); ++i) {
+      while (makespan_at(hi) < iso_ms && hi < 1000) hi *= 2;
+      for (int i = 0; i < 40 && makespan_at(lo) < iso_ms; ++i) {
         const double mid = (lo + hi) / 2;
-        (makespan_at(mid) < median(isolated) ? lo : hi) = mid;
+        (makespan_at(mid) < iso_ms ? lo : hi) = mid;
       }
       const double real_iso = 1 - slept_iso / (kDevices * iso_total);
       const double real_async = 1 - (slept_async_to - slept_async_from) / (kDevices * async_ms * (kAsyncRuns - 2));
