@@ -287,7 +287,9 @@ Result run_roundpipe(const Config& c, const std::vector<c10::Device>& devices) {
     if (it == 0) r.first_loss = value;
     r.last_loss = value;
   }
-  model.synchronize();
+  const auto t_sync = Clock::now();
+  model.synchronize();  // the last iteration's backward may still run (overlap_backward)
+  seconds += std::chrono::duration<double>(Clock::now() - t_sync).count();
   rp::trace::enable(false);
   const auto spans = rp::trace::collect();
   double bytes = 0, upload_ms = 0;

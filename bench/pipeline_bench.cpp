@@ -243,7 +243,9 @@ void paper_workloads() {
         model.forward_backward({x}, torch::Tensor(), sum_loss(), cfg);
         model.step(step, roundpipe::StepMode::kAsync);
         ends.push_back(Clock::now());
-        // forward_backward returns after its whole backward: iteration r's sleeps are done.
+        // forward_backward returns before its backward ends (overlap_backward): in steady state
+        // the same work is in flight at both marks, so the difference is kAsyncRuns - 2
+        // iterations' sleeps.
         if (r == 1) slept_async_from = slept_ms();
         if (r == kAsyncRuns - 1) slept_async_to = slept_ms();
       }

@@ -12,6 +12,8 @@
 #include <atomic>
 #include <limits>
 #include <mutex>
+#include <optional>
+#include <utility>
 #include <unordered_map>
 
 #include "amp/autocast_guard.h"
@@ -109,12 +111,23 @@ struct RoundPipe::Impl {
     return out;
   }
 
-  // The run path shared by forward and forward_backward: resolves the call's settings, splits the
-  // batch, runs the plan's stage jobs and writes back buffers. `ctx` comes with the entry point's
-  // own fields (loss_fn, flag batch). Returns the plan's resolved settings.
-  detail::ResolvedRunConfig run(detail::RunContext& ctx, RunType type, const char* entry,
-                                const std::vector<torch::Tensor>& inputs, const torch::Tensor& label,
-                                const RunConfig& call, bool measure_if_automatic) {
+  // Gradients on the compute copies are complete once every run tail has finished (Note [Run
+  // tails]); readers that hand out the compute copies wait for that, except on the model's own
+  // threads (a step function: its step already waited for the tails before it).
+  void settle_grads() {
+    if (async_step_of == this) return;
+    for (const auto& worker : workers) {
+      if (worker->is_current()) return;
+    }
+    steps->wait_tails();
+  }
+
+  // The run path shared by forward and forward_backward, up to the dispatch: resolves the call's
+  // settings, splits the batch and fills `ctx` (with the entry point's own fields: loss_fn, flag
+  // batch). Returns the resolved settings and the plan to run.
+  std::pair<detail::ResolvedRunConfig, scheduler::ExecutePlan> prepare(
+      detail::RunContext& ctx, RunType type, const char* entry, const std::vector<torch::Tensor>& inputs,
+      const torch::Tensor& label, const RunConfig& call, bool measure_if_automatic) {
     TORCH_CHECK(!inputs.empty(), entry, " needs at least one input tensor");
     const int64_t rows = detail::batch_rows(inputs);
     TORCH_CHECK(rows > 0, entry, ": no input has a batch dimension with rows (got ", rows, ")");
@@ -128,7 +141,7 @@ struct RoundPipe::Impl {
                                            rows, " microbatches"));
       }
     }
-    const scheduler::ExecutePlan plan = planner->plan_for(cfg.execute_plan, type);
+    scheduler::ExecutePlan plan = planner->plan_for(cfg.execute_plan, type);
     const int64_t M = cfg.num_microbatch;
     ctx.model = &layer_set;
     ctx.model_name = options.name();
@@ -152,9 +165,7 @@ struct RoundPipe::Impl {
     const int64_t steps_before = steps->steps();
     ctx.wait_layer_ready = [this, steps_before](int64_t l) { steps->wait_published(l, steps_before); };
     if (ctx.training) ++iteration;  // the iteration index is consumed even if the call fails
-    detail::execute_run(ctx, plan, type, workers, &device_cursor);
-    detail::write_back_buffers(ctx, layer_set);
-    return cfg;
+    return {cfg, std::move(plan)};
   }
 };
 
@@ -264,56 +275,140 @@ RoundPipe::RoundPipe(torch::nn::Sequential model, RoundPipeOptions options) : im
 
 RoundPipe::~RoundPipe() = default;
 
+// Note [Overlapping iterations]:
+// forward_backward returns once its forward and fused jobs have finished: the losses are known and
+// every buffer's final value has been written back. Its backward jobs go on; the rest of the run
+// (waiting for them, handing the gradients over) is its tail, queued on the step pipeline's tail
+// thread (Note [Run tails] in step_pipeline.cpp). The GradScaler learns the number of found_inf
+// flags to expect (one per backward stage) at once, so update() works as before; a tail that
+// fails drops its flags (GradScalerAccess::drop_run), as a failed run always did. Backward stages
+// copy buffers from the forward's snapshots, never from the model, so writing the buffers back
+// does not race them. The background jobs must not touch what the caller's thread may use
+// meanwhile: they lease no new shell (the caller leases theirs before the dispatch, since
+// cloning a layer draws from the CPU generator) and reseed no generator (Note [Draws in the
+// tail]). The run is not detached, and the caller waits for its tail, when the gradients must be
+// complete before returning (data parallelism: the average over the ranks; the call that
+// measures layer times: the planner reads them), when a layer of a backward stage drew random
+// numbers in its forward (dropout in training mode: its recompute reseeds the device's default
+// generator, which the caller's thread may be drawing from), or with
+// RoundPipeOptions::overlap_backward off.
 torch::Tensor RoundPipe::forward_backward(const std::vector<torch::Tensor>& inputs, const torch::Tensor& label,
                                           const LossFn& loss_fn, const RunConfig& config) {
   Impl& m = *impl_;
   const auto entered = m.enter("forward_backward");
   m.steps->rethrow_async_error();
   TORCH_CHECK(static_cast<bool>(loss_fn), "forward_backward needs a loss_fn");
-  detail::RunContext ctx;
-  ctx.loss_fn = &loss_fn;
+  auto run_ctx = std::make_shared<detail::RunContext>();  // owned by the run's tail from dispatch on
+  detail::RunContext& ctx = *run_ctx;
+  ctx.loss_fn = &loss_fn;  // called by the fused job only, which finishes before this returns
   ctx.flag_batch = next_flag_batch.fetch_add(1);
   const int64_t steps_before = m.steps->steps();
   const bool measure = m.options.measure_layer_times() && !m.planner->measured();
   detail::GradSync* sync = m.grad_sync.get();
   if (sync != nullptr) {
+    m.steps->wait_tails();
     sync->begin(&ctx.grads);
     ctx.on_grads_ready = [sync](int64_t begin, int64_t end) { sync->layers_ready(begin, end); };
     ctx.defer_found_inf = true;
   }
-  detail::ResolvedRunConfig cfg;
+  std::optional<std::pair<detail::ResolvedRunConfig, scheduler::ExecutePlan>> prepared;
   try {
-    cfg = m.run(ctx, RunType::kFused, "forward_backward", inputs, label, config, measure);
+    prepared.emplace(m.prepare(ctx, RunType::kFused, "forward_backward", inputs, label, config, measure));
   } catch (...) {
     if (sync != nullptr) sync->abandon();
     throw;
   }
-  int64_t flags_posted = ctx.flags_posted.load();
-  amp::GradScaler* scaler = ctx.scaler.load();
-  if (sync != nullptr) {
-    sync->finish();  // the gradients are now the average over the ranks
-    if (scaler != nullptr && scaler->is_enabled()) {
-      // Note [found_inf across ranks]: the scaler's skip decision and its next scale come from the
-      // found_inf flags of the run's backward jobs, computed on this rank's gradients before the
-      // average. They are combined here (max over the ranks, one flag), so every rank skips the
-      // same steps and keeps the same scale, exactly as one process with the whole batch would.
-      at::Tensor found = ctx.found_inf_sum.defined() ? ctx.found_inf_sum.to(at::kFloat).reshape({1}).contiguous()
-                                                     : at::zeros({1}, at::kFloat);
-      sync->group().all_reduce(found, comm::ReduceOp::kMax).wait();
-      amp::detail::GradScalerAccess::post_found_inf(*scaler, ctx.scaler_generation.load(), ctx.flag_batch,
-                                                    found.reshape({}));
-      flags_posted = 1;
-    }
+  const detail::ResolvedRunConfig& cfg = prepared->first;
+  const int64_t L = m.num_layers();
+  const int64_t fused_begin = prepared->second.backward_stages().front().begin;
+  bool detached = m.options.overlap_backward() && sync == nullptr && ctx.forward_ms.empty();
+  if (detached) {
+    // Shells for the backward stages, leased here: a backward job that had to clone a layer would
+    // draw from the CPU generator in the background (Note [Draws in the tail] in stage_jobs.cpp).
+    ctx.preleased.resize(static_cast<size_t>(fused_begin));
+    for (int64_t l = 0; l < fused_begin; ++l) ctx.preleased[l].emplace(m.layer_set.shells, l);
   }
-  // Success: hand the gradients over (accumulated until step).
+  detail::StepPipeline* steps = m.steps.get();
+  ctx.on_release = [steps](int64_t l) { steps->release_layer(l); };
+  steps->begin_run();  // from here on, exactly one tail is posted
+  auto jobs = std::make_shared<detail::RunJobs>(
+      detail::launch_run(ctx, prepared->second, RunType::kFused, m.workers, &m.device_cursor));
+  const std::exception_ptr head_error = detail::wait_jobs(jobs->jobs, 0, jobs->head);
+  if (head_error) {
+    // The backward jobs fail with the same error; wait for them (they reference ctx) in a tail,
+    // so the releases stay in run order, then report the root cause.
+    auto done = steps->post_tail(
+        [run_ctx, jobs, L] {
+          detail::wait_jobs(jobs->jobs, jobs->head, jobs->jobs.size());
+          detail::release_layers(*run_ctx, 0, L);
+        },
+        /*detached=*/false);
+    done.wait();
+    if (sync != nullptr) sync->abandon();
+    std::rethrow_exception(head_error);
+  }
+  detail::write_back_buffers(ctx, m.layer_set);  // written by the forward and fused jobs
+  // A layer of a backward stage that drew random numbers in its forward is recomputed with its
+  // device's default generator reseeded (Note [Layer RNG]): not while the caller may draw from it.
+  for (int64_t i = 0; detached && i < fused_begin * cfg.num_microbatch; ++i) detached = !ctx.rng_used[i].load();
+  amp::GradScaler* scaler = ctx.scaler.load();
+  const int64_t expected_flags =
+      scaler != nullptr && scaler->is_enabled() ? static_cast<int64_t>(prepared->second.backward_stages().size()) : 0;
+  torch::Tensor total = ctx.losses[0].clone();
+  for (int64_t j = 1; j < cfg.num_microbatch; ++j) total.add_(ctx.losses[j]);
+
+  if (detached) {
+    if (scaler != nullptr) m.steps->attach_scaler(*scaler, ctx.scaler_generation.load(), ctx.flag_batch, expected_flags);
+    steps->post_tail(
+        [run_ctx, jobs, L, steps, steps_before, scaler, expected_flags, layers = &m.layer_set] {
+          const std::exception_ptr error = detail::wait_jobs(jobs->jobs, jobs->head, jobs->jobs.size());
+          detail::release_layers(*run_ctx, 0, L);
+          if (error) {
+            // The scaler expects a flag per backward stage: a failed run's flags are dropped, as
+            // for a run never announced, so no update waits for the ones that never come.
+            if (scaler != nullptr && expected_flags > 0) {
+              amp::detail::GradScalerAccess::drop_run(*scaler, run_ctx->scaler_generation.load(), run_ctx->flag_batch);
+            }
+            std::rethrow_exception(error);
+          }
+          steps->accept_grads(*layers, run_ctx->grads, steps_before);
+        },
+        /*detached=*/true);
+    return total;
+  }
+
+  auto done = steps->post_tail(
+      [run_ctx, jobs, L, sync] {
+        const std::exception_ptr error = detail::wait_jobs(jobs->jobs, jobs->head, jobs->jobs.size());
+        detail::release_layers(*run_ctx, 0, L);
+        if (error) {
+          if (sync != nullptr) sync->abandon();
+          std::rethrow_exception(error);
+        }
+        if (sync != nullptr) sync->finish();  // the gradients are now the average over the ranks
+      },
+      /*detached=*/false);
+  done.get();
+  int64_t flags_posted = ctx.flags_posted.load();
+  if (sync != nullptr && scaler != nullptr && scaler->is_enabled()) {
+    // Note [found_inf across ranks]: the scaler's skip decision and its next scale come from the
+    // found_inf flags of the run's backward jobs, computed on this rank's gradients before the
+    // average. They are combined here (max over the ranks, one flag), so every rank skips the
+    // same steps and keeps the same scale, exactly as one process with the whole batch would.
+    at::Tensor found = ctx.found_inf_sum.defined() ? ctx.found_inf_sum.to(at::kFloat).reshape({1}).contiguous()
+                                                   : at::zeros({1}, at::kFloat);
+    sync->group().all_reduce(found, comm::ReduceOp::kMax).wait();
+    amp::detail::GradScalerAccess::post_found_inf(*scaler, ctx.scaler_generation.load(), ctx.flag_batch,
+                                                  found.reshape({}));
+    flags_posted = 1;
+  }
+  // Success: hand the gradients over (accumulated until step). Every earlier tail has finished.
   m.steps->accept_grads(m.layer_set, ctx.grads, steps_before);
   if (scaler != nullptr) m.steps->attach_scaler(*scaler, ctx.scaler_generation.load(), ctx.flag_batch, flags_posted);
   if (!ctx.forward_ms.empty()) {
     const std::string plans = m.planner->use_measured_times(ctx.forward_ms, ctx.backward_stage_ms, cfg.num_microbatch);
     ROUNDPIPE_LOG(*m.log, kInfo, "RoundPipe '", m.options.name(), "': plan from measured layer times: ", plans);
   }
-  torch::Tensor total = ctx.losses[0].clone();
-  for (int64_t j = 1; j < cfg.num_microbatch; ++j) total.add_(ctx.losses[j]);
   return total;
 }
 
@@ -322,7 +417,10 @@ torch::Tensor RoundPipe::forward(const std::vector<torch::Tensor>& inputs, const
   const auto entered = m.enter("forward");
   m.steps->rethrow_async_error();
   detail::RunContext ctx;
-  m.run(ctx, RunType::kInfer, "forward", inputs, torch::Tensor(), config, /*measure_if_automatic=*/false);
+  const auto prepared =
+      m.prepare(ctx, RunType::kInfer, "forward", inputs, torch::Tensor(), config, /*measure_if_automatic=*/false);
+  detail::execute_run(ctx, prepared.second, RunType::kInfer, m.workers, &m.device_cursor);
+  detail::write_back_buffers(ctx, m.layer_set);
   std::vector<torch::Tensor> outs;
   for (auto& acts : ctx.outputs) {
     TORCH_CHECK(acts.size() == 1, "forward: the last layer returned ", acts.size(), " tensors; forward() merges one");
@@ -354,6 +452,7 @@ void RoundPipe::synchronize() {
 }
 
 std::vector<torch::Tensor> RoundPipe::optim_parameters() {
+  impl_->settle_grads();
   std::vector<torch::Tensor> out;
   for (const auto& layer : impl_->steps->masters()) {
     for (const auto& master : layer) {
@@ -364,6 +463,7 @@ std::vector<torch::Tensor> RoundPipe::optim_parameters() {
 }
 
 std::vector<std::pair<std::string, torch::Tensor>> RoundPipe::optim_named_parameters() {
+  impl_->settle_grads();
   const auto& masters = impl_->steps->masters();
   std::vector<std::pair<std::string, torch::Tensor>> out;
   for (size_t l = 0; l < masters.size(); ++l) {
@@ -376,6 +476,7 @@ std::vector<std::pair<std::string, torch::Tensor>> RoundPipe::optim_named_parame
 
 std::vector<torch::Tensor> RoundPipe::parameters() {
   if (OptimizerCtx::active()) return optim_parameters();
+  impl_->settle_grads();
   std::vector<torch::Tensor> out;
   for (const auto& layer : impl_->params) out.insert(out.end(), layer.begin(), layer.end());
   return out;
@@ -386,7 +487,10 @@ int64_t RoundPipe::num_layers() const { return impl_->num_layers(); }
 scheduler::ExecutePlan RoundPipe::plan(const RunConfig& config) const {
   return impl_->planner->plan_for(config.merged_over(impl_->options.run_config()).execute_plan, RunType::kFused);
 }
-torch::nn::Sequential RoundPipe::module() { return impl_->model; }
+torch::nn::Sequential RoundPipe::module() {
+  impl_->settle_grads();
+  return impl_->model;
+}
 std::vector<scheduler::LayerCost> RoundPipe::layer_costs() const { return impl_->planner->layer_costs(); }
 int64_t RoundPipe::iteration() const { return impl_->iteration; }
 uint64_t RoundPipe::seed() const { return impl_->seed; }

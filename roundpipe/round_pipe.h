@@ -55,6 +55,13 @@ struct RoundPipeOptions {
   /// (a backward stage's time is shared among its layers in proportion to their forward times;
   /// docs/user-guide.md, "Plans").
   TORCH_ARG(bool, measure_layer_times) = true;
+  /// forward_backward returns as soon as the losses are known; the backward stages finish in the
+  /// background, so with an async step the next iteration's forward stages fill this one's drain
+  /// (docs/user-guide.md, "Overlapping iterations"). The results are bitwise the same either way.
+  /// Calls that read gradients (step, synchronize, parameters, module, ...) wait for the backward;
+  /// a background error is rethrown by the next call. Off: forward_backward returns after the
+  /// whole backward. Always off for the call that measures layer times and with data parallelism.
+  TORCH_ARG(bool, overlap_backward) = true;
   /// Bytes of parameters and buffers (plus gradients, for backward stages) one stage may hold on
   /// a device; automatic plans respect it, and a layer that alone exceeds it fails at
   /// construction. Default: half the memory of the smallest CUDA device in `devices` (the rest is
@@ -100,8 +107,9 @@ uint64_t layer_seed(uint64_t base_seed, int64_t iteration, int64_t microbatch, i
 /// forward, step, synchronize); a second thread calling in while one is inside, or a callback
 /// (loss_fn, a layer, a step function) calling back into its model, gets a c10::Error (Note [One
 /// caller thread]); the model may change threads between calls. Internally, one worker thread per device runs stage jobs; a run's
-/// channels (futures) are the only state shared between workers, and results are applied to the
-/// model by the caller thread after every job of the call has finished.
+/// channels (futures) are the only state shared between workers; buffers are applied to the
+/// model by the caller thread once the forward and fused jobs have finished, gradients by the
+/// run's tail (the tail thread, or the caller) after every job of the call has finished.
 /// Layers must be Cloneable modules (all torch::nn modules are; custom ones derive from
 /// torch::nn::Cloneable): every stage job runs on its own copy of its layers on its device.
 ///
@@ -120,8 +128,13 @@ class RoundPipe {
 
   /// Splits `inputs` and `label` along dim 0 into microbatches, runs forward, loss and backward
   /// through the pipeline, accumulates gradients (until `step`), and returns the sum of the
-  /// per-microbatch losses on the CPU. Errors in any stage (layer, loss_fn) are rethrown here
-  /// naming the layer, phase and microbatch; the model is left unchanged by a failed call.
+  /// per-microbatch losses on the CPU. Errors in any stage (layer, loss_fn) are rethrown naming
+  /// the layer, phase and microbatch; the model is left unchanged by a failed call. With
+  /// RoundPipeOptions::overlap_backward (default) it returns once the losses are known and the
+  /// backward stages finish in the background: an error there is rethrown by the next call into
+  /// the model (its step function is skipped), and the gradients are complete for every reader
+  /// that goes through the model (step, synchronize, parameters, module); a tensor kept from
+  /// before needs synchronize() before its .grad is read.
   torch::Tensor forward_backward(const std::vector<torch::Tensor>& inputs, const torch::Tensor& label,
                                  const LossFn& loss_fn, const RunConfig& config = {});
 

@@ -26,7 +26,9 @@ struct StageSpan {
 };
 
 /// Starts (true: clears earlier spans, resets the time origin) or stops recording. Call between
-/// training calls, not while one runs.
+/// training calls, not while one runs; a job is recorded if it starts while recording is on, and
+/// a forward_backward's backward jobs may start after it returns (RoundPipeOptions::
+/// overlap_backward): call RoundPipe::synchronize() before enable(false).
 void enable(bool on);
 bool enabled();
 

@@ -22,7 +22,7 @@ FoundInfInbox::~FoundInfInbox() {
 
 void FoundInfInbox::post(FoundInfFlag flag) {
   auto node = std::make_unique<Node>();
-  const c10::Device device = flag.found_inf.device();
+  const c10::Device device = flag.found_inf.defined() ? flag.found_inf.device() : c10::Device(c10::kCPU);
   if (!device.is_cpu()) {
     c10::impl::VirtualGuardImpl guard(device.type());
     node->ready.emplace(device.type());

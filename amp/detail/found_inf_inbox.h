@@ -24,6 +24,7 @@ struct FoundInfFlag {
   int64_t generation = 0;  // the scaler's update count when the iteration called scale()
   uint64_t batch = 0;      // the run (forward_backward call) it belongs to
   at::Tensor found_inf;    // 1 element, on the device that checked the gradients
+  bool cancel = false;     // no flag: run `batch` failed after it was announced (found_inf undefined)
 };
 
 /// Multi-producer, single-consumer mailbox of found_inf flags.

@@ -42,6 +42,15 @@ void GradScalerAccess::post_found_inf(GradScaler& scaler, int64_t generation, ui
   scaler.core_->inbox.post(FoundInfFlag{generation, batch, found_inf});
 }
 
+void GradScalerAccess::drop_run(GradScaler& scaler, int64_t generation, uint64_t batch) {
+  if (!scaler.enabled_) return;
+  FoundInfFlag cancel;
+  cancel.generation = generation;
+  cancel.batch = batch;
+  cancel.cancel = true;
+  scaler.core_->inbox.post(std::move(cancel));
+}
+
 void GradScalerAccess::expect_found_inf(GradScaler& scaler, int64_t generation, uint64_t batch, int64_t count) {
   if (!scaler.enabled_) return;
   TORCH_CHECK(count >= 0, "GradScaler::expect_found_inf: count must be >= 0, got ", count);

@@ -74,6 +74,10 @@ class GradScalerAccess {
   /// completes when the last arrives, at the latest in the next `scale()`, `get_scale()`,
   /// `state_dict()`, `load_state_dict()` or `update()` (which wait for it, up to 10 minutes).
   static void expect_found_inf(GradScaler& scaler, int64_t generation, uint64_t batch, int64_t count);
+  /// Any thread, lock-free: announced run `batch` failed after all its jobs ended: its flags no
+  /// longer count and an update waiting for them completes without them (like a run never
+  /// announced).
+  static void drop_run(GradScaler& scaler, int64_t generation, uint64_t batch);
   /// A new Iteration holding a copy of the current scale (completes a pending update first).
   static std::shared_ptr<Iteration> capture_iteration(GradScaler& scaler);
   /// `unscale_`/`step` called outside any IterationScope of `scaler` are marshalled through

@@ -17,9 +17,11 @@ namespace roundpipe::amp::detail {
 //     scaler the run used and its update generation g (number of update() calls so far). Right
 //     after each backward stage, the worker checks that stage's parameter gradients for inf/NaN
 //     on its device and posts the flag, tagged (g, run), into the lock-free FoundInfInbox (with
-//     a CUDA event, no host sync). When the run succeeds, the runtime announces how many flags
-//     it posted (expect_found_inf); flags of a run that failed are never announced and are
-//     dropped, like its gradients.
+//     a CUDA event, no host sync). Once the run's losses are known, the runtime announces how
+//     many flags it will post (expect_found_inf; its backward stages may still run, Note
+//     [Overlapping iterations]); flags of a run that failed are dropped, like its gradients:
+//     never announced, or cancelled by a marker in the inbox (drop_run) when the run failed in
+//     its background tail.
 //  2. update() combines the announced flags of generation g and applies _amp_update_scale_. If
 //     some are still in flight it records a deferred update and returns at once; the update
 //     completes, in order, in the first later call that reads or writes the scale (scale() on a
@@ -69,7 +71,15 @@ void ScalerCore::scale_ready_locked() {
 void ScalerCore::collect_posted_flags_locked() {
   for (auto& flag : inbox.drain()) {
     const bool open = flag.generation >= generation || (deferred && deferred->generation == flag.generation);
-    if (open) received[flag.generation][flag.batch].push_back(std::move(flag.found_inf));
+    if (!open) continue;
+    if (flag.cancel) {
+      // The run failed after it was announced: none of its flags count (posted ones that arrive
+      // in the same drain land in `received` without an announcement, and are dropped with it).
+      if (auto e = expected.find(flag.generation); e != expected.end()) e->second.erase(flag.batch);
+      if (auto r = received.find(flag.generation); r != received.end()) r->second.erase(flag.batch);
+      continue;
+    }
+    received[flag.generation][flag.batch].push_back(std::move(flag.found_inf));
   }
 }
 

@@ -24,7 +24,8 @@ namespace {
 // Pairs `shell`'s tensors with `layer`'s (both recursive, same registration order: the shell is
 // a clone of the layer) and calls fn(shell tensor, layer tensor).
 template <typename Fn>
-void for_each_tensor_pair(torch::nn::Module& shell, torch::nn::Module& layer, Fn&& fn) {
+void for_each_tensor_pair(torch::nn::Module& shell, torch::nn::Module& layer, const std::vector<at::Tensor>* buffers,
+                          Fn&& fn) {
   auto sp = shell.parameters(), lp = layer.parameters();
   TORCH_INTERNAL_ASSERT(sp.size() == lp.size(), "layer shell has ", sp.size(), " parameters, the layer ", lp.size());
   for (size_t k = 0; k < sp.size(); ++k) {
@@ -33,7 +34,8 @@ void for_each_tensor_pair(torch::nn::Module& shell, torch::nn::Module& layer, Fn
     // backward computes, downloads and hands over no gradient for it.
     if (sp[k].requires_grad() != lp[k].requires_grad()) sp[k].requires_grad_(lp[k].requires_grad());
   }
-  auto sb = shell.buffers(), lb = layer.buffers();
+  auto sb = shell.buffers();
+  const auto lb = buffers != nullptr ? *buffers : layer.buffers();
   TORCH_INTERNAL_ASSERT(sb.size() == lb.size(), "layer shell has ", sb.size(), " buffers, the layer ", lb.size());
   for (size_t k = 0; k < sb.size(); ++k) fn(sb[k], lb[k]);
 }
@@ -179,12 +181,12 @@ DeviceIo::~DeviceIo() {
   }
 }
 
-void DeviceIo::upload_layer(torch::nn::Module& shell, torch::nn::Module& layer) {
+void DeviceIo::upload_layer(torch::nn::Module& shell, torch::nn::Module& layer, const std::vector<at::Tensor>* buffers) {
   at::NoGradGuard no_grad;
   int64_t bytes = 0;
   if (!cuda_) {
     if (trace_ && !trace_->uploading) trace_->span.upload_begin_ms = trace_host_ms();
-    for_each_tensor_pair(shell, layer, [&](at::Tensor& dst, const at::Tensor& src) {
+    for_each_tensor_pair(shell, layer, buffers, [&](at::Tensor& dst, const at::Tensor& src) {
       bytes += src.nbytes();
       dst.set_data(src.detach().clone());
     });
@@ -203,7 +205,7 @@ void DeviceIo::upload_layer(torch::nn::Module& shell, torch::nn::Module& layer) 
   }
   {
     c10::cuda::CUDAStreamGuard guard(s.param_upload);
-    for_each_tensor_pair(shell, layer, [&](at::Tensor& dst, const at::Tensor& src) {
+    for_each_tensor_pair(shell, layer, buffers, [&](at::Tensor& dst, const at::Tensor& src) {
       bytes += src.nbytes();
       at::Tensor copy = src.detach().to(device_, /*non_blocking=*/true, /*copy=*/true);
       copy.record_stream(s.compute);

@@ -45,9 +45,11 @@ class DeviceIo {
   const c10::Device& device() const { return device_; }
 
   /// Points `shell`'s parameters and buffers (recursively, in registration order) at copies of
-  /// `layer`'s current values on the device. CUDA: asynchronous; call `before_compute(shell)`
-  /// before the shell's first use.
-  void upload_layer(torch::nn::Module& shell, torch::nn::Module& layer);
+  /// `layer`'s current values on the device; with `buffers`, the buffers are copies of those host
+  /// tensors instead (a backward stage's snapshot: it never reads the model's buffers, which the
+  /// caller may write meanwhile, Note [Run tails]). CUDA: asynchronous; call
+  /// `before_compute(shell)` before the shell's first use.
+  void upload_layer(torch::nn::Module& shell, torch::nn::Module& layer, const std::vector<at::Tensor>* buffers = nullptr);
   /// Makes compute wait for `shell`'s upload (once; later calls are free). CPU: no-op.
   void before_compute(const torch::nn::Module& shell);
 

@@ -3,6 +3,7 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/core/Generator.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/equal.h>
 
 #include <map>
 #include <mutex>
@@ -69,14 +70,16 @@ at::Generator default_generator(const c10::Device& device) {
   return at::detail::getDefaultCPUGenerator();
 }
 
-void run_on_generator(const c10::Device& device, std::optional<uint64_t> seed, const std::function<void()>& fn) {
+// Returns whether `fn` drew from the generator (its state after `fn` differs from before).
+bool run_on_generator(const c10::Device& device, std::optional<uint64_t> seed, const std::function<void()>& fn) {
   std::lock_guard<std::mutex> hold(generator_mutex(device));
   at::Generator gen = default_generator(device);
-  at::Tensor saved;
+  at::Tensor saved, start;
   {
     std::lock_guard<std::mutex> lock(gen.mutex());
     saved = gen.get_state();
     if (seed) gen.set_current_seed(*seed);
+    start = seed ? gen.get_state() : saved;
   }
   struct Restore {
     at::Generator& gen;
@@ -87,12 +90,26 @@ void run_on_generator(const c10::Device& device, std::optional<uint64_t> seed, c
     }
   } restore{gen, saved};
   fn();
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  return !at::equal(gen.get_state(), start);
 }
 
 }  // namespace
 
-void run_seeded(const c10::Device& device, uint64_t seed, const std::function<void()>& fn) {
-  run_on_generator(device, seed, fn);
+bool run_seeded(const c10::Device& device, uint64_t seed, const std::function<void()>& fn) {
+  return run_on_generator(device, seed, fn);
+}
+
+bool run_noting_draws(const c10::Device& device, const std::function<void()>& fn) {
+  at::Generator gen = default_generator(device);
+  at::Tensor before;
+  {
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    before = gen.get_state();
+  }
+  fn();
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  return !at::equal(gen.get_state(), before);
 }
 
 void run_rng_isolated(const std::function<void()>& fn) { run_on_generator(c10::Device(c10::kCPU), std::nullopt, fn); }

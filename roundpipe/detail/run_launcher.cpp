@@ -99,17 +99,21 @@ void make_channels(RunContext& ctx, const scheduler::ExecutePlan& plan, schedule
   for (size_t i = 0; i < bwd.size(); ++i) ctx.bwd_grad.push_back(channels(M));
   ctx.losses.resize(M);
   ctx.grads.resize(L);
+  ctx.released = std::make_unique<std::atomic<bool>[]>(static_cast<size_t>(L));
+  for (int64_t l = 0; l < L; ++l) ctx.released[l] = false;
+  ctx.rng_used = std::make_unique<std::atomic<bool>[]>(static_cast<size_t>(L * M));
+  for (int64_t i = 0; i < L * M; ++i) ctx.rng_used[i] = false;
 }
 
 }  // namespace
 
-void execute_run(RunContext& ctx, const scheduler::ExecutePlan& plan, scheduler::RunType type,
-                 const std::vector<std::unique_ptr<DeviceWorker>>& workers, int64_t* device_cursor) {
+RunJobs launch_run(RunContext& ctx, const scheduler::ExecutePlan& plan, scheduler::RunType type,
+                   const std::vector<std::unique_ptr<DeviceWorker>>& workers, int64_t* device_cursor) {
   make_channels(ctx, plan, type);
   const auto num_devices = static_cast<int64_t>(workers.size());
   const auto order = scheduler::dispatch_order(plan, type, num_devices, *device_cursor);
   *device_cursor = (*device_cursor + static_cast<int64_t>(order.size())) % num_devices;
-  std::vector<std::future<void>> jobs;
+  RunJobs out;
   size_t fwd_index = 0, bwd_index = 0;
   for (const auto& entry : order) {
     auto& worker = *workers[entry.device];
@@ -118,31 +122,43 @@ void execute_run(RunContext& ctx, const scheduler::ExecutePlan& plan, scheduler:
     switch (entry.phase) {
       case scheduler::StagePhase::kForward: {
         const size_t s = fwd_index++;
-        jobs.push_back(worker.post([&ctx, s, layers, device] { run_forward_stage(ctx, s, layers, device); }));
+        out.jobs.push_back(worker.post([&ctx, s, layers, device] { run_forward_stage(ctx, s, layers, device); }));
+        out.head = out.jobs.size();
         break;
       }
       case scheduler::StagePhase::kFused:
         ++bwd_index;
-        jobs.push_back(worker.post([&ctx, layers, device] { run_fused_stage(ctx, layers, device); }));
+        out.jobs.push_back(worker.post([&ctx, layers, device] { run_fused_stage(ctx, layers, device); }));
+        out.head = out.jobs.size();
         break;
       case scheduler::StagePhase::kBackward: {
         const size_t s = bwd_index++;
-        jobs.push_back(worker.post([&ctx, s, layers, device] { run_backward_stage(ctx, s, layers, device); }));
+        out.jobs.push_back(worker.post([&ctx, s, layers, device] { run_backward_stage(ctx, s, layers, device); }));
         break;
       }
     }
   }
-  // Wait for every job (they reference ctx), then report the root cause: the first failing job
-  // in program order (downstream jobs fail with the same error).
+  return out;
+}
+
+std::exception_ptr wait_jobs(std::vector<std::future<void>>& jobs, size_t begin, size_t end) {
   std::exception_ptr error;
-  for (auto& job : jobs) {
+  for (size_t i = begin; i < end; ++i) {
     try {
-      job.get();
+      jobs[i].get();
     } catch (...) {
       if (!error) error = std::current_exception();
     }
   }
-  if (error) std::rethrow_exception(error);
+  return error;
+}
+
+void execute_run(RunContext& ctx, const scheduler::ExecutePlan& plan, scheduler::RunType type,
+                 const std::vector<std::unique_ptr<DeviceWorker>>& workers, int64_t* device_cursor) {
+  RunJobs run = launch_run(ctx, plan, type, workers, device_cursor);
+  // Wait for every job (they reference ctx), then report the root cause: the first failing job
+  // in program order (downstream jobs fail with the same error).
+  if (auto error = wait_jobs(run.jobs, 0, run.jobs.size())) std::rethrow_exception(error);
 }
 
 void write_back_buffers(const RunContext& ctx, const LayerSet& layers) {

@@ -7,6 +7,8 @@
 #include <c10/core/Device.h>
 
 #include <cstdint>
+#include <exception>
+#include <future>
 #include <memory>
 #include <optional>
 #include <string>
@@ -55,9 +57,23 @@ std::vector<at::Tensor> split_label(const at::Tensor& label, int64_t rows, int64
 std::vector<Activations> split_batch(const std::vector<at::Tensor>& tensors, int64_t num_microbatch,
                                      const std::string& what, const std::string& model_name);
 
-/// Creates the channels `plan` needs in `ctx` (ctx.num_layers, num_microbatch and grain set),
+/// The posted stage jobs of a run, in program order: [0, head) are the forward and fused jobs
+/// (all of them for inference), the rest the backward jobs.
+struct RunJobs {
+  std::vector<std::future<void>> jobs;
+  size_t head = 0;
+};
+
+/// Creates the channels `plan` needs in `ctx` (ctx.num_layers, num_microbatch and grain set) and
 /// posts its stage jobs in program order onto `workers` round-robin from `*device_cursor`
-/// (advanced past them), waits for every job and rethrows the first failure in program order.
+/// (advanced past them). The jobs reference `ctx`: wait for all of them before it goes.
+RunJobs launch_run(RunContext& ctx, const scheduler::ExecutePlan& plan, scheduler::RunType type,
+                   const std::vector<std::unique_ptr<DeviceWorker>>& workers, int64_t* device_cursor);
+
+/// Waits for jobs[begin, end) and returns the first failure in program order (null if none).
+std::exception_ptr wait_jobs(std::vector<std::future<void>>& jobs, size_t begin, size_t end);
+
+/// launch_run, then waits for every job and rethrows the first failure in program order.
 void execute_run(RunContext& ctx, const scheduler::ExecutePlan& plan, scheduler::RunType type,
                  const std::vector<std::unique_ptr<DeviceWorker>>& workers, int64_t* device_cursor);
 

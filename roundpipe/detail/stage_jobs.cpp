@@ -110,7 +110,10 @@ void backward_paired(const Activations& outputs, const Activations& grads) {
 
 // Leases a shell per layer of `r` and fills it with the layer's current values on the device,
 // each after the optimizer has published the values this iteration must use.
-std::vector<ShellLease> lease_layers(const RunContext& ctx, scheduler::LayerRange r, DeviceIo& io, Position& pos) {
+// `from_snapshot`: the buffers come from the forward's snapshots (a backward stage, which must not
+// read the model's buffers: Note [Run tails]).
+std::vector<ShellLease> lease_layers(RunContext& ctx, scheduler::LayerRange r, DeviceIo& io, Position& pos,
+                                     bool from_snapshot = false) {
   std::vector<ShellLease> shells;
   pos.step = "copying the layer to the device";
   for (int64_t l = r.begin; l < r.end; ++l) {
@@ -120,8 +123,18 @@ std::vector<ShellLease> lease_layers(const RunContext& ctx, scheduler::LayerRang
       ctx.wait_layer_ready(l);
       pos.step = "copying the layer to the device";
     }
-    shells.emplace_back(ctx.model->shells, l);
-    io.upload_layer(*shells.back().module().ptr(), *ctx.model->layers[l].ptr());
+    const Activations* buffers = nullptr;
+    if (from_snapshot) {
+      pos.step = "waiting for the forward's buffers";
+      buffers = &await(ctx.buffer_snapshot[l]);
+      pos.step = "copying the layer to the device";
+    }
+    if (from_snapshot && l < static_cast<int64_t>(ctx.preleased.size()) && ctx.preleased[l]) {
+      shells.push_back(std::move(*ctx.preleased[l]));  // leased by the caller (Note [Run tails])
+    } else {
+      shells.emplace_back(ctx.model->shells, l);
+    }
+    io.upload_layer(*shells.back().module().ptr(), *ctx.model->layers[l].ptr(), buffers);
   }
   pos.layer = -1;
   pos.step = "";
@@ -129,22 +142,37 @@ std::vector<ShellLease> lease_layers(const RunContext& ctx, scheduler::LayerRang
 }
 
 // `first_pass`: the layer's forward or fused pass (not a recompute); timed when measuring.
+// Note [Draws in the tail]: a training run's first pass notes whether the layer drew random
+// numbers on the microbatch (ctx.rng_used, written before the pass's output goes downstream, so
+// the recompute of that microbatch sees it). A recompute of a pass that drew nothing runs
+// unseeded: bitwise the same, and it leaves the device's default generator alone, which lets a
+// run whose backward stages draw nothing finish them in the background while the caller's
+// thread uses the generator (Note [Overlapping iterations]).
 Activations run_layer(RunContext& ctx, ShellLease& shell, int64_t l, int64_t j, const Activations& acts, DeviceIo& io,
                       bool first_pass = false) {
   auto& layer = shell.module();
   io.before_compute(*layer.ptr());
-  if (first_pass && !ctx.forward_ms.empty()) {
+  const bool timed = first_pass && !ctx.forward_ms.empty();
+  std::chrono::steady_clock::time_point t0;
+  if (timed) {
     io.synchronize();
-    const auto t0 = std::chrono::steady_clock::now();
-    Activations out = run_layer(ctx, shell, l, j, acts, io);
+    t0 = std::chrono::steady_clock::now();
+  }
+  std::atomic<bool>* drew = ctx.rng_used ? &ctx.rng_used[l * ctx.num_microbatch + j] : nullptr;
+  Activations out;
+  auto call = [&] { out = call_layer(layer, acts, ctx.model->call_modes[l]); };
+  if (ctx.preserve_rng && (first_pass || drew == nullptr || drew->load())) {
+    const bool used = run_seeded(io.device(), layer_seed(ctx.seed, ctx.iteration, j, l), call);
+    if (first_pass && used && drew != nullptr) drew->store(true);
+  } else if (first_pass && drew != nullptr) {
+    if (run_noting_draws(io.device(), call)) drew->store(true);
+  } else {
+    call();
+  }
+  if (timed) {
     io.synchronize();
     ctx.forward_ms[l] += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-    return out;
   }
-  if (!ctx.preserve_rng) return call_layer(layer, acts, ctx.model->call_modes[l]);
-  Activations out;
-  run_seeded(io.device(), layer_seed(ctx.seed, ctx.iteration, j, l),
-             [&] { out = call_layer(layer, acts, ctx.model->call_modes[l]); });
   return out;
 }
 
@@ -249,7 +277,29 @@ void post_found_inf(RunContext& ctx, std::vector<ShellLease>& shells, const c10:
   ctx.flags_posted.fetch_add(1);
 }
 
+// The run's last reader of layers [r.begin, r.end) has its copy of them (Note [Run tails]): on CPU
+// once they are copied; on CUDA the copies are asynchronous, so after the first microbatch, whose
+// compute used every layer of the stage, with the device synchronized.
+void release_after_copy(RunContext& ctx, scheduler::LayerRange r, DeviceIo& io, const c10::Device& device,
+                        int64_t microbatch) {
+  if (!ctx.on_release) return;
+  if (device.is_cuda()) {
+    if (microbatch != 0) return;
+    io.synchronize();
+  } else if (microbatch != -1) {
+    return;
+  }
+  release_layers(ctx, r.begin, r.end);
+}
+
 }  // namespace
+
+void release_layers(RunContext& ctx, int64_t begin, int64_t end) {
+  if (!ctx.on_release) return;
+  for (int64_t l = begin; l < end; ++l) {
+    if (!ctx.released[l].exchange(true)) ctx.on_release(l);
+  }
+}
 
 void run_forward_stage(RunContext& ctx, size_t stage, scheduler::LayerRange r, c10::Device device) {
   Position pos{"forward", r};
@@ -296,6 +346,7 @@ void run_fused_stage(RunContext& ctx, scheduler::LayerRange r, c10::Device devic
   guarded(ctx, device, pos, outputs, [&] {
     DeviceIo io(device, job_name(pos));
     auto shells = lease_layers(ctx, r, io, pos);
+    release_after_copy(ctx, r, io, device, -1);
     RunScaleObserver observer(ctx);
     const size_t fwd_stages = ctx.fwd_out.size();
     for (int64_t j = 0; j < ctx.num_microbatch; ++j) {
@@ -330,6 +381,7 @@ void run_fused_stage(RunContext& ctx, scheduler::LayerRange r, c10::Device devic
       pos.step = "";
       ctx.losses[j] = loss.detach().to(c10::kCPU).reshape({});
       if (r.begin > 0) ctx.bwd_grad[0][j]->set(io.download(leaf_grads(leaves)));
+      release_after_copy(ctx, r, io, device, j);
     }
     pos.microbatch = -1;
     pos.step = "checking gradients for inf/NaN";
@@ -349,19 +401,11 @@ void run_backward_stage(RunContext& ctx, size_t stage, scheduler::LayerRange r, 
   if (r.begin > 0) outputs.assign(ctx.bwd_grad[stage].begin(), ctx.bwd_grad[stage].end());
   guarded(ctx, device, pos, outputs, [&] {
     DeviceIo io(device, job_name(pos));
-    auto shells = lease_layers(ctx, r, io, pos);
-    {
-      // Recompute starts from the buffers the forward started from, and evolves them in the same
-      // microbatch order; the results are discarded (Note [Buffers in recompute]).
-      at::NoGradGuard no_grad;
-      for (int64_t l = r.begin; l < r.end; ++l) {
-        const Activations& snapshot = await(ctx.buffer_snapshot[l]);
-        auto& shell = *shells[l - r.begin].module().ptr();
-        io.before_compute(shell);
-        auto buffers = shell.buffers();
-        for (size_t k = 0; k < buffers.size(); ++k) buffers[k].copy_(snapshot[k]);
-      }
-    }
+    // Recompute starts from the buffers the forward started from (the shells get the snapshots),
+    // and evolves them in the same microbatch order; the results are discarded (Note [Buffers in
+    // recompute]).
+    auto shells = lease_layers(ctx, r, io, pos, /*from_snapshot=*/true);
+    release_after_copy(ctx, r, io, device, -1);
     for (int64_t j = 0; j < ctx.num_microbatch; ++j) {
       pos.microbatch = j;
       Activations grads = io.upload(await(ctx.bwd_grad[stage - 1][j]));
@@ -393,6 +437,7 @@ void run_backward_stage(RunContext& ctx, size_t stage, scheduler::LayerRange r, 
       timer.stop();
       pos.step = "";
       if (r.begin > 0) ctx.bwd_grad[stage][j]->set(io.download(grads));
+      release_after_copy(ctx, r, io, device, j);
     }
     pos.microbatch = -1;
     pos.step = "checking gradients for inf/NaN";

@@ -9,6 +9,7 @@
 #include <future>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -118,6 +119,18 @@ struct RunContext {
   std::mutex found_inf_mutex;
   at::Tensor found_inf_sum;
 
+  /// Training runs with overlap (Note [Run tails] in step_pipeline.cpp): called once per layer
+  /// (through release_layers) when the run's last reader of the layer has its copy. May be empty.
+  std::function<void(int64_t)> on_release;
+  std::unique_ptr<std::atomic<bool>[]> released;  // [layer], with on_release
+  /// Training runs: [layer * num_microbatch + mb] whether the layer's first pass drew random
+  /// numbers on the microbatch (Note [Draws in the tail] in stage_jobs.cpp).
+  std::unique_ptr<std::atomic<bool>[]> rng_used;
+  /// Training runs: [layer] a shell leased by the caller for the backward stage of the layer, so
+  /// that no backward job clones a layer (which draws from the CPU generator) in the background.
+  /// Taken by that job (moved out); the rest are released with the context.
+  std::vector<std::optional<ShellLease>> preleased;
+
   std::vector<std::vector<ChannelPtr>> fwd_out;   // [forward stage][mb]
   std::vector<std::vector<ChannelPtr>> saved;     // [layer][mb]; empty when not kept
   std::vector<ChannelPtr> buffer_snapshot;        // [layer]; null when not needed
@@ -128,6 +141,9 @@ struct RunContext {
   std::vector<std::vector<at::Tensor>> grads;    // [layer][u] (uses[l]) job running its backward
   std::vector<std::vector<at::Tensor>> buffers;  // [layer][buffer]      job running its forward
 };
+
+/// Calls ctx.on_release for each layer of [begin, end) not released yet (any thread).
+void release_layers(RunContext& ctx, int64_t begin, int64_t end);
 
 void run_forward_stage(RunContext& ctx, size_t stage, scheduler::LayerRange layers, c10::Device device);
 void run_fused_stage(RunContext& ctx, scheduler::LayerRange layers, c10::Device device);

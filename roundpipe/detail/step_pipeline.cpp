@@ -4,6 +4,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <chrono>
 
 #include "amp/detail/scaler_core.h"
 #include "amp/grad_scaler.h"
@@ -39,6 +40,27 @@ namespace roundpipe::detail {
 // As with PyTorch's zero_grad(false), a master .grad tensor kept by the caller across steps may
 // be overwritten by a later step.
 
+// Note [Run tails]:
+// A forward_backward returns once its forward and fused jobs have finished (the losses are
+// known); its backward jobs may still run. What is left of the run, its tail, runs on the tail
+// thread, FIFO across runs: it waits for the run's remaining jobs, then adds the run's gradients
+// to the compute copies' .grad (accept_grads, still waiting per layer for the previous step to
+// have taken the previous gradients). Two per-layer facts order the tail against the steps:
+//  - released[l] counts the runs whose last reader of layer l (its backward job, or the fused
+//    job) has its own copy of the layer: a step queued after run R overwrites compute copy l
+//    only once released[l] >= R. The count is exact: a run started after that step waits for
+//    its publish before it copies the layer, and a run's tail releases the layers its jobs did
+//    not (a failed job) only after the tails before it, when those runs have released them.
+//  - tails_done counts the finished tails (FIFO): a step queued after run R moves gradients
+//    only once tails_done >= R.
+// So the next iteration's forward jobs, which wait for the step's publish per layer, start as
+// soon as the previous run's last backward job has copied layer 0 (CPU: at its start; CUDA:
+// after its first microbatch, when the copy is known complete), filling the previous run's
+// drain. Whoever reads the gradients outside a step (synchronize, a sync step, the scaler's
+// marshalled unscale_, RoundPipe::parameters / module) waits for every posted tail first. A
+// detached tail's error is kept like a queued step's: the step queued after it skips its step
+// function, and the error is rethrown at the next entry point.
+
 StepPipeline::StepPipeline(const std::vector<std::vector<at::Tensor>>* params,
                            std::optional<c10::ScalarType> optim_dtype,
                            std::optional<c10::ScalarType> master_grad_dtype)
@@ -46,12 +68,64 @@ StepPipeline::StepPipeline(const std::vector<std::vector<at::Tensor>>* params,
       optim_dtype_(optim_dtype),
       master_grad_dtype_(master_grad_dtype),
       published_(params->size(), 0),
-      consumed_(params->size(), 0) {}
+      consumed_(params->size(), 0),
+      released_(params->size(), 0) {}
 
 StepPipeline::~StepPipeline() {
-  // Queued steps reference this object: finish them (errors are dropped: a destructor cannot throw).
+  // Queued tails and steps reference this object: finish them (errors are dropped: a destructor
+  // cannot throw). Tails first: a queued step may wait for them.
+  for (auto& f : pending_tails_) f.wait();
   drain();
 }
+
+int64_t StepPipeline::begin_run() { return ++runs_; }
+
+void StepPipeline::release_layer(int64_t l) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    ++released_[l];
+  }
+  cv_.notify_all();
+}
+
+std::future<void> StepPipeline::post_tail(std::function<void()> tail, bool detached) {
+  const int64_t run = runs_;
+  if (!tail_thread_) tail_thread_ = std::make_unique<DeviceWorker>(c10::Device(c10::kCPU));
+  pending_tails_.erase(std::remove_if(pending_tails_.begin(), pending_tails_.end(),
+                                      [](const std::future<void>& f) {
+                                        return f.wait_for(std::chrono::seconds(0)) == std::future_status::ready;
+                                      }),
+                       pending_tails_.end());
+  auto done = tail_thread_->post([this, run, detached, fn = std::move(tail)]() mutable {
+    std::exception_ptr error;
+    try {
+      fn();
+    } catch (...) {
+      error = std::current_exception();
+    }
+    fn = nullptr;  // the run's context goes before anyone learns that the tail is done
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      tails_done_ = std::max(tails_done_, run);
+      if (error && detached) {
+        failed_tails_.insert(run);
+        if (!async_error_) async_error_ = error;
+      }
+    }
+    cv_.notify_all();
+    if (error && !detached) std::rethrow_exception(error);
+  });
+  if (!detached) return done;
+  pending_tails_.push_back(std::move(done));
+  return {};
+}
+
+void StepPipeline::wait_tails_until(int64_t run) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  cv_.wait(lock, [&] { return tails_done_ >= run; });
+}
+
+void StepPipeline::wait_tails() { wait_tails_until(runs_); }
 
 void StepPipeline::wait_counter(const std::vector<int64_t>& counter, int64_t l, int64_t target) {
   std::unique_lock<std::mutex> lock(mutex_);
@@ -211,6 +285,7 @@ void StepPipeline::run_marshalled(amp::GradScaler& scaler, const std::function<v
     call();
     return;
   }
+  wait_tails();
   rethrow_async_error();
   masters();
   if (!pending_iteration_) pending_iteration_ = GradScalerAccess::capture_iteration(scaler);
@@ -227,6 +302,16 @@ void StepPipeline::step(std::function<void()> step_fn, StepMode mode) {
   rethrow_async_error();
   masters();
   const int64_t k = ++steps_;
+  const int64_t runs = runs_;
+  int64_t skip_after = runs_at_last_step_;  // a run in (skip_after, runs] failing later skips fn
+  runs_at_last_step_ = runs;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    // Failures recorded so far were reported (rethrow_async_error above, or an earlier call):
+    // the caller queued this step knowing them.
+    if (!failed_tails_.empty()) skip_after = std::max(skip_after, *failed_tails_.rbegin());
+    failed_tails_.erase(failed_tails_.begin(), failed_tails_.upper_bound(skip_after));
+  }
   step_fn = watch_.wrap(std::move(step_fn));
   if (pending_iteration_) {
     // The step function runs inside the scope of the iteration its gradients come from.
@@ -242,6 +327,7 @@ void StepPipeline::step(std::function<void()> step_fn, StepMode mode) {
     // loop's parameters would after a throwing optimizer step.
     std::exception_ptr error;
     try {
+      wait_tails();
       drain();
       rethrow_async_error();
       for (size_t l = 0; l < params_->size(); ++l) consume_grads_layer(l);
@@ -254,17 +340,25 @@ void StepPipeline::step(std::function<void()> step_fn, StepMode mode) {
     if (error) std::rethrow_exception(error);
     return;
   }
-  pending_steps_.push_back(optimizer_thread().post([this, k, fn = std::move(step_fn)] {
+  pending_steps_.push_back(optimizer_thread().post([this, k, runs, skip_after, fn = std::move(step_fn)] {
     try {
       for (size_t l = 0; l < params_->size(); ++l) {
+        wait_counter(released_, static_cast<int64_t>(l), runs);  // Note [Run tails]
         publish_layer(l);
         raise_counter(published_, static_cast<int64_t>(l), k);
+      }
+      wait_tails_until(runs);
+      bool tail_failed = false;
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        auto failed = failed_tails_.upper_bound(skip_after);
+        tail_failed = failed != failed_tails_.end() && *failed <= runs;
       }
       for (size_t l = params_->size(); l-- > 0;) {
         consume_grads_layer(l);
         raise_counter(consumed_, static_cast<int64_t>(l), k);
       }
-      if (fn) fn();
+      if (fn && !tail_failed) fn();  // a run of this step failed in its tail: its error comes next
     } catch (...) {
       {
         std::lock_guard<std::mutex> lock(mutex_);
@@ -276,6 +370,7 @@ void StepPipeline::step(std::function<void()> step_fn, StepMode mode) {
 }
 
 void StepPipeline::synchronize() {
+  wait_tails();
   drain();
   if (!masters_.empty()) {
     for (size_t l = 0; l < params_->size(); ++l) publish_layer(l);

@@ -13,6 +13,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -33,11 +34,13 @@ namespace roundpipe::detail {
 /// values are in the compute copies) and consumed[l] (the last step that took the layer's
 /// gradients); stage jobs and the caller wait on them per layer.
 ///
-/// Thread-safety: the caller thread calls everything except `wait_published`, which stage jobs
-/// call from worker threads. The counters and the async error are guarded by `mutex_`; the
-/// masters, their gradient buffers and the compute copies' .grad are owned by whoever runs the
-/// current step (the optimizer thread while a step is queued, else the caller), as the protocol
-/// orders. Queued steps are drained by the destructor (their errors dropped).
+/// Thread-safety: the caller thread calls everything except `wait_published` and
+/// `release_layer`, which stage jobs call from worker threads, and `accept_grads`, which run
+/// tails call on the tail thread. The counters and the async error are guarded by `mutex_`; the
+/// masters, their gradient buffers and the compute copies' .grad are owned by whoever the
+/// protocol orders (Note [Async step protocol], Note [Run tails]): the tail thread while it adds
+/// a run's gradients, the optimizer thread while a step moves them, else the caller (after
+/// wait_tails). Queued tails, then queued steps, are drained by the destructor (errors dropped).
 class StepPipeline {
  public:
   /// `params[l]`: layer l's parameters (the compute copies), owned by the caller and alive as long
@@ -52,8 +55,24 @@ class StepPipeline {
   void step(std::function<void()> step_fn, StepMode mode);
   /// RoundPipe::synchronize: drains the queue, publishes the masters, rethrows a step's error.
   void synchronize();
-  /// Rethrows (once) the error of a failed queued step.
+  /// Rethrows (once) the error of a failed queued step or background run tail.
   void rethrow_async_error();
+
+  // Note [Run tails] (step_pipeline.cpp): the backward stages of a forward_backward may finish
+  // after it returns.
+  /// Caller: a training run starts; returns its number (1, 2, ...). Every run started must post
+  /// exactly one tail and release each layer exactly once.
+  int64_t begin_run();
+  /// Any thread: run `run`'s last reader of layer l (the backward or fused job that copies it to
+  /// its device) has its copy, so the next step may overwrite the compute copy.
+  void release_layer(int64_t l);
+  /// Caller: queues the tail of the run begun last (after the tails of earlier runs, FIFO, on the
+  /// tail thread). `detached`: the caller does not wait; an error is kept and rethrown at the next
+  /// entry point, and the next step skips its step function. Otherwise the error reaches the
+  /// returned future.
+  std::future<void> post_tail(std::function<void()> tail, bool detached);
+  /// Caller: blocks until every tail posted so far has finished (gradients handed over).
+  void wait_tails();
   /// Number of step() calls so far.
   int64_t steps() const { return steps_; }
   /// The master copies, [layer][param]; created on first call. Undefined for parameters that do
@@ -82,6 +101,7 @@ class StepPipeline {
   void raise_counter(std::vector<int64_t>& counter, int64_t l, int64_t value);
   void raise_all(int64_t value);
   void drain();
+  void wait_tails_until(int64_t run);
   void publish_layer(size_t l);
   void consume_grads_layer(size_t l);
   c10::ScalarType master_grad_dtype(const at::Tensor& compute, const at::Tensor& master) const;
@@ -100,10 +120,17 @@ class StepPipeline {
   std::unique_ptr<DeviceWorker> optimizer_thread_;
   std::vector<std::future<void>> pending_steps_;  // caller thread only
   int64_t steps_ = 0;                              // caller thread only
+  std::unique_ptr<DeviceWorker> tail_thread_;      // lazy; created and posted to by the caller only
+  std::vector<std::future<void>> pending_tails_;   // caller thread only (pruned as they finish)
+  int64_t runs_ = 0;                               // caller thread only
+  int64_t runs_at_last_step_ = 0;                  // caller thread only
   std::mutex mutex_;
   std::condition_variable cv_;
   std::vector<int64_t> published_;  // guarded by mutex_
   std::vector<int64_t> consumed_;   // guarded by mutex_
+  std::vector<int64_t> released_;   // guarded by mutex_: [l] runs whose last reader of l has its copy
+  int64_t tails_done_ = 0;          // guarded by mutex_: runs whose tail has finished (FIFO)
+  std::set<int64_t> failed_tails_;  // guarded by mutex_: runs whose detached tail failed (pruned by step)
   std::exception_ptr async_error_;  // guarded by mutex_
 
   // Cross-thread GradScaler (Note [Cross-thread GradScaler]). Caller thread only. `scaler_`: the

@@ -136,6 +136,9 @@ void fault_case(const FaultCase& c, const std::vector<c10::Device>& devices) {
       } else {
         rp.forward_backward({failing.x.to(input_device)}, failing.y.to(input_device),
                             c.site == Site::kLossFn ? throwing_loss : mse_over(failing.y.numel()), cfg);
+        // A backward stage's error may come after forward_backward returned (Note [Overlapping
+        // iterations]): the next call into the model rethrows it.
+        rp.synchronize();
       }
       ADD_FAILURE() << c.name << ": expected an error at repetition " << rep;
     } catch (const c10::Error& e) {

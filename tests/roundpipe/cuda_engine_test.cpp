@@ -170,6 +170,7 @@ TEST(CudaEngineTest, StageTrace_RecordsSpansAndUploadOverlap_CUDA) {
   rp.forward_backward({x}, y, mse_over(y.numel()), cfg);  // warm-up (allocator, shells)
   trace::enable(true);
   rp.forward_backward({x}, y, mse_over(y.numel()), cfg);
+  rp.synchronize();  // the backward job may start after forward_backward returns
   trace::enable(false);
   const auto spans = trace::collect();
   ASSERT_EQ(spans.size(), 3u);

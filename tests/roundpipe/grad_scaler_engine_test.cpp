@@ -235,8 +235,8 @@ struct RecomputeFaultImpl : torch::nn::Cloneable<RecomputeFaultImpl> {
 };
 TORCH_MODULE(RecomputeFault);
 
-// A run that fails after the fused stage posted an inf flag: its flag (like its gradients) must
-// not reach the next update. The reference skips the failed iteration entirely.
+// A run that fails after the fused stage posted an inf flag (and after forward_backward announced
+// its flags): its flag (like its gradients) must not reach the next update. The reference skips the failed iteration entirely.
 TEST(GradScalerEngineTest, FailedRun_FlagsDropped) {
   auto poison = std::make_shared<std::atomic<double>>(1.0);
   auto fail = std::make_shared<std::atomic<bool>>(false);
@@ -263,7 +263,14 @@ TEST(GradScalerEngineTest, FailedRun_FlagsDropped) {
     if (it == 1) {  // fails after the fused stage checked its inf gradients
       poison->store(std::numeric_limits<double>::infinity());
       fail->store(true);
-      EXPECT_THROW(rp.forward_backward({x}, y, loss_fn, cfg), c10::Error);
+      // The backward stage fails after forward_backward returned (Note [Overlapping iterations]):
+      // the announced run is dropped, and synchronize() rethrows its error.
+      EXPECT_THROW(
+          {
+            rp.forward_backward({x}, y, loss_fn, cfg);
+            rp.synchronize();
+          },
+          c10::Error);
       poison->store(1.0);
       fail->store(false);
     }

@@ -33,6 +33,7 @@ TEST(StageTraceTest, RecordsEveryJobWithBytesAndOrderedTimes) {
 
   trace::enable(true);
   rp.forward_backward({torch::randn({6, 8})}, torch::randn({6, 4}), loss_fn, cfg);
+  rp.synchronize();  // the backward job may start after forward_backward returns
   trace::enable(false);
   rp.forward_backward({torch::randn({6, 8})}, torch::randn({6, 4}), loss_fn, cfg);  // not traced
 
