@@ -1,8 +1,8 @@
 // Pipeline engine benchmark (a dedicated executable printing tables):
-//  1. Schedule quality: layers that sleep (forward t, backward 3t incl. recompute; no CPU burn) on
-//     2, 3, 4 CPU device workers; measured iteration time vs the ideal makespan of the same plan
-//     (event simulation of the dispatch order with zero overhead), our bubble fraction, and the
-//     bubble fraction GPipe and 1F1B have for the same layers ((p-1)/(m+p-1), p = devices).
+//  1. Schedule quality: 12 equal layers that sleep (forward t, backward 3t incl. recompute; no CPU
+//     burn) on 2-8 CPU device workers, devices + 1 microbatches, the automatic plan: the bubble of
+//     isolated and of back-to-back async (overlapping) iterations, measured and simulated, against
+//     GPipe's and 1F1B's for the same layers ((p-1)/(m+p-1), p = devices).
 //  2. Dispatch overhead: parameter-free empty layers, one stage per layer; time per (stage, mb).
 //  3. Async vs sync step: the sleeping model with 64M fp32 parameters and roundpipe::optim::Adam;
 //     3b: the step() call with bf16 compute copies, fp32 masters and fp32 vs uncast bf16 master
@@ -85,30 +85,6 @@ roundpipe::RunConfig sleep_run_config() {
   cfg.num_microbatch = 4;
   cfg.preserve_rng_state = false;
   return cfg;
-}
-
-// Zero-overhead event simulation of `plan` dispatched round-robin: stage jobs run their
-// microbatches in order; a microbatch starts when its input is ready and the previous one is done;
-// a stage starts when its device finished its previous stage.
-double ideal_makespan(const roundpipe::scheduler::ExecutePlan& plan, int devices, int micro, double t) {
-  using namespace roundpipe::scheduler;
-  auto order = dispatch_order(plan, RunType::kFused, devices);
-  std::vector<double> device_free(devices, 0);
-  std::vector<double> prev_ready(micro, 0);  // producer's finish per microbatch (chain)
-  double makespan = 0;
-  for (const auto& job : order) {
-    const double per_mb = job.layers.size() * (job.phase == StagePhase::kForward ? t : 3 * t);
-    double clock = device_free[job.device];
-    std::vector<double> ready(micro);
-    for (int j = 0; j < micro; ++j) {
-      clock = std::max(clock, prev_ready[j]) + per_mb;
-      ready[j] = clock;
-    }
-    device_free[job.device] = clock;
-    prev_ready = ready;
-    makespan = std::max(makespan, clock);
-  }
-  return makespan;
 }
 
 double median(std::vector<double> v) {
@@ -300,31 +276,57 @@ int main(int argc, char** argv) {
   const int layers = argc > 2 ? std::atoi(argv[2]) : 12;
   torch::set_num_threads(1);
 
-  std::printf("== 1. schedule quality: %d sleeping layers, forward %.1f ms, backward %.1f ms per layer and microbatch\n",
-              layers, t, 3 * t);
-  std::printf("%-8s %-6s %-7s %-12s %-12s %-8s %-10s %-12s\n", "devices", "micro", "stages", "measured_ms", "ideal_ms",
-              "ratio", "our_bubble", "gpipe/1f1b");
-  for (int devices : {2, 3, 4}) {
+  namespace rs = roundpipe::scheduler;
+  std::printf("== 1. schedule quality: %d sleeping layers, forward %.1f ms, recompute + backward %.1f ms per layer "
+              "and microbatch (the fused tail: forward + backward %.1f ms)\n", layers, t, 3 * t, 3 * t);
+  std::printf("isolated = forward_backward + kSync step (median of 6); async = back-to-back kAsync iterations "
+              "(mean of the last 8, overlapping); sim = scheduler::simulate, steady = simulate_steady_state\n");
+  std::printf("%-8s %-6s %-7s %-9s %-9s %-8s %-9s %-8s %-9s %-8s\n", "devices", "micro", "stages", "iso_ms", "async_ms",
+              "sim_iso", "meas_iso", "steady", "meas_asy", "gpipe");
+  for (int devices = 2; devices <= 8; ++devices) {
     const int micro = devices + 1;
     RoundPipe model(sleep_model(layers, t, 1), RoundPipeOptions().devices(std::vector<c10::Device>(devices, c10::kCPU)));
     RunConfig cfg;
     cfg.num_microbatch = micro;
     cfg.preserve_rng_state = false;  // no dropout: skip the CPU generator lock (Note [Layer RNG])
     auto x = torch::ones({micro, 4});
+    torch::optim::SGD sgd(model.optim_parameters(), 1e-9);  // a real, negligible step
+    auto step = [&sgd] {
+      sgd.step();
+      sgd.zero_grad();
+    };
+    model.forward_backward({x}, torch::Tensor(), sum_loss(), cfg);  // warm-up: measures, plans
+    model.step(step, StepMode::kSync);
     std::vector<double> times;
-    for (int rep = 0; rep < 12; ++rep) {  // the first is a warm-up (masters, state, plan)
+    for (int rep = 0; rep < 6; ++rep) {
       auto t0 = Clock::now();
       model.forward_backward({x}, torch::Tensor(), sum_loss(), cfg);
-      if (rep > 0) times.push_back(ms_since(t0));
+      model.step(step, StepMode::kSync);
+      times.push_back(ms_since(t0));
     }
-    const double measured = median(times);
+    std::vector<Clock::time_point> ends;
+    for (int rep = 0; rep < 10; ++rep) {
+      model.forward_backward({x}, torch::Tensor(), sum_loss(), cfg);
+      model.step(step, StepMode::kAsync);
+      ends.push_back(Clock::now());
+    }
+    model.synchronize();
+    const double iso = median(times);
+    const double period = std::chrono::duration<double, std::milli>(ends.back() - ends[1]).count() / 8;
     const auto plan = model.plan(cfg);
-    const double ideal = ideal_makespan(plan, devices, micro, t);
-    const double work = micro * layers * 4 * t;  // forward t + backward 3t per layer and microbatch
-    const double bubble = 1 - work / (devices * measured);
+    const int64_t fused_begin = plan.backward_stages().front().begin;
+    // Work: forward t + recompute and backward 3t per layer before the fused tail, 3t in it.
+    const double work = micro * t * static_cast<double>(4 * fused_begin + 3 * (layers - fused_begin));
+    const std::vector<rs::LayerCost> costs(layers, rs::LayerCost{t, 3 * t, 0, 0});
+    const auto sim = rs::simulate(plan, rs::RunType::kFused, costs, devices, micro,
+                                  rs::SimulateOptions().set_overlap_backward_tail(false));
+    const auto steady = rs::simulate_steady_state(plan, rs::RunType::kFused, costs, devices, micro,
+                                                  rs::SimulateOptions().set_overlap_backward_tail(true));
     const double gpipe = static_cast<double>(devices - 1) / (micro + devices - 1);
-    std::printf("%-8d %-6d %-7lld %-12.1f %-12.1f %-8.3f %-10.3f %-12.3f\n", devices, micro,
-                static_cast<long long>(plan.num_stages()), measured, ideal, measured / ideal, bubble, gpipe);
+    std::printf("%-8d %-6d %-7lld %-9.1f %-9.1f %-8.3f %-9.3f %-8.3f %-9.3f %-8.3f\n", devices, micro,
+                static_cast<long long>(plan.num_stages()), iso, period, sim.bubble_ratio(),
+                1 - work / (devices * iso), steady.bubble_ratio(), 1 - work / (devices * period), gpipe);
+    std::fflush(stdout);
   }
 
   std::printf("\n== 2. dispatch overhead: 32 empty layers, one stage per layer, 8 microbatches\n");
