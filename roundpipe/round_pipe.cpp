@@ -330,9 +330,17 @@ torch::Tensor RoundPipe::forward_backward(const std::vector<torch::Tensor>& inpu
   }
   detail::StepPipeline* steps = m.steps.get();
   ctx.on_release = [steps](int64_t l) { steps->release_layer(l); };
-  steps->begin_run();  // from here on, exactly one tail is posted
-  auto jobs = std::make_shared<detail::RunJobs>(
-      detail::launch_run(ctx, prepared->second, RunType::kFused, m.workers, &m.device_cursor));
+  std::shared_ptr<detail::RunJobs> jobs;
+  try {
+    jobs = std::make_shared<detail::RunJobs>(
+        detail::launch_run(ctx, prepared->second, RunType::kFused, m.workers, &m.device_cursor));
+  } catch (...) {
+    if (sync != nullptr) sync->abandon();
+    throw;
+  }
+  // From here on, exactly one tail is posted. (The jobs may already have released layers: the
+  // counts are read only by a step queued after this call.)
+  steps->begin_run();
   const std::exception_ptr head_error = detail::wait_jobs(jobs->jobs, 0, jobs->head);
   if (head_error) {
     // The backward jobs fail with the same error; wait for them (they reference ctx) in a tail,
