@@ -68,8 +68,11 @@ std::function<void()> MasterWatch::wrap(std::function<void()> step_fn) {
                 before[i].grad != after[i].grad || before[i].grad_version != after[i].grad_version;
     }
     untouched_steps_ = pending && !touched ? untouched_steps_ + 1 : 0;
-    TORCH_CHECK(untouched_steps_ < kUntouchedStepsLimit, "RoundPipe::step: the step function left every master "
-                "weight and its gradient untouched in ", untouched_steps_, " consecutive steps with gradients "
+    const int64_t untouched = untouched_steps_;
+    // Reported once: a step queued before the caller saw this error counts afresh.
+    if (untouched >= kUntouchedStepsLimit) untouched_steps_ = 0;
+    TORCH_CHECK(untouched < kUntouchedStepsLimit, "RoundPipe::step: the step function left every master "
+                "weight and its gradient untouched in ", untouched, " consecutive steps with gradients "
                 "pending: is the optimizer built on the compute copies (module()->parameters(), or "
                 "RoundPipe::parameters() outside an OptimizerCtx)? They never hold gradients when it runs, so it "
                 "does nothing. Build it on model.optim_parameters(), or construct it inside a "
