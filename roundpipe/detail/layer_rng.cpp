@@ -70,16 +70,48 @@ at::Generator default_generator(const c10::Device& device) {
   return at::detail::getDefaultCPUGenerator();
 }
 
+// What a draw changes in a generator (the caller holds gen.mutex()). CPU: the engine and the
+// cached normal samples, compared without serializing them (get_state() builds a 5 KB tensor,
+// which per layer and microbatch showed in the dispatch overhead); other devices: get_state().
+struct GeneratorMark {
+  std::optional<at::mt19937_data_pod> engine;
+  std::optional<float> next_float;
+  std::optional<double> next_double;
+  at::Tensor state;
+
+  static GeneratorMark of(at::Generator& gen) {
+    GeneratorMark m;
+    if (gen.device().is_cpu()) {
+      auto* cpu = gen.get<at::CPUGeneratorImpl>();
+      m.engine = cpu->engine().data();
+      m.next_float = cpu->next_float_normal_sample();
+      m.next_double = cpu->next_double_normal_sample();
+    } else {
+      m.state = gen.get_state();
+    }
+    return m;
+  }
+  bool same_as(const GeneratorMark& o) const {
+    if (engine) {
+      return o.engine && engine->seed_ == o.engine->seed_ && engine->left_ == o.engine->left_ &&
+             engine->seeded_ == o.engine->seeded_ && engine->next_ == o.engine->next_ &&
+             engine->state_ == o.engine->state_ && next_float == o.next_float && next_double == o.next_double;
+    }
+    return state.defined() && o.state.defined() && at::equal(state, o.state);
+  }
+};
+
 // Returns whether `fn` drew from the generator (its state after `fn` differs from before).
 bool run_on_generator(const c10::Device& device, std::optional<uint64_t> seed, const std::function<void()>& fn) {
   std::lock_guard<std::mutex> hold(generator_mutex(device));
   at::Generator gen = default_generator(device);
-  at::Tensor saved, start;
+  at::Tensor saved;
+  GeneratorMark start;
   {
     std::lock_guard<std::mutex> lock(gen.mutex());
     saved = gen.get_state();
     if (seed) gen.set_current_seed(*seed);
-    start = seed ? gen.get_state() : saved;
+    start = GeneratorMark::of(gen);
   }
   struct Restore {
     at::Generator& gen;
@@ -91,7 +123,7 @@ bool run_on_generator(const c10::Device& device, std::optional<uint64_t> seed, c
   } restore{gen, saved};
   fn();
   std::lock_guard<std::mutex> lock(gen.mutex());
-  return !at::equal(gen.get_state(), start);
+  return !GeneratorMark::of(gen).same_as(start);
 }
 
 }  // namespace
@@ -102,14 +134,14 @@ bool run_seeded(const c10::Device& device, uint64_t seed, const std::function<vo
 
 bool run_noting_draws(const c10::Device& device, const std::function<void()>& fn) {
   at::Generator gen = default_generator(device);
-  at::Tensor before;
+  GeneratorMark before;
   {
     std::lock_guard<std::mutex> lock(gen.mutex());
-    before = gen.get_state();
+    before = GeneratorMark::of(gen);
   }
   fn();
   std::lock_guard<std::mutex> lock(gen.mutex());
-  return !at::equal(gen.get_state(), before);
+  return !GeneratorMark::of(gen).same_as(before);
 }
 
 void run_rng_isolated(const std::function<void()>& fn) { run_on_generator(c10::Device(c10::kCPU), std::nullopt, fn); }
