@@ -319,7 +319,6 @@ torch::Tensor RoundPipe::forward_backward(const std::vector<torch::Tensor>& inpu
     throw;
   }
   const detail::ResolvedRunConfig& cfg = prepared->first;
-  const int64_t L = m.num_layers();
   const int64_t fused_begin = prepared->second.backward_stages().front().begin;
   bool detached = m.options.overlap_backward() && sync == nullptr && ctx.forward_ms.empty();
   if (detached) {
@@ -346,10 +345,7 @@ torch::Tensor RoundPipe::forward_backward(const std::vector<torch::Tensor>& inpu
     // The backward jobs fail with the same error; wait for them (they reference ctx) in a tail,
     // so the releases stay in run order, then report the root cause.
     auto done = steps->post_tail(
-        [run_ctx, jobs, L] {
-          detail::wait_jobs(jobs->jobs, jobs->head, jobs->jobs.size());
-          detail::release_layers(*run_ctx, 0, L);
-        },
+        [run_ctx, jobs] { detail::finish_backward(*run_ctx, *jobs); },
         /*detached=*/false);
     done.wait();
     if (sync != nullptr) sync->abandon();
@@ -368,10 +364,8 @@ torch::Tensor RoundPipe::forward_backward(const std::vector<torch::Tensor>& inpu
   if (detached) {
     if (scaler != nullptr) m.steps->attach_scaler(*scaler, ctx.scaler_generation.load(), ctx.flag_batch, expected_flags);
     steps->post_tail(
-        [run_ctx, jobs, L, steps, steps_before, scaler, expected_flags, layers = &m.layer_set] {
-          const std::exception_ptr error = detail::wait_jobs(jobs->jobs, jobs->head, jobs->jobs.size());
-          detail::release_layers(*run_ctx, 0, L);
-          if (error) {
+        [run_ctx, jobs, steps, steps_before, scaler, expected_flags, layers = &m.layer_set] {
+          if (const std::exception_ptr error = detail::finish_backward(*run_ctx, *jobs)) {
             // The scaler expects a flag per backward stage: a failed run's flags are dropped, as
             // for a run never announced, so no update waits for the ones that never come.
             if (scaler != nullptr && expected_flags > 0) {
@@ -386,10 +380,8 @@ torch::Tensor RoundPipe::forward_backward(const std::vector<torch::Tensor>& inpu
   }
 
   auto done = steps->post_tail(
-      [run_ctx, jobs, L, sync] {
-        const std::exception_ptr error = detail::wait_jobs(jobs->jobs, jobs->head, jobs->jobs.size());
-        detail::release_layers(*run_ctx, 0, L);
-        if (error) {
+      [run_ctx, jobs, sync] {
+        if (const std::exception_ptr error = detail::finish_backward(*run_ctx, *jobs)) {
           if (sync != nullptr) sync->abandon();
           std::rethrow_exception(error);
         }

@@ -153,6 +153,12 @@ std::exception_ptr wait_jobs(std::vector<std::future<void>>& jobs, size_t begin,
   return error;
 }
 
+std::exception_ptr finish_backward(RunContext& ctx, RunJobs& run) {
+  std::exception_ptr error = wait_jobs(run.jobs, run.head, run.jobs.size());
+  release_layers(ctx, 0, ctx.num_layers);
+  return error;
+}
+
 void execute_run(RunContext& ctx, const scheduler::ExecutePlan& plan, scheduler::RunType type,
                  const std::vector<std::unique_ptr<DeviceWorker>>& workers, int64_t* device_cursor) {
   RunJobs run = launch_run(ctx, plan, type, workers, device_cursor);

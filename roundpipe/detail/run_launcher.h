@@ -73,6 +73,10 @@ RunJobs launch_run(RunContext& ctx, const scheduler::ExecutePlan& plan, schedule
 /// Waits for jobs[begin, end) and returns the first failure in program order (null if none).
 std::exception_ptr wait_jobs(std::vector<std::future<void>>& jobs, size_t begin, size_t end);
 
+/// A training run's tail starts here: waits for its backward jobs (jobs[head, end)), releases
+/// every layer they did not (a failed job; Note [Run tails]) and returns their first failure.
+std::exception_ptr finish_backward(RunContext& ctx, RunJobs& run);
+
 /// launch_run, then waits for every job and rethrows the first failure in program order.
 void execute_run(RunContext& ctx, const scheduler::ExecutePlan& plan, scheduler::RunType type,
                  const std::vector<std::unique_ptr<DeviceWorker>>& workers, int64_t* device_cursor);
