@@ -141,7 +141,7 @@ void paper_workloads() {
   using roundpipe::RoundPipe;
   using roundpipe::RoundPipeOptions;
   using roundpipe::RunConfig;
-  constexpr int kDevices = 8, kMicro = 16, kIsolatedRuns = 3, kAsyncRuns = 8;
+  constexpr int kDevices = 8, kMicro = 16, kIsolatedRuns = 3, kAsyncRuns = 10, kAsyncWarmup = 2;
   constexpr double kTargetMs = 2000;
   const std::vector<PaperWorkload> workloads = {
       {"Qwen3-1.7B", 28, 7.429, 15.831, 22.0655, 43.707, 19.1, 4.0, 35.2},
@@ -154,14 +154,16 @@ void paper_workloads() {
               "per iteration\n", kDevices, kMicro, kTargetMs);
   std::printf("bubble = 1 - work / (%d x time); work = the layers' sleep (blocks recomputed, the fused tail not). "
               "sim = scheduler::simulate with the true costs and no overheads; async = back-to-back kAsync "
-              "iterations, mean of the last %d.\n", kDevices, kAsyncRuns - 2);
+              "iterations, mean of the last %d; sim_async = simulate_steady_state of the async plan.\n",
+              kDevices, kAsyncRuns - 1 - kAsyncWarmup);
   std::printf("hop_fit = the per-hop latency (SimulateOptions::hop_latency, ms) that makes the simulated isolated "
-              "makespan equal the measured one; the third plan per workload is planned with the runtime plan's "
-              "hop_fit.\n");
+              "makespan equal the measured one. Plans: isolated | async (the runtime plans for the mode of the "
+              "last step; 'planned' = plan_by_simulation with the true costs, kIsolated | kSteadyState).\n");
   std::printf("real_* = the bubble against the time the layers really slept (sleep_for overshoots), meas_* "
               "against the nominal sleep.\n");
-  std::printf("%-12s %-24s %6s %8s %8s %8s %8s %8s %8s %8s %8s %7s  %s\n", "workload", "plan", "scale", "sim_iso",
-              "meas_iso", "real_iso", "sim_async", "meas_asy", "real_asy", "paper", "1F1B", "hop_fit", "stages");
+  std::printf("%-12s %-20s %6s %8s %8s %8s %8s %8s %8s %8s %8s %7s  %s\n", "workload", "plan", "scale", "sim_iso",
+              "meas_iso", "real_iso", "sim_async", "meas_asy", "real_asy", "paper", "1F1B", "hop_fit",
+              "isolated plan  |  async plan");
   for (const auto& w : workloads) {
     // True costs: LayerCost::backward = recompute + backward (the fused tail's forward + backward).
     std::vector<rs::LayerCost> costs(w.layers, rs::LayerCost{w.fwd, w.fwd + w.bwd, 0, 0});
@@ -171,9 +173,16 @@ void paper_workloads() {
     const double scale = kTargetMs * kDevices * 0.85 / (kMicro * work_per_mb);
     for (auto& c : costs) c.forward *= scale, c.backward *= scale;
     auto sim_options = rs::SimulateOptions().set_overlap_backward_tail(false);
-    const auto true_plan = rs::plan_by_simulation(
-        costs, rs::RunType::kFused,
-        rs::PlannerOptions().set_num_devices(kDevices).set_num_microbatch(kMicro).set_simulate(sim_options));
+    const auto steady_options = rs::SimulateOptions().set_overlap_backward_tail(true);
+    auto plan_true = [&](rs::PlanObjective objective, const rs::SimulateOptions& model) {
+      return rs::plan_by_simulation(costs, rs::RunType::kFused,
+                                    rs::PlannerOptions()
+                                        .set_num_devices(kDevices)
+                                        .set_num_microbatch(kMicro)
+                                        .set_objective(objective)
+                                        .set_simulate(model))
+          .plan;
+    };
 
     auto make = [&] {
       torch::nn::Sequential model;
@@ -181,13 +190,14 @@ void paper_workloads() {
       model->push_back(SleepPairLayer(w.head_fwd * scale, w.head_bwd * scale));
       return model;
     };
-    // Returns the hop latency that explains the measured isolated time of the plan it ran.
-    auto run = [&](const char* what, std::optional<rs::ExecutePlan> fixed) -> double {
+    // Runs isolated iterations with `iso_plan` and back-to-back async ones with `async_plan` (the
+    // runtime's automatic plans when not given: it plans for the mode of the last step).
+    auto run = [&](const char* what, std::optional<rs::ExecutePlan> iso_plan, std::optional<rs::ExecutePlan> async_plan) {
       RoundPipe model(make(), RoundPipeOptions().devices(std::vector<c10::Device>(kDevices, c10::kCPU)));
       RunConfig cfg;
       cfg.num_microbatch = kMicro;
       cfg.preserve_rng_state = false;
-      cfg.execute_plan = fixed;
+      cfg.execute_plan = iso_plan;
       auto x = torch::ones({kMicro, 1});
       // A real (negligible) optimizer step: sleeping layers only multiply by a weight of ~1.
       torch::optim::SGD sgd(model.optim_parameters(), 1e-9);
@@ -197,12 +207,9 @@ void paper_workloads() {
       };
       model.forward_backward({x}, torch::Tensor(), sum_loss(), cfg);  // measures the layers (automatic plan)
       model.step(step, roundpipe::StepMode::kSync);
-      const rs::ExecutePlan plan = fixed ? *fixed : model.plan(cfg);
+      const rs::ExecutePlan plan = model.plan(cfg);
       // The work the sleeps add up to for this plan: forward stages, the fused tail, recompute + backward.
       const auto sim = rs::simulate(plan, rs::RunType::kFused, costs, kDevices, kMicro, sim_options);
-      // The runtime overlaps iterations (RoundPipeOptions::overlap_backward): so does this column.
-      const auto steady = rs::simulate_steady_state(plan, rs::RunType::kFused, costs, kDevices, kMicro,
-                                                    rs::SimulateOptions(sim_options).set_overlap_backward_tail(true));
       std::vector<double> isolated;
       const double slept_before_iso = slept_ms();
       for (int r = 0; r < kIsolatedRuns; ++r) {
@@ -215,6 +222,8 @@ void paper_workloads() {
       const double slept_iso = slept_ms() - slept_before_iso;
       double iso_total = 0;
       for (double t : isolated) iso_total += t;
+      // Async: the first step(kAsync) switches the automatic plan to the back-to-back one.
+      cfg.execute_plan = async_plan;
       std::vector<Clock::time_point> ends;
       double slept_async_from = 0, slept_async_to = 0;
       for (int r = 0; r < kAsyncRuns; ++r) {
@@ -222,14 +231,18 @@ void paper_workloads() {
         model.step(step, roundpipe::StepMode::kAsync);
         ends.push_back(Clock::now());
         // forward_backward returns before its backward ends (overlap_backward): in steady state
-        // the same work is in flight at both marks, so the difference is kAsyncRuns - 2
-        // iterations' sleeps.
-        if (r == 1) slept_async_from = slept_ms();
+        // the same work is in flight at both marks, so the difference is the sleeps of the
+        // iterations in between.
+        if (r == kAsyncWarmup) slept_async_from = slept_ms();
         if (r == kAsyncRuns - 1) slept_async_to = slept_ms();
       }
       model.synchronize();
+      const rs::ExecutePlan aplan = model.plan(cfg);
+      const auto asim = rs::simulate(aplan, rs::RunType::kFused, costs, kDevices, kMicro, sim_options);
+      const auto steady = rs::simulate_steady_state(aplan, rs::RunType::kFused, costs, kDevices, kMicro, steady_options);
+      const int measured = kAsyncRuns - 1 - kAsyncWarmup;
       const double async_ms =
-          std::chrono::duration<double, std::milli>(ends.back() - ends[1]).count() / (kAsyncRuns - 2);
+          std::chrono::duration<double, std::milli>(ends.back() - ends[kAsyncWarmup]).count() / measured;
       const double iso_ms = median(isolated);
       const double capacity_iso = kDevices * iso_ms, capacity_async = kDevices * async_ms;
       // Bisection: the simulated makespan does not decrease with the hop latency.
@@ -245,21 +258,17 @@ void paper_workloads() {
         (makespan_at(mid) < iso_ms ? lo : hi) = mid;
       }
       const double real_iso = 1 - slept_iso / (kDevices * iso_total);
-      const double real_async = 1 - (slept_async_to - slept_async_from) / (kDevices * async_ms * (kAsyncRuns - 2));
-      std::printf("%-12s %-24s %6.3f %7.1f%% %7.1f%% %7.1f%% %7.1f%% %7.1f%% %7.1f%% %3.1f/%3.1f %7.1f%% %7.3f  %s\n",
+      const double real_async = 1 - (slept_async_to - slept_async_from) / (kDevices * async_ms * measured);
+      std::printf("%-12s %-20s %6.3f %7.1f%% %7.1f%% %7.1f%% %7.1f%% %7.1f%% %7.1f%% %3.1f/%3.1f %7.1f%% %7.3f  %s  |  %s\n",
                   w.name, what, scale, 100 * sim.bubble_ratio(), 100 * (1 - sim.work / capacity_iso), 100 * real_iso,
-                  100 * steady.bubble_ratio(), 100 * (1 - sim.work / capacity_async), 100 * real_async,
-                  w.paper_isolated, w.paper_async, w.paper_1f1b, lo, plan.to_string().c_str());
+                  100 * steady.bubble_ratio(), 100 * (1 - asim.work / capacity_async), 100 * real_async,
+                  w.paper_isolated, w.paper_async, w.paper_1f1b, lo, plan.to_string().c_str(),
+                  aplan.to_string().c_str());
       std::fflush(stdout);
-      return lo;
     };
-    const double hop = run("runtime (auto)", std::nullopt);
-    run("planned, true costs", true_plan.plan);
-    const auto calibrated = rs::plan_by_simulation(
-        costs, rs::RunType::kFused,
-        rs::PlannerOptions().set_num_devices(kDevices).set_num_microbatch(kMicro).set_simulate(
-            rs::SimulateOptions(sim_options).set_hop_latency(hop)));
-    run("planned, costs + hop_fit", calibrated.plan);
+    run("runtime (auto)", std::nullopt, std::nullopt);
+    run("planned, true costs", plan_true(rs::PlanObjective::kIsolated, sim_options),
+        plan_true(rs::PlanObjective::kSteadyState, steady_options));
   }
 }
 
@@ -280,7 +289,7 @@ int main(int argc, char** argv) {
   std::printf("== 1. schedule quality: %d sleeping layers, forward %.1f ms, recompute + backward %.1f ms per layer "
               "and microbatch (the fused tail: forward + backward %.1f ms)\n", layers, t, 3 * t, 3 * t);
   std::printf("isolated = forward_backward + kSync step (median of 6); async = back-to-back kAsync iterations "
-              "(mean of the last 8, overlapping); sim = scheduler::simulate, steady = simulate_steady_state\n");
+              "(mean of the last 8, overlapping; the runtime plans for the last step's mode: stages iso|async); sim = scheduler::simulate, steady = simulate_steady_state\n");
   std::printf("%-8s %-6s %-7s %-9s %-9s %-8s %-9s %-8s %-9s %-8s\n", "devices", "micro", "stages", "iso_ms", "async_ms",
               "sim_iso", "meas_iso", "steady", "meas_asy", "gpipe");
   for (int devices = 2; devices <= 8; ++devices) {
@@ -304,28 +313,32 @@ int main(int argc, char** argv) {
       model.step(step, StepMode::kSync);
       times.push_back(ms_since(t0));
     }
+    const auto iso_plan = model.plan(cfg);
     std::vector<Clock::time_point> ends;
-    for (int rep = 0; rep < 10; ++rep) {
+    for (int rep = 0; rep < 11; ++rep) {  // the first kAsync step switches the automatic plan
       model.forward_backward({x}, torch::Tensor(), sum_loss(), cfg);
       model.step(step, StepMode::kAsync);
       ends.push_back(Clock::now());
     }
     model.synchronize();
     const double iso = median(times);
-    const double period = std::chrono::duration<double, std::milli>(ends.back() - ends[1]).count() / 8;
-    const auto plan = model.plan(cfg);
-    const int64_t fused_begin = plan.backward_stages().front().begin;
+    const double period = std::chrono::duration<double, std::milli>(ends.back() - ends[2]).count() / 8;
+    const auto async_plan = model.plan(cfg);
     // Work: forward t + recompute and backward 3t per layer before the fused tail, 3t in it.
-    const double work = micro * t * static_cast<double>(4 * fused_begin + 3 * (layers - fused_begin));
+    auto work = [&](const rs::ExecutePlan& plan) {
+      const int64_t fused_begin = plan.backward_stages().front().begin;
+      return micro * t * static_cast<double>(4 * fused_begin + 3 * (layers - fused_begin));
+    };
     const std::vector<rs::LayerCost> costs(layers, rs::LayerCost{t, 3 * t, 0, 0});
-    const auto sim = rs::simulate(plan, rs::RunType::kFused, costs, devices, micro,
+    const auto sim = rs::simulate(iso_plan, rs::RunType::kFused, costs, devices, micro,
                                   rs::SimulateOptions().set_overlap_backward_tail(false));
-    const auto steady = rs::simulate_steady_state(plan, rs::RunType::kFused, costs, devices, micro,
+    const auto steady = rs::simulate_steady_state(async_plan, rs::RunType::kFused, costs, devices, micro,
                                                   rs::SimulateOptions().set_overlap_backward_tail(true));
     const double gpipe = static_cast<double>(devices - 1) / (micro + devices - 1);
-    std::printf("%-8d %-6d %-7lld %-9.1f %-9.1f %-8.3f %-9.3f %-8.3f %-9.3f %-8.3f\n", devices, micro,
-                static_cast<long long>(plan.num_stages()), iso, period, sim.bubble_ratio(),
-                1 - work / (devices * iso), steady.bubble_ratio(), 1 - work / (devices * period), gpipe);
+    std::printf("%-8d %-6d %3lld|%-3lld %-9.1f %-9.1f %-8.3f %-9.3f %-8.3f %-9.3f %-8.3f\n", devices, micro,
+                static_cast<long long>(iso_plan.num_stages()), static_cast<long long>(async_plan.num_stages()), iso,
+                period, sim.bubble_ratio(), 1 - work(iso_plan) / (devices * iso), steady.bubble_ratio(),
+                1 - work(async_plan) / (devices * period), gpipe);
     std::fflush(stdout);
   }
 

@@ -252,8 +252,12 @@ RoundPipe::RoundPipe(torch::nn::Sequential model, RoundPipeOptions options) : im
       if (d.is_cuda()) budget = std::min(budget, cuda_device_memory_bytes(d.index()) / 2);
     }
   }
+  // Overlapping iterations: forward_backward returns before its backward ends (Note [Overlapping
+  // iterations]); data-parallel runs wait for their gradient all-reduce.
+  const bool iterations_overlap =
+      options.overlap_backward() && !(options.process_group() && options.process_group()->world_size() > 1);
   m.planner = std::make_unique<detail::Planner>(m.layer_bytes(false), m.layer_bytes(true),
-                                                static_cast<int64_t>(m.devices.size()), budget);
+                                                static_cast<int64_t>(m.devices.size()), budget, iterations_overlap);
   if (budget != std::numeric_limits<int64_t>::max()) {
     try {
       m.planner->auto_plan(RunType::kFused);  // a layer over the budget fails now, not at the first call
@@ -444,6 +448,11 @@ void RoundPipe::step(std::function<void()> step_fn, StepMode mode) {
     };
   }
   impl_->steps->step(std::move(step_fn), mode);
+  if (impl_->planner->set_async_steps(mode == StepMode::kAsync)) {
+    // The automatic plan follows the step mode (docs/schedule.md, "In RoundPipe").
+    ROUNDPIPE_LOG(*impl_->log, kInfo, "RoundPipe '", impl_->options.name(), "': automatic plan: ",
+                  impl_->planner->describe_auto_plan());
+  }
 }
 
 void RoundPipe::synchronize() {

@@ -42,6 +42,13 @@ struct SimulateOptions {
   /// item 3), so the next iteration is posted while backward stages still run. false: it returns
   /// after the whole iteration (the runtime today).
   bool overlap_backward_tail = true;
+  /// true (the runtime): there is one compute copy per layer, so the step publishing the
+  /// parameters iteration i+1 uses overwrites layer l only once iteration i's last reader of l
+  /// (the backward stage or fused tail holding it) has copied it, at its job's start plus
+  /// `job_overhead`; the publish goes in layer order and layer 0's last reader is iteration i's
+  /// last backward stage, so iteration i+1 copies no layer before that stage has started.
+  /// false: the publish waits for nothing (what the Python original's simulator assumes).
+  bool publish_waits_for_readers = true;
   /// 0: simulate until the iterations repeat (exact period; docs/schedule.md).
   /// n > 0: simulate n iterations and average the period over the last n / 2.
   int64_t num_iterations = 0;
@@ -53,6 +60,7 @@ struct SimulateOptions {
   SimulateOptions& set_round_size(int64_t v) { round_size = v; return *this; }
   SimulateOptions& set_step_time(double v) { step_time = v; return *this; }
   SimulateOptions& set_overlap_backward_tail(bool v) { overlap_backward_tail = v; return *this; }
+  SimulateOptions& set_publish_waits_for_readers(bool v) { publish_waits_for_readers = v; return *this; }
   SimulateOptions& set_num_iterations(int64_t v) { num_iterations = v; return *this; }
 };
 

@@ -11,11 +11,12 @@
 namespace roundpipe::detail {
 
 Planner::Planner(std::vector<int64_t> param_bytes, std::vector<int64_t> grad_bytes, int64_t num_devices,
-                 int64_t memory_budget_bytes)
+                 int64_t memory_budget_bytes, bool iterations_overlap)
     : param_bytes_(std::move(param_bytes)),
       grad_bytes_(std::move(grad_bytes)),
       num_devices_(num_devices),
-      memory_budget_bytes_(memory_budget_bytes) {}
+      memory_budget_bytes_(memory_budget_bytes),
+      iterations_overlap_(iterations_overlap) {}
 
 scheduler::ExecutePlan Planner::plan_for(const std::optional<scheduler::ExecutePlan>& plan,
                                          scheduler::RunType type) const {
@@ -28,12 +29,13 @@ scheduler::ExecutePlan Planner::plan_for(const std::optional<scheduler::ExecuteP
 
 namespace {
 
-// The runtime as the simulator models it today: forward_backward returns after the whole
-// iteration (issue 15 item 3 is not built), no recompute ahead, one job per stage. Per-job and
-// per-hop overheads are left at zero, which they are not: `pipeline_bench paper` measures 6-26
+// The runtime as the simulator models it: no recompute ahead, one job per stage, the step's
+// publish waiting for the previous iteration's last readers; forward_backward returns once the
+// losses are known when iterations overlap. Per-job and per-hop overheads are left at zero, which
+// they are not: on CPU device workers sharing two cores `pipeline_bench paper` measures 1-5
 // points more bubble than this model predicts (docs/benchmarks.md); calibrating them is open.
-scheduler::SimulateOptions runtime_model() {
-  return scheduler::SimulateOptions().set_overlap_backward_tail(false);
+scheduler::SimulateOptions runtime_model(bool iterations_overlap) {
+  return scheduler::SimulateOptions().set_overlap_backward_tail(iterations_overlap);
 }
 
 std::string describe(const scheduler::SimulationResult& sim) {
@@ -43,20 +45,30 @@ std::string describe(const scheduler::SimulationResult& sim) {
   return text;
 }
 
+std::string describe(const scheduler::SteadyStateResult& sim) {
+  char text[128];
+  std::snprintf(text, sizeof(text), "simulated %.1f ms per back-to-back iteration, bubble %.1f%%", sim.period,
+                100.0 * sim.bubble_ratio());
+  return text;
+}
+
 }  // namespace
 
 scheduler::ExecutePlan Planner::auto_plan(scheduler::RunType type) const {
-  auto& cached = type == scheduler::RunType::kInfer ? auto_infer_plan_ : auto_fused_plan_;
+  const bool steady = type != scheduler::RunType::kInfer && plans_for_steady_state();
+  auto& cached = type == scheduler::RunType::kInfer ? auto_infer_plan_ : steady ? auto_async_plan_ : auto_fused_plan_;
   if (!cached) {
     if (measured_) {
-      cached = scheduler::plan_by_simulation(layer_costs(), type,
-                                             scheduler::PlannerOptions()
-                                                 .set_num_devices(num_devices_)
-                                                 .set_num_microbatch(measured_num_microbatch_)
-                                                 .set_memory_budget_bytes(memory_budget_bytes_)
-                                                 .set_objective(scheduler::PlanObjective::kIsolated)
-                                                 .set_simulate(runtime_model())
-                                                 .set_seeds(seeds_))
+      cached = scheduler::plan_by_simulation(
+                   layer_costs(), type,
+                   scheduler::PlannerOptions()
+                       .set_num_devices(num_devices_)
+                       .set_num_microbatch(measured_num_microbatch_)
+                       .set_memory_budget_bytes(memory_budget_bytes_)
+                       .set_objective(steady ? scheduler::PlanObjective::kSteadyState
+                                             : scheduler::PlanObjective::kIsolated)
+                       .set_simulate(runtime_model(iterations_overlap_))
+                       .set_seeds(seeds_))
                    .plan;
     } else {
       cached = scheduler::partition(layer_costs(), type,
@@ -94,16 +106,36 @@ std::string Planner::use_measured_times(const std::vector<double>& forward_ms,
   seeds_ = {before};  // the search starts from it too: never rated worse than the size-based plan
   costs_ = std::move(measured);
   auto_fused_plan_.reset();
+  auto_async_plan_.reset();
   auto_infer_plan_.reset();
   measured_ = true;
   measured_num_microbatch_ = num_microbatch;
-  const auto after = auto_plan(scheduler::RunType::kFused);
-  auto simulate = [&](const scheduler::ExecutePlan& plan) {
-    return describe(scheduler::simulate(plan, scheduler::RunType::kFused, costs_, num_devices_, num_microbatch,
-                                        runtime_model()));
-  };
-  return after.to_string() + " (" + simulate(after) + " at " + std::to_string(num_microbatch) +
-         " microbatches; the size-based plan " + before.to_string() + ": " + simulate(before) + ")";
+  return describe_auto_plan() + "; the size-based plan " + before.to_string() + ": " +
+         describe_plan(before, false);
+}
+
+bool Planner::set_async_steps(bool async) {
+  const bool before = plans_for_steady_state();
+  async_steps_ = async;
+  return before != plans_for_steady_state();
+}
+
+std::string Planner::describe_plan(const scheduler::ExecutePlan& plan, bool steady) const {
+  const auto model = runtime_model(iterations_overlap_);
+  const auto M = measured_num_microbatch_;
+  if (steady) {
+    return describe(scheduler::simulate_steady_state(plan, scheduler::RunType::kFused, layer_costs(), num_devices_, M,
+                                                     model));
+  }
+  return describe(scheduler::simulate(plan, scheduler::RunType::kFused, layer_costs(), num_devices_, M, model));
+}
+
+std::string Planner::describe_auto_plan() const {
+  const auto plan = auto_plan(scheduler::RunType::kFused);
+  if (!measured_) return plan.to_string() + " (from parameter sizes; not yet measured)";
+  const bool steady = plans_for_steady_state();
+  return plan.to_string() + " for " + (steady ? "asynchronous" : "synchronous") + " steps (" +
+         describe_plan(plan, steady) + " at " + std::to_string(measured_num_microbatch_) + " microbatches)";
 }
 
 }  // namespace roundpipe::detail

@@ -16,16 +16,20 @@ namespace roundpipe::detail {
 /// Chooses the plan of each run: the call's (or model's) own, else an automatic plan. Until layer
 /// times are measured, the automatic plan is partitioned from size-based costs (the
 /// partitioner's cost model: fast, and bytes say little about time anyway); once measured, it is
-/// the plan whose simulated makespan is smallest (scheduler::plan_by_simulation, one isolated
-/// iteration at the measured num_microbatch, docs/schedule.md).
+/// the training plan that the simulator rates best (scheduler::plan_by_simulation at the measured
+/// num_microbatch, docs/schedule.md): for synchronous steps the one with the shortest isolated
+/// iteration, for asynchronous steps with overlapping iterations the one with the shortest mean
+/// time per iteration of back-to-back runs (PlanObjective::kSteadyState).
 ///
 /// Thread-safety: the caller thread only (plans are computed between runs).
 class Planner {
  public:
   /// `param_bytes[l]` / `grad_bytes[l]`: layer l's parameter + buffer bytes / trainable parameter
   /// bytes. `memory_budget_bytes`: per stage and device (max() = unlimited).
+  /// `iterations_overlap`: forward_backward returns before its backward stages end
+  /// (RoundPipeOptions::overlap_backward, no data parallelism).
   Planner(std::vector<int64_t> param_bytes, std::vector<int64_t> grad_bytes, int64_t num_devices,
-          int64_t memory_budget_bytes);
+          int64_t memory_budget_bytes, bool iterations_overlap);
 
   int64_t num_layers() const { return static_cast<int64_t>(param_bytes_.size()); }
   int64_t memory_budget_bytes() const { return memory_budget_bytes_; }
@@ -36,6 +40,12 @@ class Planner {
   const std::vector<scheduler::LayerCost>& layer_costs() const;
   /// Whether layer times were measured (RoundPipeOptions::measure_layer_times).
   bool measured() const { return measured_; }
+  /// Plans training runs for asynchronous (back-to-back, overlapping) or synchronous steps: the
+  /// mode of the caller's last step(). Returns whether the automatic training plan's objective
+  /// changed (measured costs and overlapping iterations only).
+  bool set_async_steps(bool async);
+  /// The automatic training plan with its simulated figures, for the log.
+  std::string describe_auto_plan() const;
   /// Replaces the costs by measured times, drops the cached plans and plans again by simulation
   /// for `num_microbatch` microbatches. `forward_ms[l]`: layer l's forward summed over the
   /// microbatches. `backward_stage_ms[s]`: backward stage s of the current automatic plan (the
@@ -51,11 +61,16 @@ class Planner {
   std::vector<int64_t> grad_bytes_;
   int64_t num_devices_;
   int64_t memory_budget_bytes_;
+  bool iterations_overlap_;
+  bool async_steps_ = false;
   bool measured_ = false;
   int64_t measured_num_microbatch_ = 0;  // the call that measured the costs
   std::vector<scheduler::ExecutePlan> seeds_;  // starting plans for the simulation planner
   mutable std::vector<scheduler::LayerCost> costs_;  // lazy
-  mutable std::optional<scheduler::ExecutePlan> auto_fused_plan_, auto_infer_plan_;
+  mutable std::optional<scheduler::ExecutePlan> auto_fused_plan_, auto_async_plan_, auto_infer_plan_;
+
+  bool plans_for_steady_state() const { return measured_ && async_steps_ && iterations_overlap_; }
+  std::string describe_plan(const scheduler::ExecutePlan& plan, bool steady) const;
 };
 
 }  // namespace roundpipe::detail

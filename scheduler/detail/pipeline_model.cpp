@@ -96,6 +96,7 @@ void PipelineModel::reset(const std::vector<JobSpec>& jobs) {
   out_.sum_job_end = 0;
   out_.periodic = false;
   gate_ = 0;
+  job_gate_.clear();
   step_end_ = 0;
   device_ = options_.first_device;
 }
@@ -106,12 +107,13 @@ void PipelineModel::iterate(const std::vector<JobSpec>& jobs, std::vector<Simula
   const double hop = options_.hop_latency;
   const auto it = static_cast<int64_t>(out_.iteration_end.size());
   double end = 0, fused_end = 0;
+  release_.assign(static_cast<size_t>(J), 0.0);
   for (const auto& [first, last] : rounds_) {
     for (int64_t k = 0; k < J; ++k) {
       const JobSpec& job = jobs[k];
       const int64_t d = device_;
       device_ = (device_ + 1) % D;
-      const double start = std::max(device_free_[d], gate_);
+      const double start = std::max({device_free_[d], gate_, job_gate_.empty() ? 0.0 : job_gate_[k]});
       double t = start + options_.job_overhead;
       double* ends = &mb_end_[static_cast<size_t>(k * M)];
       const double* input = job.input_job >= 0 ? &mb_end_[static_cast<size_t>(job.input_job * M)] : nullptr;
@@ -138,6 +140,8 @@ void PipelineModel::iterate(const std::vector<JobSpec>& jobs, std::vector<Simula
       device_free_[d] = t;
       end = std::max(end, t);
       if (job.phase == StagePhase::kFused) fused_end = std::max(fused_end, t);
+      // The last reader of its layers has its copy once the upload is done.
+      if (job.phase != StagePhase::kForward) release_[k] = std::max(release_[k], start + options_.job_overhead);
       if (it == 0) out_.sum_job_end += t;
     }
   }
@@ -148,11 +152,31 @@ void PipelineModel::iterate(const std::vector<JobSpec>& jobs, std::vector<Simula
     gate_ = returned;  // no optimizer: the next call posts its jobs when this one returns
   } else {
     // Step `it` is queued when the call returns and runs after step it-1 on the optimizer
-    // thread; it first publishes the parameters the next iteration uses (staleness one), then
-    // waits for this iteration's gradients and runs for step_time.
+    // thread; it first publishes the parameters the next iteration uses (staleness one), in
+    // layer order, each layer once this iteration's last reader has copied it (layer 0's is
+    // copied last), then waits for this iteration's gradients and runs for step_time.
     const double step_start = std::max(step_end_, returned);
-    step_end_ = std::max(step_start, end) + options_.step_time;
     gate_ = step_start;
+    double published = step_start;
+    job_gate_.clear();
+    if (options_.publish_waits_for_readers) {
+      // Layer l is published at the latest release among layers 0..l (a prefix maximum over the
+      // layers); job k of the next iteration waits for its last layer's publish.
+      int64_t num_layers = 0;
+      for (const auto& job : jobs) num_layers = std::max(num_layers, job.layers.end);
+      publish_at_.assign(static_cast<size_t>(num_layers), step_start);
+      for (int64_t k = 0; k < J; ++k) {
+        if (jobs[k].phase == StagePhase::kForward) continue;
+        for (int64_t l = jobs[k].layers.begin; l < jobs[k].layers.end; ++l) {
+          publish_at_[l] = std::max(publish_at_[l], release_[k]);
+        }
+      }
+      for (size_t l = 1; l < publish_at_.size(); ++l) publish_at_[l] = std::max(publish_at_[l], publish_at_[l - 1]);
+      published = publish_at_.back();
+      job_gate_.resize(static_cast<size_t>(J));
+      for (int64_t k = 0; k < J; ++k) job_gate_[k] = publish_at_[static_cast<size_t>(jobs[k].layers.end - 1)];
+    }
+    step_end_ = std::max(published, end) + options_.step_time;
   }
 }
 
@@ -180,7 +204,7 @@ const PipelineModel::Output& PipelineModel::steady(const std::vector<JobSpec>& j
   // which the state (cursor, and device and optimizer times relative to the next gate; times
   // before the gate no longer matter) is the same; the period is the gate's advance per
   // iteration between them (Note [Pipeline simulator]).
-  const auto width = static_cast<size_t>(num_devices_ + 2);
+  const auto width = static_cast<size_t>(num_devices_ + 2) + jobs.size();
   states_.clear();
   gates_.clear();
   for (int64_t it = 0; it < kMaxSteadyIterations; ++it) {
@@ -190,6 +214,9 @@ const PipelineModel::Output& PipelineModel::steady(const std::vector<JobSpec>& j
     states_.push_back(static_cast<double>(device_));
     for (double t : device_free_) states_.push_back(std::max(0.0, t - gate_));
     states_.push_back(std::max(0.0, step_end_ - gate_));
+    for (size_t k = 0; k < width - static_cast<size_t>(num_devices_ + 2); ++k) {
+      states_.push_back(k < job_gate_.size() ? std::max(0.0, job_gate_[k] - gate_) : 0.0);
+    }
     gates_.push_back(gate_);
     for (int64_t back = it - 1; back >= 0; --back) {
       const size_t other = static_cast<size_t>(back) * width;

@@ -77,7 +77,10 @@ class PipelineModel {
   // Simulation state between iterations.
   std::vector<double> device_free_;
   std::vector<double> mb_end_;  // [job][microbatch] of the current iteration
-  double gate_ = 0;             // the next iteration's jobs are posted and may copy their layers
+  double gate_ = 0;             // the next iteration's jobs are posted
+  std::vector<double> job_gate_;    // [job] the next iteration's job k may copy its layers (empty: at gate_)
+  std::vector<double> release_;     // [job] this iteration's last reader of the job's layers has its copy
+  std::vector<double> publish_at_;  // [layer] scratch
   double step_end_ = 0;         // the last iteration's optimizer step
   int64_t device_ = 0;          // the cursor
   std::vector<double> states_, gates_;  // per iteration, for steady()

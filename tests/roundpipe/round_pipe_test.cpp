@@ -388,13 +388,16 @@ struct SlowIdentityImpl : torch::nn::Cloneable<SlowIdentityImpl> {
 TORCH_MODULE(SlowIdentity);
 
 // `rp`'s automatic plan is the simulation planner's plan for `costs` on 2 devices with 3
-// microbatches, as the runtime models itself; with 6 layers the planner enumerates every plan, so
-// that is the optimum.
-void expect_simulation_optimum(const RoundPipe& rp, const std::vector<scheduler::LayerCost>& costs) {
-  const auto planned = scheduler::plan_by_simulation(
-      costs, scheduler::RunType::kFused,
-      scheduler::PlannerOptions().set_num_devices(2).set_num_microbatch(3).set_simulate(
-          scheduler::SimulateOptions().set_overlap_backward_tail(false)));
+// microbatches, as the runtime models itself (iterations overlap); with 6 layers the planner
+// enumerates every plan, so that is the optimum for `objective`.
+void expect_simulation_optimum(const RoundPipe& rp, const std::vector<scheduler::LayerCost>& costs,
+                               scheduler::PlanObjective objective = scheduler::PlanObjective::kIsolated) {
+  const auto planned = scheduler::plan_by_simulation(costs, scheduler::RunType::kFused,
+                                                     scheduler::PlannerOptions()
+                                                         .set_num_devices(2)
+                                                         .set_num_microbatch(3)
+                                                         .set_objective(objective)
+                                                         .set_simulate(scheduler::SimulateOptions()));
   ASSERT_TRUE(planned.exhaustive);
   EXPECT_EQ(rp.plan().to_string(), planned.plan.to_string());
 }
@@ -444,6 +447,19 @@ TEST(RoundPipeTest, MeasuredLayerTimes_ReplanAfterFirstCall) {
   EXPECT_TRUE(testing::tensor_lists_close(rp.module()->parameters(), fixed.module()->parameters(), 0));
   EXPECT_EQ(fixed.layer_costs()[2].forward, size_based[2].forward);
   EXPECT_EQ(fixed.plan().to_string(), plan_before.to_string());
+  // The plan follows the mode of the last step: asynchronous steps get the plan with the shortest
+  // mean time per back-to-back iteration, synchronous ones the shortest isolated iteration again.
+  rp.step(nullptr, StepMode::kAsync);
+  expect_simulation_optimum(rp, costs, scheduler::PlanObjective::kSteadyState);
+  rp.forward_backward({x}, y, loss_fn, cfg);
+  rp.step(nullptr, StepMode::kSync);
+  expect_simulation_optimum(rp, costs);
+  // Without overlapping iterations a back-to-back iteration is an isolated one: no switch.
+  RoundPipe serial(make(), RoundPipeOptions().devices(cpu_devices(2)).overlap_backward(false));
+  serial.forward_backward({x}, y, loss_fn, cfg);
+  const auto serial_plan = serial.plan().to_string();
+  serial.step(nullptr, StepMode::kAsync);
+  EXPECT_EQ(serial.plan().to_string(), serial_plan);
 }
 
 // Identity whose backward sleeps `ms` (forward is free): only a timed backward can see it.

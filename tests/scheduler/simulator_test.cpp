@@ -135,6 +135,40 @@ TEST(SimulatorTest, SteadyState_NoOverlapRepeatsTheIsolatedMakespan) {
   EXPECT_TRUE(r.periodic);
 }
 
+// One compute copy per layer: step 0 publishes layer l for iteration 1 only once iteration 0's
+// last reader of l has uploaded it (job start + overhead). Plan F[0,1) F[1,2) | T[2,3) B[1,2)
+// B[0,1), forward 1 and backward 2 per layer, 2 devices, M = 1, job overhead 3:
+//   iteration 0: F0 d0 up [0,3] mb [3,4]; F1 d1 up [0,3] mb [4,5]; T d0 up [4,7] mb [7,9]
+//   (returns at 9); B1 d1 up [5,8] mb [9,11]; B0 d0 up [9,12] (layer 0 released at 12) mb [12,14].
+//   iteration 1 (cursor 1), layers published at 12 (the prefix maximum of the releases):
+//   F0 d1 from 12 (d1 is free at 11), up [12,15] mb [15,16]; F1 d0 up [14,17] mb [17,18];
+//   T d1 up [16,19] mb [19,21]; B1 d0 up [18,21] mb [21,23]; B0 d1 up [21,24] mb [24,26].
+//   Without the rule F0 starts at 11 and iteration 1 ends at 25.
+TEST(SimulatorTest, SteadyState_PublishWaitsForThePreviousIterationsLastReaders) {
+  const ExecutePlan plan({{0, 1}, {1, 2}}, {{2, 3}, {1, 2}, {0, 1}});
+  const auto options = SimulateOptions().set_job_overhead(3).set_num_iterations(2);
+  auto r = simulate_steady_state(plan, RunType::kFused, unit_costs(3), 2, 1, options);
+  ASSERT_EQ(r.timeline.jobs.size(), 10u);
+  EXPECT_DOUBLE_EQ(r.iteration_return[0], 9);
+  EXPECT_DOUBLE_EQ(r.iteration_end[0], 14);
+  EXPECT_EQ(r.timeline.jobs[5].device, 1);
+  EXPECT_DOUBLE_EQ(r.timeline.jobs[5].start, 12);
+  EXPECT_DOUBLE_EQ(r.timeline.jobs[9].microbatches[0].start, 24);
+  EXPECT_DOUBLE_EQ(r.iteration_end[1], 26);
+  auto free = simulate_steady_state(plan, RunType::kFused, unit_costs(3), 2, 1,
+                                    SimulateOptions(options).set_publish_waits_for_readers(false));
+  EXPECT_DOUBLE_EQ(free.timeline.jobs[5].start, 11);
+  EXPECT_DOUBLE_EQ(free.iteration_end[1], 25);
+  // Without upload time the rule does not bind here: every job's last microbatch needs the one
+  // before it in dispatch order, so the device the next iteration's first job lands on is busy
+  // until after the last backward stage took its own device (docs/schedule.md).
+  auto no_upload = simulate_steady_state(plan, RunType::kFused, unit_costs(3), 2, 1);
+  auto no_upload_free = simulate_steady_state(plan, RunType::kFused, unit_costs(3), 2, 1,
+                                              SimulateOptions().set_publish_waits_for_readers(false));
+  EXPECT_DOUBLE_EQ(no_upload.period, no_upload_free.period);
+  EXPECT_TRUE(no_upload.periodic);
+}
+
 // A slow optimizer step limits the period to one step per iteration.
 TEST(SimulatorTest, SteadyState_SlowStepBoundsThePeriod) {
   auto r = simulate_steady_state(two_forward_plan(), RunType::kFused, unit_costs(3), 2, 3,
