@@ -28,6 +28,8 @@
 #include <functional>
 #include <thread>
 
+#include <sys/resource.h>
+
 #include "optim/adam.h"
 #include "roundpipe/detail/device_io.h"
 #include "roundpipe/detail/layer_shells.h"
@@ -106,6 +108,15 @@ void sleep_counted(double ms) {
 }
 double slept_ms() { return static_cast<double>(g_slept_ns.load()) / 1e6; }
 
+// CPU time of the whole process (every thread), ms: sleeping layers use none, so this is the
+// engine's and the layers' own tensor work plus the optimizer's.
+double process_cpu_ms() {
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  auto ms = [](const timeval& t) { return static_cast<double>(t.tv_sec) * 1e3 + static_cast<double>(t.tv_usec) / 1e3; };
+  return ms(u.ru_utime) + ms(u.ru_stime);
+}
+
 // Section 5: y = x that sleeps `fwd_ms` in forward and `bwd_ms` in backward (per microbatch).
 struct SleepPairFn : torch::autograd::Function<SleepPairFn> {
   static torch::Tensor forward(torch::autograd::AutogradContext* ctx, torch::Tensor x, double fwd_ms, double bwd_ms) {
@@ -161,9 +172,11 @@ void paper_workloads() {
               "last step; 'planned' = plan_by_simulation with the true costs, kIsolated | kSteadyState).\n");
   std::printf("real_* = the bubble against the time the layers really slept (sleep_for overshoots), meas_* "
               "against the nominal sleep.\n");
-  std::printf("%-12s %-20s %6s %8s %8s %8s %8s %8s %8s %8s %8s %7s  %s\n", "workload", "plan", "scale", "sim_iso",
-              "meas_iso", "real_iso", "sim_async", "meas_asy", "real_asy", "paper", "1F1B", "hop_fit",
-              "isolated plan  |  async plan");
+  std::printf("cpu iso/asy = the process's CPU time (all threads: the engine, the layers' tensor work, the "
+              "optimizer) as a share of %d x wall time; sleeps use none.\n", kDevices);
+  std::printf("%-12s %-20s %6s %8s %8s %8s %8s %8s %8s %8s %8s %7s %10s  %s\n", "workload", "plan", "scale",
+              "sim_iso", "meas_iso", "real_iso", "sim_async", "meas_asy", "real_asy", "paper", "1F1B", "hop_fit",
+              "cpu iso/asy", "isolated plan  |  async plan");
   for (const auto& w : workloads) {
     // True costs: LayerCost::backward = recompute + backward (the fused tail's forward + backward).
     std::vector<rs::LayerCost> costs(w.layers, rs::LayerCost{w.fwd, w.fwd + w.bwd, 0, 0});
@@ -172,8 +185,9 @@ void paper_workloads() {
     for (const auto& c : costs) work_per_mb += c.forward + c.backward;
     const double scale = kTargetMs * kDevices * 0.85 / (kMicro * work_per_mb);
     for (auto& c : costs) c.forward *= scale, c.backward *= scale;
-    auto sim_options = rs::SimulateOptions().set_overlap_backward_tail(false);
-    const auto steady_options = rs::SimulateOptions().set_overlap_backward_tail(true);
+    // The runtime's model: backward stages recompute ahead (Note [Recompute ahead]).
+    auto sim_options = rs::SimulateOptions().set_recompute_ahead(true).set_overlap_backward_tail(false);
+    const auto steady_options = rs::SimulateOptions(sim_options).set_overlap_backward_tail(true);
     auto plan_true = [&](rs::PlanObjective objective, const rs::SimulateOptions& model) {
       return rs::plan_by_simulation(costs, rs::RunType::kFused,
                                     rs::PlannerOptions()
@@ -212,6 +226,7 @@ void paper_workloads() {
       const auto sim = rs::simulate(plan, rs::RunType::kFused, costs, kDevices, kMicro, sim_options);
       std::vector<double> isolated;
       const double slept_before_iso = slept_ms();
+      const double cpu_before_iso = process_cpu_ms();
       for (int r = 0; r < kIsolatedRuns; ++r) {
         const auto t0 = Clock::now();
         model.forward_backward({x}, torch::Tensor(), sum_loss(), cfg);
@@ -220,12 +235,13 @@ void paper_workloads() {
       }
       model.synchronize();
       const double slept_iso = slept_ms() - slept_before_iso;
+      const double cpu_iso = process_cpu_ms() - cpu_before_iso;
       double iso_total = 0;
       for (double t : isolated) iso_total += t;
       // Async: the first step(kAsync) switches the automatic plan to the back-to-back one.
       cfg.execute_plan = async_plan;
       std::vector<Clock::time_point> ends;
-      double slept_async_from = 0, slept_async_to = 0;
+      double slept_async_from = 0, slept_async_to = 0, cpu_async_from = 0, cpu_async_to = 0;
       for (int r = 0; r < kAsyncRuns; ++r) {
         model.forward_backward({x}, torch::Tensor(), sum_loss(), cfg);
         model.step(step, roundpipe::StepMode::kAsync);
@@ -233,8 +249,8 @@ void paper_workloads() {
         // forward_backward returns before its backward ends (overlap_backward): in steady state
         // the same work is in flight at both marks, so the difference is the sleeps of the
         // iterations in between.
-        if (r == kAsyncWarmup) slept_async_from = slept_ms();
-        if (r == kAsyncRuns - 1) slept_async_to = slept_ms();
+        if (r == kAsyncWarmup) slept_async_from = slept_ms(), cpu_async_from = process_cpu_ms();
+        if (r == kAsyncRuns - 1) slept_async_to = slept_ms(), cpu_async_to = process_cpu_ms();
       }
       model.synchronize();
       const rs::ExecutePlan aplan = model.plan(cfg);
@@ -259,11 +275,15 @@ void paper_workloads() {
       }
       const double real_iso = 1 - slept_iso / (kDevices * iso_total);
       const double real_async = 1 - (slept_async_to - slept_async_from) / (kDevices * async_ms * measured);
-      std::printf("%-12s %-20s %6.3f %7.1f%% %7.1f%% %7.1f%% %7.1f%% %7.1f%% %7.1f%% %3.1f/%3.1f %7.1f%% %7.3f  %s  |  %s\n",
+      // The CPU the process used, as a share of the devices' capacity (8 x wall time).
+      const double cpu_share_iso = cpu_iso / (kDevices * iso_total);
+      const double cpu_share_async = (cpu_async_to - cpu_async_from) / (kDevices * async_ms * measured);
+      std::printf("%-12s %-20s %6.3f %7.1f%% %7.1f%% %7.1f%% %7.1f%% %7.1f%% %7.1f%% %3.1f/%3.1f %7.1f%% %7.3f "
+                  "%4.1f/%4.1f%%  %s  |  %s\n",
                   w.name, what, scale, 100 * sim.bubble_ratio(), 100 * (1 - sim.work / capacity_iso), 100 * real_iso,
                   100 * steady.bubble_ratio(), 100 * (1 - asim.work / capacity_async), 100 * real_async,
-                  w.paper_isolated, w.paper_async, w.paper_1f1b, lo, plan.to_string().c_str(),
-                  aplan.to_string().c_str());
+                  w.paper_isolated, w.paper_async, w.paper_1f1b, lo, 100 * cpu_share_iso, 100 * cpu_share_async,
+                  plan.to_string().c_str(), aplan.to_string().c_str());
       std::fflush(stdout);
     };
     run("runtime (auto)", std::nullopt, std::nullopt);
@@ -331,9 +351,10 @@ int main(int argc, char** argv) {
     };
     const std::vector<rs::LayerCost> costs(layers, rs::LayerCost{t, 3 * t, 0, 0});
     const auto sim = rs::simulate(iso_plan, rs::RunType::kFused, costs, devices, micro,
-                                  rs::SimulateOptions().set_overlap_backward_tail(false));
-    const auto steady = rs::simulate_steady_state(async_plan, rs::RunType::kFused, costs, devices, micro,
-                                                  rs::SimulateOptions().set_overlap_backward_tail(true));
+                                  rs::SimulateOptions().set_recompute_ahead(true).set_overlap_backward_tail(false));
+    const auto steady = rs::simulate_steady_state(
+        async_plan, rs::RunType::kFused, costs, devices, micro,
+        rs::SimulateOptions().set_recompute_ahead(true).set_overlap_backward_tail(true));
     const double gpipe = static_cast<double>(devices - 1) / (micro + devices - 1);
     std::printf("%-8d %-6d %3lld|%-3lld %-9.1f %-9.1f %-8.3f %-9.3f %-8.3f %-9.3f %-8.3f\n", devices, micro,
                 static_cast<long long>(iso_plan.num_stages()), static_cast<long long>(async_plan.num_stages()), iso,

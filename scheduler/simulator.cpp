@@ -46,10 +46,14 @@ namespace roundpipe::scheduler {
 //   that publish before copying any layer), then waits for iteration i's gradients and takes
 //   `step_time`. So iteration i+1's gate is max(return of i, end of step i-1), and step i-1
 //   ends after iteration i-1 ended: with step_time 0 only the device slots and the data
-//   dependencies constrain. kInfer runs have no step: the gate is the previous return.
+//   dependencies constrain. With `publish_waits_for_readers` (the runtime: one compute copy per
+//   layer) the publish of layer l also waits for iteration i's last reader of l (the backward
+//   or fused job holding it) to have its copy, at its start + job_overhead; the publish goes in
+//   layer order, so job k of iteration i+1 starts no earlier than the latest of these releases
+//   over layers 0 .. its last layer. kInfer runs have no step: the gate is the previous return.
 //   The model is max-plus linear (only max and +), so the iterations become periodic: after each
-//   iteration the state is the cursor and the device-free and step-end times relative to the
-//   next gate (clamped at 0: earlier times no longer matter); when it equals the state after an
+//   iteration the state is the cursor and the device-free, step-end and per-job publish times
+//   relative to the next gate (clamped at 0: earlier times no longer matter); when it equals the state after an
 //   earlier iteration (to 1e-9 relative), the period is the gate's advance per iteration between
 //   the two, exactly (a plan of 15 jobs on 8 devices repeats every 3 iterations: averaging a
 //   fixed window instead was off by up to 4 points of bubble). Without a repeat within 256

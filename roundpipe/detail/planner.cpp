@@ -29,13 +29,14 @@ scheduler::ExecutePlan Planner::plan_for(const std::optional<scheduler::ExecuteP
 
 namespace {
 
-// The runtime as the simulator models it: no recompute ahead, one job per stage, the step's
-// publish waiting for the previous iteration's last readers; forward_backward returns once the
-// losses are known when iterations overlap. Per-job and per-hop overheads are left at zero, which
+// The runtime as the simulator models it: one job per stage, backward stages recomputing ahead
+// (Note [Recompute ahead] in stage_jobs.cpp; the default stage grain), the step's publish waiting
+// for the previous iteration's last readers; forward_backward returns once the losses are known
+// when iterations overlap. Per-job and per-hop overheads are left at zero, which
 // they are not: on CPU device workers sharing two cores `pipeline_bench paper` measures 1-5
 // points more bubble than this model predicts (docs/benchmarks.md); calibrating them is open.
 scheduler::SimulateOptions runtime_model(bool iterations_overlap) {
-  return scheduler::SimulateOptions().set_overlap_backward_tail(iterations_overlap);
+  return scheduler::SimulateOptions().set_recompute_ahead(true).set_overlap_backward_tail(iterations_overlap);
 }
 
 std::string describe(const scheduler::SimulationResult& sim) {

@@ -406,9 +406,16 @@ void run_backward_stage(RunContext& ctx, size_t stage, scheduler::LayerRange r, 
     // recompute]).
     auto shells = lease_layers(ctx, r, io, pos, /*from_snapshot=*/true);
     release_after_copy(ctx, r, io, device, -1);
+    // Note [Recompute ahead]: with the stage grain a microbatch is recomputed as soon as the
+    // device is free and its saved input is there, and its gradient is awaited only before the
+    // backward pass, so the recompute overlaps the wait for the stage downstream (what the
+    // Python original does; scheduler::SimulateOptions::recompute_ahead). The measuring call
+    // awaits first, so its timer sees only the work.
+    const bool ahead = ctx.grain == RecomputeGrain::kStage && stage >= ctx.backward_stage_ms.size();
     for (int64_t j = 0; j < ctx.num_microbatch; ++j) {
       pos.microbatch = j;
-      Activations grads = io.upload(await(ctx.bwd_grad[stage - 1][j]));
+      Activations grads;
+      if (!ahead) grads = io.upload(await(ctx.bwd_grad[stage - 1][j]));
       StageTimer timer(ctx, io, stage);
       if (ctx.grain == RecomputeGrain::kStage) {
         Activations leaves = make_leaves(io, await(ctx.saved[r.begin][j]), r.begin > 0);
@@ -419,6 +426,10 @@ void run_backward_stage(RunContext& ctx, size_t stage, scheduler::LayerRange r, 
           acts = run_layer(ctx, shells[l - r.begin], l, j, acts, io);
         }
         pos.layer = -1;
+        if (ahead) {
+          pos.step = "";  // as when awaiting first: an upstream failure is reported as such
+          grads = io.upload(await(ctx.bwd_grad[stage - 1][j]));
+        }
         pos.step = "backward";
         backward_paired(acts, grads);
         grads = leaf_grads(leaves);

@@ -388,7 +388,8 @@ struct SlowIdentityImpl : torch::nn::Cloneable<SlowIdentityImpl> {
 TORCH_MODULE(SlowIdentity);
 
 // `rp`'s automatic plan is the simulation planner's plan for `costs` on 2 devices with 3
-// microbatches, as the runtime models itself (iterations overlap); with 6 layers the planner
+// microbatches, as the runtime models itself (iterations overlap, backward stages recompute
+// ahead); with 6 layers the planner
 // enumerates every plan, so that is the optimum for `objective`.
 void expect_simulation_optimum(const RoundPipe& rp, const std::vector<scheduler::LayerCost>& costs,
                                scheduler::PlanObjective objective = scheduler::PlanObjective::kIsolated) {
@@ -397,7 +398,7 @@ void expect_simulation_optimum(const RoundPipe& rp, const std::vector<scheduler:
                                                          .set_num_devices(2)
                                                          .set_num_microbatch(3)
                                                          .set_objective(objective)
-                                                         .set_simulate(scheduler::SimulateOptions()));
+                                                         .set_simulate(scheduler::SimulateOptions().set_recompute_ahead(true)));
   ASSERT_TRUE(planned.exhaustive);
   EXPECT_EQ(rp.plan().to_string(), planned.plan.to_string());
 }
