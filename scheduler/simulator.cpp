@@ -28,9 +28,10 @@ namespace roundpipe::scheduler {
 //   stage; backward stage i after backward stage i-1 (the fused tail is backward stage 0). The
 //   saved stage input a backward stage recomputes from exists by then (its forward stage ran
 //   microbatch j before the stages after it). With `recompute_ahead` a backward stage's
-//   microbatch recomputes (its forward sum) as soon as the device is free and the saved input
-//   arrived (taken as the end of that forward stage's microbatch j: conservative when the
-//   backward stage starts inside it), and waits for the gradient before the rest.
+//   microbatch recomputes (its forward sum) as soon as the device is free and the forward has
+//   passed its layers for microbatch j (taken as the end of microbatch j of the forward stage
+//   holding its last layer: the runtime awaits the input of the layer after them, which may come
+//   earlier, inside that stage), and waits for the gradient before the rest.
 // - kTrain is modelled as one call: the output gradient of microbatch j is there as soon as the
 //   output is (the runtime only runs kInfer and kFused plans).
 // - Bubble: work is compute only; per device, idle = makespan - busy (compute + overhead), fill

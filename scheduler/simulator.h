@@ -24,10 +24,11 @@ struct SimulateOptions {
   /// Delay on every stage-boundary edge, per microbatch (the runtime moves activations and
   /// gradients through host memory, even between two jobs on one device). Not device time.
   double hop_latency = 0;
-  /// false (the runtime today): a backward stage recomputes microbatch j only once its gradient
-  /// has arrived. true: it recomputes as soon as the device is free and the saved input exists,
-  /// and waits for the gradient only before the backward pass (what the Python original's
-  /// simulator assumes). Splits a backward stage's time into forward (recompute) and the rest.
+  /// false: a backward stage recomputes microbatch j only once its gradient has arrived.
+  /// true (the runtime with the stage recompute grain, and the Python original): it recomputes
+  /// as soon as the device is free and the forward has passed its layers for microbatch j, and
+  /// waits for the gradient only before the backward pass. Splits a backward stage's time into
+  /// forward (recompute) and the rest.
   bool recompute_ahead = false;
   /// 0 (the runtime today): a stage job runs all num_microbatch microbatches. n > 0: the
   /// iteration is dispatched in rounds of n microbatches, each round posting one job per stage

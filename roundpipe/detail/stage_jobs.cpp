@@ -407,10 +407,10 @@ void run_backward_stage(RunContext& ctx, size_t stage, scheduler::LayerRange r, 
     auto shells = lease_layers(ctx, r, io, pos, /*from_snapshot=*/true);
     release_after_copy(ctx, r, io, device, -1);
     // Note [Recompute ahead]: with the stage grain a microbatch is recomputed as soon as the
-    // device is free and its saved input is there, and its gradient is awaited only before the
-    // backward pass, so the recompute overlaps the wait for the stage downstream (what the
-    // Python original does; scheduler::SimulateOptions::recompute_ahead). The measuring call
-    // awaits first, so its timer sees only the work.
+    // device is free and the forward has passed the stage's layers for it, and its gradient is
+    // awaited only before the backward pass, so the recompute overlaps the wait for the stage
+    // downstream (what the Python original does; scheduler::SimulateOptions::recompute_ahead).
+    // The measuring call awaits first, so its timer sees only the work.
     const bool ahead = ctx.grain == RecomputeGrain::kStage && stage >= ctx.backward_stage_ms.size();
     for (int64_t j = 0; j < ctx.num_microbatch; ++j) {
       pos.microbatch = j;
@@ -418,6 +418,12 @@ void run_backward_stage(RunContext& ctx, size_t stage, scheduler::LayerRange r, 
       if (!ahead) grads = io.upload(await(ctx.bwd_grad[stage - 1][j]));
       StageTimer timer(ctx, io, stage);
       if (ctx.grain == RecomputeGrain::kStage) {
+        // The forward of the stage's layers must be done for this microbatch (the recompute
+        // replays its draws, Note [Layer RNG]): the saved input of the next stage down, or the
+        // fused tail's input. Awaiting the gradient first implied it.
+        if (ahead) {
+          await(r.end < ctx.num_layers && !ctx.saved[r.end].empty() ? ctx.saved[r.end][j] : ctx.fwd_out.back()[j]);
+        }
         Activations leaves = make_leaves(io, await(ctx.saved[r.begin][j]), r.begin > 0);
         Activations acts = leaves;
         pos.step = "recompute";

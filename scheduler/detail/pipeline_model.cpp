@@ -30,13 +30,16 @@ void append_job(std::vector<JobSpec>& jobs, StagePhase phase, LayerRange layers,
   }
   if (phase == StagePhase::kBackward) {
     job.recompute = std::min(prefix.forward(layers), job.cost);
-    // Forward stages tile [0, tail) in ascending order: the one holding layers.begin.
+    // The recompute needs the forward of all its layers done for the microbatch (the runtime
+    // awaits the input of the layer after them: Note [Recompute ahead] in stage_jobs.cpp).
+    // Forward stages tile [0, tail) in ascending order: the one holding layers.end - 1.
+    const int64_t last = layers.end - 1;
     int64_t lo = 0, hi = forward_jobs;
     while (lo < hi) {
       const int64_t mid = (lo + hi) / 2;
-      if (jobs[mid].layers.end <= layers.begin) lo = mid + 1; else hi = mid;
+      if (jobs[mid].layers.end <= last) lo = mid + 1; else hi = mid;
     }
-    if (lo < forward_jobs && jobs[lo].layers.contains(layers.begin)) job.saved_job = lo;
+    if (lo < forward_jobs && jobs[lo].layers.contains(last)) job.saved_job = lo;
   }
   jobs.push_back(job);
 }

@@ -17,7 +17,7 @@ struct JobSpec {
   double cost = 0;         ///< compute per microbatch
   double recompute = 0;    ///< the part of `cost` a backward stage may run ahead (its forward sum)
   int64_t input_job = -1;  ///< job whose microbatch j this job's microbatch j consumes; -1: the batch
-  int64_t saved_job = -1;  ///< forward job that saves this backward stage's input; -1: none
+  int64_t saved_job = -1;  ///< forward job after whose microbatch j this backward stage may recompute j; -1: none
 };
 
 /// Prefix sums of the layers' forward / backward times (size L + 1).

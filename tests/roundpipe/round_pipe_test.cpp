@@ -503,7 +503,9 @@ TEST(RoundPipeTest, MeasuredLayerTimes_BackwardStagesAreTimedAndSharedByForwardT
       backward += costs[l].backward;
     }
     // The sleep is in the backward of layer 2 only (its forward is a copy): per microbatch.
-    if (r.contains(2)) EXPECT_GE(backward, slow_ms) << r.to_string();
+    if (r.contains(2)) {
+      EXPECT_GE(backward, slow_ms) << r.to_string();
+    }
     // A stage's time is shared in proportion to the forward times (evenly when they are zero).
     for (int64_t l = r.begin; l < r.end; ++l) {
       const double expected = forward > 0 ? backward * costs[l].forward / forward : backward / double(r.size());
