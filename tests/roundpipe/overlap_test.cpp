@@ -126,7 +126,9 @@ void expect_lists_equal(const std::vector<torch::Tensor>& a, const std::vector<t
   ASSERT_EQ(a.size(), b.size()) << what;
   for (size_t i = 0; i < a.size(); ++i) {
     ASSERT_EQ(a[i].defined(), b[i].defined()) << what << " " << i;
-    if (a[i].defined()) EXPECT_TENSOR_EQ(a[i], b[i]) << what << " " << i;
+    if (a[i].defined()) {
+      EXPECT_TENSOR_EQ(a[i], b[i]) << what << " " << i;
+    }
   }
 }
 
@@ -151,7 +153,9 @@ TEST(OverlapTest, NextForwardRunsWhileTheTailIsHeld_BitwiseAsWithoutOverlap) {
       overlap.r->hold = true;
     }
     losses_overlap.push_back(overlap.fb(it));
-    if (it == 1) EXPECT_TRUE(overlap.r->hold.load() || overlap.r->holding.load());  // returned, backward not done
+    if (it == 1) {
+      EXPECT_TRUE(overlap.r->hold.load() || overlap.r->holding.load());  // returned, backward not done
+    }
     overlap.step();
     losses_plain.push_back(plain.fb(it));
     plain.step();
@@ -252,6 +256,53 @@ TEST(OverlapTest, TailError_NextCallRethrows_StepSkipped_ModelUsable) {
   rig.rp->synchronize();
   EXPECT_TRUE(torch::isfinite(next).item<bool>());
   for (const auto& p : rig.rp->optim_parameters()) EXPECT_TRUE(torch::isfinite(p).all().item<bool>());
+}
+
+// Recompute ahead (Note [Recompute ahead] in stage_jobs.cpp): a backward stage recomputes a
+// microbatch before its gradient arrives. The fused tail's backward through WaitForRecompute
+// holds microbatch 0's gradient until the backward stage has recomputed microbatch 0 (its
+// RecomputeCounter ran with grad enabled): only possible if the recompute did not wait for that
+// gradient (else the two wait for each other until the 20 s deadline).
+struct RecomputeCounterImpl : torch::nn::Cloneable<RecomputeCounterImpl> {
+  explicit RecomputeCounterImpl(std::shared_ptr<std::atomic<int>> n) : n_(std::move(n)) {}
+  void reset() override {}
+  torch::Tensor forward(const torch::Tensor& x) {
+    if (torch::GradMode::is_enabled()) n_->fetch_add(1);  // a recompute (forward stages run no-grad)
+    return x;
+  }
+  std::shared_ptr<std::atomic<int>> n_;
+};
+TORCH_MODULE(RecomputeCounter);
+
+TEST(OverlapTest, BackwardStageRecomputesBeforeItsGradientArrives) {
+  auto run = [](RecomputeGrain grain, bool hold) {
+    auto recomputes = std::make_shared<std::atomic<int>>(0);
+    auto r = std::make_shared<Rendezvous>();
+    r->until = [recomputes] { return recomputes->load() >= 1; };
+    r->hold = hold;
+    torch::manual_seed(12);
+    torch::nn::Sequential model(torch::nn::Linear(8, 16), RecomputeCounter(recomputes), torch::nn::Tanh(),
+                                torch::nn::Linear(16, 16), RendezvousLayer(r), torch::nn::Linear(16, 4));
+    RoundPipe rp(model, RoundPipeOptions().devices({c10::kCPU, c10::kCPU}).name("ahead"));
+    RunConfig cfg;
+    cfg.num_microbatch = 3;
+    cfg.recompute_grain = grain;
+    cfg.execute_plan = scheduler::ExecutePlan({{0, 3}}, {{3, 6}, {0, 3}});  // F d0, fused d1, B [0, 3) d0
+    torch::manual_seed(5);
+    auto x = torch::randn({6, 8}), y = torch::randn({6, 4});
+    auto loss = rp.forward_backward({x}, y, [](const torch::Tensor& o, const torch::Tensor& t) { return torch::mse_loss(o, t); },
+                                    cfg);
+    rp.synchronize();
+    EXPECT_FALSE(r->timed_out.load()) << "the backward stage waited for microbatch 0's gradient before recomputing it";
+    EXPECT_FALSE(r->hold.load());
+    EXPECT_EQ(recomputes->load(), 3);  // one recompute per microbatch
+    std::vector<torch::Tensor> out{loss};
+    for (const auto& p : rp.parameters()) out.push_back(p.grad().clone());
+    return out;
+  };
+  const auto ahead = run(RecomputeGrain::kStage, /*hold=*/true);
+  // The layer grain awaits the gradient first; its results are bitwise the same.
+  expect_lists_equal(ahead, run(RecomputeGrain::kLayer, /*hold=*/false), "loss and gradients");
 }
 
 }  // namespace
