@@ -172,11 +172,13 @@ void paper_workloads() {
               "last step; 'planned' = plan_by_simulation with the true costs, kIsolated | kSteadyState).\n");
   std::printf("real_* = the bubble against the time the layers really slept (sleep_for overshoots), meas_* "
               "against the nominal sleep.\n");
-  std::printf("cpu iso/asy = the process's CPU time (all threads: the engine, the layers' tensor work, the "
-              "optimizer) as a share of %d x wall time; sleeps use none.\n", kDevices);
+  std::printf("cpu iso/asy/layers = the process's CPU time (all threads: the engine, the layers' tensor work, the "
+              "optimizer) as a share of %d x wall time, isolated and async; sleeps use none. layers = the CPU time "
+              "of a plain loop running the same layers without sleeps (no engine), against the isolated time.\n",
+              kDevices);
   std::printf("%-12s %-20s %6s %8s %8s %8s %8s %8s %8s %8s %8s %7s %10s  %s\n", "workload", "plan", "scale",
               "sim_iso", "meas_iso", "real_iso", "sim_async", "meas_asy", "real_asy", "paper", "1F1B", "hop_fit",
-              "cpu iso/asy", "isolated plan  |  async plan");
+              "cpu iso/asy/layers", "isolated plan  |  async plan");
   for (const auto& w : workloads) {
     // True costs: LayerCost::backward = recompute + backward (the fused tail's forward + backward).
     std::vector<rs::LayerCost> costs(w.layers, rs::LayerCost{w.fwd, w.fwd + w.bwd, 0, 0});
@@ -198,16 +200,37 @@ void paper_workloads() {
           .plan;
     };
 
-    auto make = [&] {
+    auto make = [&](double sleep_scale) {
       torch::nn::Sequential model;
-      for (int l = 0; l < w.layers; ++l) model->push_back(SleepPairLayer(w.fwd * scale, w.bwd * scale));
-      model->push_back(SleepPairLayer(w.head_fwd * scale, w.head_bwd * scale));
+      for (int l = 0; l < w.layers; ++l) model->push_back(SleepPairLayer(w.fwd * sleep_scale, w.bwd * sleep_scale));
+      model->push_back(SleepPairLayer(w.head_fwd * sleep_scale, w.head_bwd * sleep_scale));
       return model;
     };
+    // The layers' own CPU work per iteration, without the engine: a plain loop over the
+    // microbatches with the sleeps off (forward without grad, then recompute + backward, as the
+    // stage jobs run them), process CPU time per iteration.
+    const double layer_cpu_ms = [&] {
+      auto plain = make(0);
+      auto x = torch::ones({kMicro, 1});
+      auto xs = x.tensor_split(kMicro, 0);
+      double best = 1e300;
+      for (int rep = 0; rep < 3; ++rep) {
+        const double c0 = process_cpu_ms();
+        for (const auto& xj : xs) {
+          {
+            torch::NoGradGuard no_grad;
+            plain->forward(xj);
+          }
+          plain->forward(xj).sum().backward();
+        }
+        best = std::min(best, process_cpu_ms() - c0);
+      }
+      return best;
+    }();
     // Runs isolated iterations with `iso_plan` and back-to-back async ones with `async_plan` (the
     // runtime's automatic plans when not given: it plans for the mode of the last step).
     auto run = [&](const char* what, std::optional<rs::ExecutePlan> iso_plan, std::optional<rs::ExecutePlan> async_plan) {
-      RoundPipe model(make(), RoundPipeOptions().devices(std::vector<c10::Device>(kDevices, c10::kCPU)));
+      RoundPipe model(make(scale), RoundPipeOptions().devices(std::vector<c10::Device>(kDevices, c10::kCPU)));
       RunConfig cfg;
       cfg.num_microbatch = kMicro;
       cfg.preserve_rng_state = false;
@@ -279,11 +302,11 @@ void paper_workloads() {
       const double cpu_share_iso = cpu_iso / (kDevices * iso_total);
       const double cpu_share_async = (cpu_async_to - cpu_async_from) / (kDevices * async_ms * measured);
       std::printf("%-12s %-20s %6.3f %7.1f%% %7.1f%% %7.1f%% %7.1f%% %7.1f%% %7.1f%% %3.1f/%3.1f %7.1f%% %7.3f "
-                  "%4.1f/%4.1f%%  %s  |  %s\n",
+                  "%4.1f/%4.1f/%4.1f%%  %s  |  %s\n",
                   w.name, what, scale, 100 * sim.bubble_ratio(), 100 * (1 - sim.work / capacity_iso), 100 * real_iso,
                   100 * steady.bubble_ratio(), 100 * (1 - asim.work / capacity_async), 100 * real_async,
                   w.paper_isolated, w.paper_async, w.paper_1f1b, lo, 100 * cpu_share_iso, 100 * cpu_share_async,
-                  plan.to_string().c_str(), aplan.to_string().c_str());
+                  100 * layer_cpu_ms / capacity_iso, plan.to_string().c_str(), aplan.to_string().c_str());
       std::fflush(stdout);
     };
     run("runtime (auto)", std::nullopt, std::nullopt);

@@ -256,7 +256,9 @@ RoundPipe::RoundPipe(torch::nn::Sequential model, RoundPipeOptions options) : im
   // iterations]); data-parallel runs wait for their gradient all-reduce.
   const bool iterations_overlap =
       options.overlap_backward() && !(options.process_group() && options.process_group()->world_size() > 1);
-  m.planner = std::make_unique<detail::Planner>(m.layer_bytes(false), m.layer_bytes(true),
+  std::vector<std::string> kinds;
+  for (const auto& layer : m.layer_set.layers) kinds.push_back(layer.ptr()->name());
+  m.planner = std::make_unique<detail::Planner>(m.layer_bytes(false), m.layer_bytes(true), std::move(kinds),
                                                 static_cast<int64_t>(m.devices.size()), budget, iterations_overlap);
   if (budget != std::numeric_limits<int64_t>::max()) {
     try {

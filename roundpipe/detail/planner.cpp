@@ -2,7 +2,10 @@
 
 #include <c10/util/Exception.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdio>
+#include <map>
 #include <utility>
 
 #include "scheduler/planner.h"
@@ -10,10 +13,11 @@
 
 namespace roundpipe::detail {
 
-Planner::Planner(std::vector<int64_t> param_bytes, std::vector<int64_t> grad_bytes, int64_t num_devices,
-                 int64_t memory_budget_bytes, bool iterations_overlap)
+Planner::Planner(std::vector<int64_t> param_bytes, std::vector<int64_t> grad_bytes, std::vector<std::string> kinds,
+                 int64_t num_devices, int64_t memory_budget_bytes, bool iterations_overlap)
     : param_bytes_(std::move(param_bytes)),
       grad_bytes_(std::move(grad_bytes)),
+      kinds_(std::move(kinds)),
       num_devices_(num_devices),
       memory_budget_bytes_(memory_budget_bytes),
       iterations_overlap_(iterations_overlap) {}
@@ -37,6 +41,32 @@ namespace {
 // points more bubble than this model predicts (docs/benchmarks.md); calibrating them is open.
 scheduler::SimulateOptions runtime_model(bool iterations_overlap) {
   return scheduler::SimulateOptions().set_recompute_ahead(true).set_overlap_backward_tail(iterations_overlap);
+}
+
+// Note [Smoothing measured times]:
+// One timed call gives each layer's time with some noise (scheduling, caches, a sleep's
+// overshoot), and the planner follows it: two equal transformer blocks timed 3% apart can get
+// plans that simulate 1-2 points of bubble worse on their true, equal costs. Layers of the same
+// module type with the same parameter and gradient bytes are usually the same computation, so
+// each such group (3 layers or more) shares its median time, for the layers whose time is within
+// kSmoothingTolerance of it. A layer of the same shape that really costs more (a global-attention
+// layer among sliding-window ones, an LM head of a kind used elsewhere) is farther from the
+// median and keeps its own time.
+constexpr double kSmoothingTolerance = 0.15;
+
+void smooth_within_groups(std::vector<double>& ms, const std::vector<std::string>& group_of) {
+  std::map<std::string, std::vector<size_t>> groups;
+  for (size_t l = 0; l < ms.size(); ++l) groups[group_of[l]].push_back(l);
+  for (const auto& [key, members] : groups) {
+    if (members.size() < 3) continue;
+    std::vector<double> times;
+    for (size_t l : members) times.push_back(ms[l]);
+    std::nth_element(times.begin(), times.begin() + static_cast<std::ptrdiff_t>(times.size() / 2), times.end());
+    const double median = times[times.size() / 2];
+    for (size_t l : members) {
+      if (std::abs(ms[l] - median) <= kSmoothingTolerance * median) ms[l] = median;
+    }
+  }
 }
 
 std::string describe(const scheduler::SimulationResult& sim) {
@@ -93,7 +123,8 @@ std::string Planner::use_measured_times(const std::vector<double>& forward_ms,
                         backward_stage_ms.size() == before.backward_stages().size());
   const double per_mb = 1.0 / static_cast<double>(num_microbatch);
   auto measured = layer_costs();
-  for (size_t l = 0; l < measured.size(); ++l) measured[l].forward = forward_ms[l] * per_mb;
+  std::vector<double> forward(forward_ms.size()), backward(forward_ms.size());
+  for (size_t l = 0; l < measured.size(); ++l) forward[l] = forward_ms[l] * per_mb;
   for (size_t s = 0; s < backward_stage_ms.size(); ++s) {
     const scheduler::LayerRange r = before.backward_stages()[s];
     double forward_sum = 0;
@@ -101,8 +132,18 @@ std::string Planner::use_measured_times(const std::vector<double>& forward_ms,
     for (int64_t l = r.begin; l < r.end; ++l) {
       const double share = forward_sum > 0 ? forward_ms[static_cast<size_t>(l)] / forward_sum
                                            : 1.0 / static_cast<double>(r.size());
-      measured[static_cast<size_t>(l)].backward = backward_stage_ms[s] * share * per_mb;
+      backward[static_cast<size_t>(l)] = backward_stage_ms[s] * share * per_mb;
     }
+  }
+  std::vector<std::string> group_of(measured.size());
+  for (size_t l = 0; l < measured.size(); ++l) {
+    group_of[l] = kinds_[l] + "/" + std::to_string(param_bytes_[l]) + "/" + std::to_string(grad_bytes_[l]);
+  }
+  smooth_within_groups(forward, group_of);
+  smooth_within_groups(backward, group_of);
+  for (size_t l = 0; l < measured.size(); ++l) {
+    measured[l].forward = forward[l];
+    measured[l].backward = backward[l];
   }
   seeds_ = {before};  // the search starts from it too: never rated worse than the size-based plan
   costs_ = std::move(measured);

@@ -27,9 +27,10 @@ class Planner {
   /// `param_bytes[l]` / `grad_bytes[l]`: layer l's parameter + buffer bytes / trainable parameter
   /// bytes. `memory_budget_bytes`: per stage and device (max() = unlimited).
   /// `iterations_overlap`: forward_backward returns before its backward stages end
-  /// (RoundPipeOptions::overlap_backward, no data parallelism).
-  Planner(std::vector<int64_t> param_bytes, std::vector<int64_t> grad_bytes, int64_t num_devices,
-          int64_t memory_budget_bytes, bool iterations_overlap);
+  /// (RoundPipeOptions::overlap_backward, no data parallelism). `kinds[l]`: layer l's module type
+  /// (layers of one type and size share their measured times, Note [Smoothing measured times]).
+  Planner(std::vector<int64_t> param_bytes, std::vector<int64_t> grad_bytes, std::vector<std::string> kinds,
+          int64_t num_devices, int64_t memory_budget_bytes, bool iterations_overlap);
 
   int64_t num_layers() const { return static_cast<int64_t>(param_bytes_.size()); }
   int64_t memory_budget_bytes() const { return memory_budget_bytes_; }
@@ -51,7 +52,8 @@ class Planner {
   /// microbatches. `backward_stage_ms[s]`: backward stage s of the current automatic plan (the
   /// one the measuring call ran), summed over the microbatches; it is shared among the stage's
   /// layers in proportion to their forward times (evenly if those are all zero) and becomes their
-  /// LayerCost::backward. Returns a line describing the new plan and the old one with their
+  /// LayerCost::backward. Layers of one kind and size whose times are close share their median
+  /// (Note [Smoothing measured times]). Returns a line describing the new plan and the old one with their
   /// simulated figures, for the log.
   std::string use_measured_times(const std::vector<double>& forward_ms, const std::vector<double>& backward_stage_ms,
                                  int64_t num_microbatch);
@@ -59,6 +61,7 @@ class Planner {
  private:
   std::vector<int64_t> param_bytes_;
   std::vector<int64_t> grad_bytes_;
+  std::vector<std::string> kinds_;
   int64_t num_devices_;
   int64_t memory_budget_bytes_;
   bool iterations_overlap_;

@@ -463,6 +463,30 @@ TEST(RoundPipeTest, MeasuredLayerTimes_ReplanAfterFirstCall) {
   EXPECT_EQ(serial.plan().to_string(), serial_plan);
 }
 
+// Layers of one kind and size share the median of their measured times when they are within 15%
+// of it (Note [Smoothing measured times]); a layer of the same kind that costs 3x keeps its own.
+TEST(RoundPipeTest, MeasuredLayerTimes_EqualLayersShareTheirMedian) {
+  const double ms = 30;
+  torch::nn::Sequential model;
+  for (int l = 0; l < 5; ++l) model->push_back(SlowIdentity(ms));
+  model->push_back(SlowIdentity(3 * ms));
+  model->push_back(torch::nn::Linear(32, 32));
+  RoundPipe rp(model, RoundPipeOptions().devices(cpu_devices(2)));
+  RunConfig cfg;
+  cfg.num_microbatch = 2;
+  auto loss_fn = [](const torch::Tensor& out, const torch::Tensor& y) { return torch::mse_loss(out, y); };
+  rp.forward_backward({torch::randn({4, 32})}, torch::randn({4, 32}), loss_fn, cfg);
+  const auto costs = rp.layer_costs();
+  ASSERT_EQ(costs.size(), 7u);
+  EXPECT_GE(costs[0].forward, ms);  // per microbatch
+  for (int l = 1; l < 5; ++l) {
+    EXPECT_EQ(costs[l].forward, costs[0].forward) << "layer " << l;
+    EXPECT_EQ(costs[l].backward, costs[0].backward) << "layer " << l;
+  }
+  EXPECT_GE(costs[5].forward, 3 * ms);
+  EXPECT_NE(costs[5].forward, costs[0].forward);
+}
+
 // Identity whose backward sleeps `ms` (forward is free): only a timed backward can see it.
 struct SlowBackwardFn : torch::autograd::Function<SlowBackwardFn> {
   static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x, double ms) {
@@ -486,8 +510,11 @@ TORCH_MODULE(SlowBackward);
 TEST(RoundPipeTest, MeasuredLayerTimes_BackwardStagesAreTimedAndSharedByForwardTime) {
   const double slow_ms = 25;
   torch::manual_seed(7);
-  torch::nn::Sequential model(torch::nn::Linear(32, 32), torch::nn::Linear(32, 32), SlowBackward(slow_ms),
-                              torch::nn::Linear(32, 32), torch::nn::Linear(32, 32), torch::nn::Linear(32, 32));
+  // At most two layers of one kind and size, so no times are smoothed (Note [Smoothing measured
+  // times]): the shares below are exact.
+  auto no_bias = [] { return torch::nn::Linear(torch::nn::LinearOptions(32, 32).bias(false)); };
+  torch::nn::Sequential model(torch::nn::Linear(32, 32), no_bias(), SlowBackward(slow_ms), torch::nn::Linear(32, 32),
+                              no_bias(), torch::nn::Tanh());
   RoundPipe rp(model, RoundPipeOptions().devices(cpu_devices(2)));
   const auto plan_before = rp.plan();
   RunConfig cfg;
