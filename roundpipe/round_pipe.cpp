@@ -309,7 +309,7 @@ torch::Tensor RoundPipe::forward_backward(const std::vector<torch::Tensor>& inpu
   ctx.loss_fn = &loss_fn;  // called by the fused job only, which finishes before this returns
   ctx.flag_batch = next_flag_batch.fetch_add(1);
   const int64_t steps_before = m.steps->steps();
-  const bool measure = m.options.measure_layer_times() && !m.planner->measured();
+  const bool measure = m.options.measure_layer_times() && m.planner->wants_measurement();
   detail::GradSync* sync = m.grad_sync.get();
   if (sync != nullptr) {
     m.steps->wait_tails();
@@ -503,6 +503,10 @@ torch::nn::Sequential RoundPipe::module() {
   return impl_->model;
 }
 std::vector<scheduler::LayerCost> RoundPipe::layer_costs() const { return impl_->planner->layer_costs(); }
+void RoundPipe::remeasure_layer_times() {
+  const auto entered = impl_->enter("remeasure_layer_times");
+  impl_->planner->request_remeasure();
+}
 int64_t RoundPipe::iteration() const { return impl_->iteration; }
 uint64_t RoundPipe::seed() const { return impl_->seed; }
 DataParallelStats RoundPipe::data_parallel_stats() const {

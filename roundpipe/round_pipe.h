@@ -170,6 +170,12 @@ class RoundPipe {
   /// The per-layer costs the automatic plans are partitioned from: size-based (bytes) until
   /// layer times were measured (RoundPipeOptions::measure_layer_times), then milliseconds.
   std::vector<scheduler::LayerCost> layer_costs() const;
+  /// The next forward_backward that uses the automatic plan times the layers again (as the first
+  /// one did; RoundPipeOptions::measure_layer_times). The costs and the plans change only if a
+  /// layer's forward or backward time moved materially: by more than 10% of its old value and
+  /// of the mean layer time (docs/user-guide.md, "Plans"). For workloads whose costs change:
+  /// another sequence length, layers unfrozen. Caller thread; no effect with measurement off.
+  void remeasure_layer_times();
   /// The wrapped model (its parameters are the compute copies).
   torch::nn::Sequential module();
   /// Number of completed forward_backward calls (the iteration index of layer_seed).

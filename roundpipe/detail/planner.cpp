@@ -53,6 +53,7 @@ scheduler::SimulateOptions runtime_model(bool iterations_overlap) {
 // layer among sliding-window ones, an LM head of a kind used elsewhere) is farther from the
 // median and keeps its own time.
 constexpr double kSmoothingTolerance = 0.15;
+constexpr double kMaterialChange = 0.10;
 
 void smooth_within_groups(std::vector<double>& ms, const std::vector<std::string>& group_of) {
   std::map<std::string, std::vector<size_t>> groups;
@@ -119,6 +120,7 @@ const std::vector<scheduler::LayerCost>& Planner::layer_costs() const {
 std::string Planner::use_measured_times(const std::vector<double>& forward_ms,
                                        const std::vector<double>& backward_stage_ms, int64_t num_microbatch) {
   const auto before = auto_plan(scheduler::RunType::kFused);  // the plan the measuring call ran
+  const bool remeasured = measured_;
   TORCH_INTERNAL_ASSERT(forward_ms.size() == static_cast<size_t>(num_layers()) &&
                         backward_stage_ms.size() == before.backward_stages().size());
   const double per_mb = 1.0 / static_cast<double>(num_microbatch);
@@ -145,15 +147,36 @@ std::string Planner::use_measured_times(const std::vector<double>& forward_ms,
     measured[l].forward = forward[l];
     measured[l].backward = backward[l];
   }
-  seeds_ = {before};  // the search starts from it too: never rated worse than the size-based plan
+  if (measured_) {
+    // Note [Re-measuring]: the plan is recomputed only when the costs changed materially: some
+    // layer's forward or backward time moved by more than kMaterialChange of its old value and
+    // of the mean layer time (so the jitter of a tiny layer does not count), per microbatch.
+    remeasure_ = false;
+    const auto& old = costs_;
+    double mean = 0;
+    for (const auto& c : old) mean += (c.forward + c.backward) / (2.0 * static_cast<double>(old.size()));
+    bool material = num_microbatch != measured_num_microbatch_;
+    for (size_t l = 0; l < old.size() && !material; ++l) {
+      auto moved = [&](double was, double now) {
+        return std::abs(now - was) > kMaterialChange * std::max(was, mean);
+      };
+      material = moved(old[l].forward, measured[l].forward) || moved(old[l].backward, measured[l].backward);
+    }
+    if (!material) {
+      return "unchanged (no layer time moved by more than " + std::to_string(static_cast<int>(100 * kMaterialChange)) +
+             "%): " + describe_auto_plan();
+    }
+  }
+  remeasure_ = false;
+  seeds_ = {before};  // the search starts from it too: never rated worse than the plan it replaces
   costs_ = std::move(measured);
   auto_fused_plan_.reset();
   auto_async_plan_.reset();
   auto_infer_plan_.reset();
   measured_ = true;
   measured_num_microbatch_ = num_microbatch;
-  return describe_auto_plan() + "; the size-based plan " + before.to_string() + ": " +
-         describe_plan(before, false);
+  return describe_auto_plan() + (remeasured ? "; the previous plan " : "; the size-based plan ") +
+         before.to_string() + ": " + describe_plan(before, plans_for_steady_state());
 }
 
 bool Planner::set_async_steps(bool async) {

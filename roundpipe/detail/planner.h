@@ -41,6 +41,11 @@ class Planner {
   const std::vector<scheduler::LayerCost>& layer_costs() const;
   /// Whether layer times were measured (RoundPipeOptions::measure_layer_times).
   bool measured() const { return measured_; }
+  /// Whether the next automatic training run should time the layers: never measured yet, or
+  /// request_remeasure() since the last measurement.
+  bool wants_measurement() const { return !measured_ || remeasure_; }
+  /// RoundPipe::remeasure_layer_times.
+  void request_remeasure() { remeasure_ = true; }
   /// Plans training runs for asynchronous (back-to-back, overlapping) or synchronous steps: the
   /// mode of the caller's last step(). Returns whether the automatic training plan's objective
   /// changed (measured costs and overlapping iterations only).
@@ -53,7 +58,8 @@ class Planner {
   /// one the measuring call ran), summed over the microbatches; it is shared among the stage's
   /// layers in proportion to their forward times (evenly if those are all zero) and becomes their
   /// LayerCost::backward. Layers of one kind and size whose times are close share their median
-  /// (Note [Smoothing measured times]). Returns a line describing the new plan and the old one with their
+  /// (Note [Smoothing measured times]). A re-measurement (request_remeasure) keeps the costs and
+  /// plans unless some layer's time moved materially (Note [Re-measuring]), and says so. Returns a line describing the new plan and the old one with their
   /// simulated figures, for the log.
   std::string use_measured_times(const std::vector<double>& forward_ms, const std::vector<double>& backward_stage_ms,
                                  int64_t num_microbatch);
@@ -67,6 +73,7 @@ class Planner {
   bool iterations_overlap_;
   bool async_steps_ = false;
   bool measured_ = false;
+  bool remeasure_ = false;
   int64_t measured_num_microbatch_ = 0;  // the call that measured the costs
   std::vector<scheduler::ExecutePlan> seeds_;  // starting plans for the simulation planner
   mutable std::vector<scheduler::LayerCost> costs_;  // lazy
