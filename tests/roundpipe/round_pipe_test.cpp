@@ -465,6 +465,19 @@ TEST(RoundPipeTest, MeasuredLayerTimes_ReplanAfterFirstCall) {
   EXPECT_EQ(serial.plan().to_string(), serial_plan);
 }
 
+// One automatic forward_backward of `model` (32 features in and out, 2 rows per microbatch) on 2
+// CPU devices, which measures its layers: the measured costs (and the plan it ran).
+std::vector<scheduler::LayerCost> measured_costs(torch::nn::Sequential model, int64_t num_microbatch,
+                                                 scheduler::ExecutePlan* plan_ran = nullptr) {
+  RoundPipe rp(model, RoundPipeOptions().devices(cpu_devices(2)));
+  if (plan_ran != nullptr) *plan_ran = rp.plan();
+  RunConfig cfg;
+  cfg.num_microbatch = num_microbatch;
+  auto loss_fn = [](const torch::Tensor& out, const torch::Tensor& y) { return torch::mse_loss(out, y); };
+  rp.forward_backward({torch::randn({2 * num_microbatch, 32})}, torch::randn({2 * num_microbatch, 32}), loss_fn, cfg);
+  return rp.layer_costs();
+}
+
 // Layers of one kind and size share the median of their measured times when they are within 15%
 // of it (Note [Smoothing measured times]); a layer of the same kind that costs 3x keeps its own.
 TEST(RoundPipeTest, MeasuredLayerTimes_EqualLayersShareTheirMedian) {
@@ -473,12 +486,7 @@ TEST(RoundPipeTest, MeasuredLayerTimes_EqualLayersShareTheirMedian) {
   for (int l = 0; l < 5; ++l) model->push_back(SlowIdentity(ms));
   model->push_back(SlowIdentity(3 * ms));
   model->push_back(torch::nn::Linear(32, 32));
-  RoundPipe rp(model, RoundPipeOptions().devices(cpu_devices(2)));
-  RunConfig cfg;
-  cfg.num_microbatch = 2;
-  auto loss_fn = [](const torch::Tensor& out, const torch::Tensor& y) { return torch::mse_loss(out, y); };
-  rp.forward_backward({torch::randn({4, 32})}, torch::randn({4, 32}), loss_fn, cfg);
-  const auto costs = rp.layer_costs();
+  const auto costs = measured_costs(model, 2);
   ASSERT_EQ(costs.size(), 7u);
   // The five equal layers share one time (most of them at least: a preempted wake-up on a loaded
   // machine may put one beyond 15%; RuntimePlannerTest checks the rule with synthetic times).
@@ -562,13 +570,8 @@ TEST(RoundPipeTest, MeasuredLayerTimes_BackwardStagesAreTimedAndSharedByForwardT
   auto no_bias = [] { return torch::nn::Linear(torch::nn::LinearOptions(32, 32).bias(false)); };
   torch::nn::Sequential model(torch::nn::Linear(32, 32), no_bias(), SlowBackward(slow_ms), torch::nn::Linear(32, 32),
                               no_bias(), torch::nn::Tanh());
-  RoundPipe rp(model, RoundPipeOptions().devices(cpu_devices(2)));
-  const auto plan_before = rp.plan();
-  RunConfig cfg;
-  cfg.num_microbatch = 3;
-  auto loss_fn = [](const torch::Tensor& out, const torch::Tensor& y) { return torch::mse_loss(out, y); };
-  rp.forward_backward({torch::randn({6, 32})}, torch::randn({6, 32}), loss_fn, cfg);
-  const auto costs = rp.layer_costs();
+  scheduler::ExecutePlan plan_before;
+  const auto costs = measured_costs(model, 3, &plan_before);
   ASSERT_EQ(costs.size(), 6u);
   for (const auto& r : plan_before.backward_stages()) {
     double forward = 0, backward = 0;
