@@ -212,15 +212,18 @@ void run_plan(const LauncherConfig& config, std::ostream& out, const std::string
   // (bytes): rescaled so that one iteration takes 100 (the simulator is linear in the costs).
   const int64_t num_devices = static_cast<int64_t>(model.devices().size());
   const int64_t num_microbatch = config.run.num_microbatch.value_or(num_devices + 1);
+  // The runtime's rules: with the stage grain, backward stages recompute ahead (Note [Recompute
+  // ahead] in roundpipe/detail/stage_jobs.cpp).
+  const auto rules = scheduler::SimulateOptions().set_recompute_ahead(config.run.recompute == RecomputeGrain::kStage);
   scheduler::SimulationResult sim =
-      scheduler::simulate(plan, scheduler::RunType::kFused, costs, num_devices, num_microbatch);
+      scheduler::simulate(plan, scheduler::RunType::kFused, costs, num_devices, num_microbatch, rules);
   if (sim.makespan > 0) {
     std::vector<scheduler::LayerCost> scaled = costs;
     for (scheduler::LayerCost& c : scaled) {
       c.forward *= 100.0 / sim.makespan;
       c.backward *= 100.0 / sim.makespan;
     }
-    sim = scheduler::simulate(plan, scheduler::RunType::kFused, scaled, num_devices, num_microbatch);
+    sim = scheduler::simulate(plan, scheduler::RunType::kFused, scaled, num_devices, num_microbatch, rules);
   }
   const auto preview = scheduler::PreviewOptions()
                            .set_time_unit("")
