@@ -438,8 +438,10 @@ TEST(RoundPipeTest, MeasuredLayerTimes_ReplanAfterFirstCall) {
   }
   // The plan minimises the simulated makespan for the measured costs, whatever they are.
   expect_simulation_optimum(rp, costs);
-  auto simulated = [&](const scheduler::ExecutePlan& plan) {
-    return scheduler::simulate(plan, scheduler::RunType::kFused, costs, 2, 3).makespan;
+  auto simulated = [&](const scheduler::ExecutePlan& plan) {  // under the runtime's rules (recompute ahead)
+    return scheduler::simulate(plan, scheduler::RunType::kFused, costs, 2, 3,
+                               scheduler::SimulateOptions().set_recompute_ahead(true))
+        .makespan;
   };
   const auto partitioned =
       scheduler::partition(costs, scheduler::RunType::kFused, scheduler::PartitionOptions().set_min_stages(2));
