@@ -222,7 +222,12 @@ TEST(ConfigTest, Devices_AcceptAutoCountAndList) {
   auto cuda = parse_with("run: {devices: [cuda:0, cuda:1]}\n").run.devices;
   ASSERT_TRUE(cuda.has_value());
   EXPECT_EQ((*cuda)[1], c10::Device(c10::kCUDA, 1));
-  EXPECT_CONFIG_ERROR(parse_with("run: {devices: 0}\n"), "run.devices = 0", ">= 1");
+  EXPECT_CONFIG_ERROR(parse_with("run: {devices: 0}\n"), "run.devices = 0", "in [1, 1024]");
+  EXPECT_EQ(parse_with("run: {devices: 1024}\n").run.devices->size(), 1024u);
+  // Found by fuzz/fuzz_config: a huge count was expanded into a list before any check.
+  EXPECT_CONFIG_ERROR(parse_with("run: {devices: 1000000000000000}\n"), "run.devices = 1000000000000000",
+                      "in [1, 1024]");
+  EXPECT_CONFIG_ERROR(parse_with("run: {devices: 99999999999999999999999}\n"), "run.devices", "in [1, 1024]");
   EXPECT_CONFIG_ERROR(parse_with("run: {devices: some}\n"), "run.devices = some", "wrong type");
 }
 

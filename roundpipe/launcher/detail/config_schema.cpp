@@ -22,6 +22,7 @@ std::string number_text(double v) {
 Bounds gt(double lo) { return Bounds{lo, true}; }
 Bounds ge(double lo) { return Bounds{lo, false}; }
 Bounds in_co(double lo, double hi) { return Bounds{lo, false, hi, true}; }
+Bounds in_cc(double lo, double hi) { return Bounds{lo, false, hi, false}; }
 
 // ---- Bindings between Value and struct fields ----------------------------------------------------
 
@@ -311,8 +312,10 @@ std::vector<KeySpec> build_schema() {
   t.push_back(
       Key("run.devices", KeyKind::kDevices, "auto",
           "Devices of the pipeline: `auto` (every visible GPU, else one CPU worker), a count N "
-          "(N CPU workers), or a list such as [cuda:0, cuda:1] or [cpu, cpu].")
-          .range(ge(1))
+          "(N CPU workers, at most 1024), or a list such as [cuda:0, cuda:1] or [cpu, cpu].")
+          // The upper bound: a count is expanded into a list of that many "cpu" entries (fuzz_config
+          // found that a count such as 10^15 made that allocation throw std::length_error).
+          .range(in_cc(1, 1024))
           .custom(
               [](C& c, const Value& v) {
                 if (std::holds_alternative<std::monostate>(v)) {
