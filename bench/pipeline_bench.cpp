@@ -16,7 +16,7 @@
 //     about two seconds, 8 CPU device workers, 16 microbatches. For the runtime's own automatic plan
 //     (from measured forward times) and for the plan the simulation planner picks from the true
 //     costs: simulated vs measured bubble, isolated and back-to-back async, next to the paper's.
-// Usage: pipeline_bench [sleep_ms=2] [layers=12] | pipeline_bench paper
+// Usage: pipeline_bench [sleep_ms=2] [layers=12] | pipeline_bench paper [iteration_ms=2000] [workload name part]
 #include <ATen/ops/_fused_adam.h>
 #include <torch/torch.h>
 
@@ -26,6 +26,7 @@
 #include <cstdio>
 #include <cstring>
 #include <functional>
+#include <string>
 #include <thread>
 
 #include <sys/resource.h>
@@ -147,13 +148,12 @@ struct PaperWorkload {
   double paper_isolated, paper_async, paper_1f1b;  // % bubble, the artifact's simulator
 };
 
-void paper_workloads() {
+void paper_workloads(double target_ms, const std::string& only) {
   namespace rs = roundpipe::scheduler;
   using roundpipe::RoundPipe;
   using roundpipe::RoundPipeOptions;
   using roundpipe::RunConfig;
   constexpr int kDevices = 8, kMicro = 16, kIsolatedRuns = 3, kAsyncRuns = 10, kAsyncWarmup = 2;
-  constexpr double kTargetMs = 2000;
   const std::vector<PaperWorkload> workloads = {
       {"Qwen3-1.7B", 28, 7.429, 15.831, 22.0655, 43.707, 19.1, 4.0, 35.2},
       {"Llama3-8B", 32, 18.50370313, 41.20659375, 37.2255, 74.501, 14.3, 1.3, 42.1},
@@ -162,7 +162,7 @@ void paper_workloads() {
       {"Qwen3-235B", 94, 43.016, 58.376, 42.444, 43.294, 3.3, 1.0, 31.2},
   };
   std::printf("== 5. paper workloads: %d CPU device workers, %d microbatches, sleeping layers scaled to ~%.0f ms "
-              "per iteration\n", kDevices, kMicro, kTargetMs);
+              "per iteration\n", kDevices, kMicro, target_ms);
   std::printf("bubble = 1 - work / (%d x time); work = the layers' sleep (blocks recomputed, the fused tail not). "
               "sim = scheduler::simulate with the true costs and no overheads; async = back-to-back kAsync "
               "iterations, mean of the last %d; sim_async = simulate_steady_state of the async plan.\n",
@@ -180,12 +180,13 @@ void paper_workloads() {
               "sim_iso", "meas_iso", "real_iso", "sim_async", "meas_asy", "real_asy", "paper", "1F1B", "hop_fit",
               "cpu iso/asy/layers", "isolated plan  |  async plan");
   for (const auto& w : workloads) {
+    if (!only.empty() && std::string(w.name).find(only) == std::string::npos) continue;
     // True costs: LayerCost::backward = recompute + backward (the fused tail's forward + backward).
     std::vector<rs::LayerCost> costs(w.layers, rs::LayerCost{w.fwd, w.fwd + w.bwd, 0, 0});
     costs.push_back(rs::LayerCost{w.head_fwd, w.head_fwd + w.head_bwd, 0, 0});
     double work_per_mb = 0;
     for (const auto& c : costs) work_per_mb += c.forward + c.backward;
-    const double scale = kTargetMs * kDevices * 0.85 / (kMicro * work_per_mb);
+    const double scale = target_ms * kDevices * 0.85 / (kMicro * work_per_mb);
     for (auto& c : costs) c.forward *= scale, c.backward *= scale;
     // The runtime's model: backward stages recompute ahead (Note [Recompute ahead]).
     auto sim_options = rs::SimulateOptions().set_recompute_ahead(true).set_overlap_backward_tail(false);
@@ -321,7 +322,7 @@ int main(int argc, char** argv) {
   using namespace roundpipe;
   if (argc > 1 && std::strcmp(argv[1], "paper") == 0) {
     torch::set_num_threads(1);
-    paper_workloads();
+    paper_workloads(argc > 2 ? std::atof(argv[2]) : 2000.0, argc > 3 ? argv[3] : "");
     return 0;
   }
   const double t = argc > 1 ? std::atof(argv[1]) : 2.0;

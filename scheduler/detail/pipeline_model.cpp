@@ -102,6 +102,8 @@ void PipelineModel::reset(const std::vector<JobSpec>& jobs) {
   job_gate_.clear();
   step_end_ = 0;
   device_ = options_.first_device;
+  num_layers_ = 0;
+  for (const auto& job : jobs) num_layers_ = std::max(num_layers_, job.layers.end);
 }
 
 void PipelineModel::iterate(const std::vector<JobSpec>& jobs, std::vector<SimulatedJob>* record) {
@@ -165,9 +167,7 @@ void PipelineModel::iterate(const std::vector<JobSpec>& jobs, std::vector<Simula
     if (options_.publish_waits_for_readers) {
       // Layer l is published at the latest release among layers 0..l (a prefix maximum over the
       // layers); job k of the next iteration waits for its last layer's publish.
-      int64_t num_layers = 0;
-      for (const auto& job : jobs) num_layers = std::max(num_layers, job.layers.end);
-      publish_at_.assign(static_cast<size_t>(num_layers), step_start);
+      publish_at_.assign(static_cast<size_t>(num_layers_), step_start);
       for (int64_t k = 0; k < J; ++k) {
         if (jobs[k].phase == StagePhase::kForward) continue;
         for (int64_t l = jobs[k].layers.begin; l < jobs[k].layers.end; ++l) {

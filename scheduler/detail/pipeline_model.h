@@ -81,6 +81,7 @@ class PipelineModel {
   std::vector<double> job_gate_;    // [job] the next iteration's job k may copy its layers (empty: at gate_)
   std::vector<double> release_;     // [job] this iteration's last reader of the job's layers has its copy
   std::vector<double> publish_at_;  // [layer] scratch
+  int64_t num_layers_ = 0;          // of the jobs reset() was given
   double step_end_ = 0;         // the last iteration's optimizer step
   int64_t device_ = 0;          // the cursor
   std::vector<double> states_, gates_;  // per iteration, for steady()
