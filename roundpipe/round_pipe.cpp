@@ -508,6 +508,12 @@ void RoundPipe::remeasure_layer_times() {
   impl_->planner->request_remeasure();
 }
 int64_t RoundPipe::iteration() const { return impl_->iteration; }
+void RoundPipe::set_iteration(int64_t iteration) {
+  const auto entered = impl_->enter("set_iteration");
+  TORCH_CHECK(iteration >= 0, "RoundPipe '", impl_->options.name(), "': set_iteration(", iteration,
+              "): the iteration index must be >= 0 (pass a value iteration() returned)");
+  impl_->iteration = iteration;
+}
 uint64_t RoundPipe::seed() const { return impl_->seed; }
 DataParallelStats RoundPipe::data_parallel_stats() const {
   DataParallelStats out;

@@ -180,6 +180,11 @@ class RoundPipe {
   torch::nn::Sequential module();
   /// Number of completed forward_backward calls (the iteration index of layer_seed).
   int64_t iteration() const;
+  /// Sets the iteration index the next forward_backward seeds its layers with (layer_seed), so
+  /// that a run resumed from a checkpoint draws the dropout masks the uninterrupted run would:
+  /// save iteration() with the checkpoint and restore it here before the first call. Caller
+  /// thread; `iteration` >= 0.
+  void set_iteration(int64_t iteration);
   /// The base seed of layer_seed.
   uint64_t seed() const;
   /// Data parallelism counters (world size 1 and zeros without a process group).

@@ -184,11 +184,13 @@ std::string lora_overrides(const std::string& base) {
 
 // Note [Resume test] for LoRA: 20 straight steps vs 10 + a resume from the straight run's step-10
 // checkpoint into another out_dir: bitwise equal adapters, in async mode, with the GradScaler,
-// gradient accumulation, clipping and a decaying LR.
+// gradient accumulation, clipping, a decaying LR and LoRA dropout (the checkpoint carries
+// RoundPipe's iteration index, so the resumed run draws the straight run's dropout masks).
 TEST(CliLoraTest, Resume_BitwiseEqualToStraightRun) {
   ScratchDir dir;
   const std::string base = make_base_with_launcher(dir);
   const std::string common = lora_overrides(base) +
+                             " model.lora.dropout=0.1"
                              " train.steps=20 checkpoint.every=10 checkpoint.keep=5 amp.scaler=true"
                              " amp.growth_interval=3 train.grad_accum=2 train.clip_grad_norm=0.5 eval.every=0";
   dir.write("run.yaml", tiny_config("straight"));

@@ -16,6 +16,7 @@
 #include "scheduler/planner.h"
 #include "scheduler/simulator.h"
 #include "tests/common/tensor_compare.h"
+#include "tests/common/test_macros.h"
 #include "tests/roundpipe/test_models.h"
 
 namespace roundpipe {
@@ -210,6 +211,47 @@ TEST(RoundPipeTest, Dropout_DoesNotDisturbCallersRandomStream) {
   auto after = torch::rand({4});
   torch::manual_seed(5);
   EXPECT_TRUE(testing::tensors_equal(after, torch::rand({4})));
+}
+
+// A model resumed after 2 steps (its weights in a new RoundPipe) with set_iteration(2) takes step
+// 3 bitwise as the uninterrupted model does: the same dropout masks. Without it, other masks.
+TEST(RoundPipeTest, Dropout_SetIterationResumesTheLayerSeeds) {
+  const uint64_t seed = 99;
+  RunConfig cfg;
+  cfg.num_microbatch = 2;
+  auto train_step = [&](RoundPipe& rp, int step) {
+    auto optimizer = [&] {
+      OptimizerCtx ctx;
+      return torch::optim::SGD(rp.parameters(), 0.05);
+    }();
+    auto data = make_data(true, step);
+    rp.forward_backward({data.x}, data.y, mse_over(data.y.numel()), cfg);
+    rp.step([&] {
+      optimizer.step();
+      optimizer.zero_grad();
+    }, StepMode::kSync);
+  };
+  RoundPipe straight(make_transformer(11, 0.3), RoundPipeOptions().devices(cpu_devices(2)).seed(seed));
+  train_step(straight, 0);
+  train_step(straight, 1);
+  EXPECT_EQ(straight.iteration(), 2);
+  auto at_two = deep_copy(straight.module());
+  train_step(straight, 2);
+  const auto expected = straight.module()->parameters();
+
+  RoundPipe resumed(deep_copy(at_two), RoundPipeOptions().devices(cpu_devices(2)).seed(seed));
+  resumed.set_iteration(2);
+  train_step(resumed, 2);
+  EXPECT_EQ(resumed.iteration(), 3);
+  const auto got = resumed.module()->parameters();
+  ASSERT_EQ(got.size(), expected.size());
+  for (size_t k = 0; k < got.size(); ++k) EXPECT_TRUE(testing::tensors_equal(got[k], expected[k])) << "param " << k;
+
+  RoundPipe restarted(deep_copy(at_two), RoundPipeOptions().devices(cpu_devices(2)).seed(seed));
+  train_step(restarted, 2);  // iteration 0's masks
+  EXPECT_FALSE(testing::tensor_lists_close(restarted.module()->parameters(), expected, 1e-6));
+
+  EXPECT_THROW_WITH(resumed.set_iteration(-1), "must be >= 0");
 }
 
 TEST(RoundPipeTest, BatchNorm_RunningStatsEvolveOnceLikeAPlainMicrobatchedForward) {

@@ -114,6 +114,7 @@ std::string save_checkpoint_dir(CheckpointContents c) {
     archive.write("step", at::scalar_tensor(c.state.step, at::kLong));
     archive.write("tokens", at::scalar_tensor(c.state.tokens, at::kLong));
     archive.write("world_size", at::scalar_tensor(c.state.world_size, at::kLong));
+    archive.write("iteration", at::scalar_tensor(c.state.iteration, at::kLong));
     archive.write("sampler_state",
                   at::scalar_tensor(static_cast<int64_t>(c.state.sampler_state), at::kLong));
     archive.write("cpu_rng_state", c.state.cpu_rng_state);
@@ -237,6 +238,7 @@ TrainerState load_checkpoint_dir(const std::string& dir, RoundPipe& model,
   archive.read("sampler_state", value);
   state.sampler_state = static_cast<uint64_t>(value.item<int64_t>());
   if (archive.try_read("world_size", value)) state.world_size = value.item<int64_t>();  // older: 1
+  if (archive.try_read("iteration", value)) state.iteration = value.item<int64_t>();    // older: -1
   archive.read("cpu_rng_state", state.cpu_rng_state);
   torch::serialize::InputArchive scaler;
   archive.read("scaler", scaler);

@@ -28,6 +28,9 @@ struct TrainerState {
   at::Tensor cpu_rng_state;    ///< torch's default CPU generator state
   amp::GradScalerState scaler;
   int64_t world_size = 1;      ///< data-parallel ranks of the run (resume needs the same)
+  /// RoundPipe::iteration() (the layer seeds' iteration index); -1: not recorded (checkpoints
+  /// written before it was).
+  int64_t iteration = -1;
 };
 
 /// Everything a checkpoint writer needs. The references must outlive the call.

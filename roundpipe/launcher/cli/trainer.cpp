@@ -105,10 +105,12 @@ void run_training(const LauncherConfig& config, const std::optional<std::string>
     if (config.amp.scaler) scaler.load_state_dict(state.scaler);
     ROUNDPIPE_LOG(launcher_log(), kInfo, "resumed from ", dir, " at step ", step);
     if (lead) std::cerr << "resumed from " << dir << " at step " << step << "\n";
-    if (lora != nullptr && lora->dropout() > 0.0) {
-      ROUNDPIPE_LOG(launcher_log(), kWarn, "model.lora.dropout = ", lora->dropout(), ": the resumed run draws "
-                    "other dropout masks than a straight run would (RoundPipe's iteration counter restarts at "
-                    "0), so it is not bitwise equal to one");
+    if (state.iteration >= 0) {
+      model.set_iteration(state.iteration);  // the dropout masks of the uninterrupted run
+    } else if (lora != nullptr && lora->dropout() > 0.0) {
+      ROUNDPIPE_LOG(launcher_log(), kWarn, "model.lora.dropout = ", lora->dropout(), ": the checkpoint predates "
+                    "the saved iteration index, so the resumed run draws other dropout masks than a straight "
+                    "run would (RoundPipe's iteration counter restarts at 0): not bitwise equal to one");
     }
   }
   std::string lora_line;
@@ -158,6 +160,7 @@ void run_training(const LauncherConfig& config, const std::optional<std::string>
     }
     TrainerState state;
     state.world_size = world;
+    state.iteration = model.iteration();
     state.step = step;
     state.tokens = tokens;
     state.sampler_state = sampler.state();
