@@ -142,6 +142,23 @@ TEST(RoundPipeTest, Equivalence_UnevenAndTooFewRows) {
   EXPECT_TRUE(testing::tensors_close(loss, mse_over(y.numel())(reference->forward(x), y).detach(), 1e-6));
 }
 
+// Steps [first, first + count) of make_data's training data through `rp`, each forward_backward
+// followed by a kSync SGD step (lr 0.05) on the masters.
+void sgd_steps(RoundPipe& rp, const RunConfig& cfg, int first, int count) {
+  auto optimizer = [&] {
+    OptimizerCtx ctx;
+    return torch::optim::SGD(rp.parameters(), 0.05);
+  }();
+  for (int step = first; step < first + count; ++step) {
+    auto data = make_data(true, step);
+    rp.forward_backward({data.x}, data.y, mse_over(data.y.numel()), cfg);
+    rp.step([&] {
+      optimizer.step();
+      optimizer.zero_grad();
+    }, StepMode::kSync);
+  }
+}
+
 // Plain microbatched loop with the documented RNG scheme (Note [Layer RNG]).
 std::vector<torch::Tensor> dropout_reference(uint64_t seed, int64_t num_micro, int steps) {
   auto model = make_transformer(11, 0.2);
@@ -177,21 +194,10 @@ TEST(RoundPipeTest, Dropout_MatchesSeededMicrobatchLoopOnAnyDeviceCount) {
     for (auto grain : {RecomputeGrain::kStage, RecomputeGrain::kLayer}) {
       SCOPED_TRACE(::testing::Message() << "devices=" << devices << " grain=" << static_cast<int>(grain));
       RoundPipe rp(make_transformer(11, 0.2), RoundPipeOptions().devices(cpu_devices(devices)).seed(seed));
-      auto optimizer = [&] {
-        OptimizerCtx ctx;
-        return torch::optim::SGD(rp.parameters(), 0.05);
-      }();
       RunConfig cfg;
       cfg.num_microbatch = num_micro;
       cfg.recompute_grain = grain;
-      for (int step = 0; step < 3; ++step) {
-        auto data = make_data(true, step);
-        rp.forward_backward({data.x}, data.y, mse_over(data.y.numel()), cfg);
-        rp.step([&] {
-          optimizer.step();
-          optimizer.zero_grad();
-        }, StepMode::kSync);
-      }
+      sgd_steps(rp, cfg, 0, 3);
       auto params = rp.module()->parameters();
       EXPECT_TRUE(testing::tensor_lists_close(params, expected, 1e-6));
       if (first.empty()) {
@@ -219,36 +225,23 @@ TEST(RoundPipeTest, Dropout_SetIterationResumesTheLayerSeeds) {
   const uint64_t seed = 99;
   RunConfig cfg;
   cfg.num_microbatch = 2;
-  auto train_step = [&](RoundPipe& rp, int step) {
-    auto optimizer = [&] {
-      OptimizerCtx ctx;
-      return torch::optim::SGD(rp.parameters(), 0.05);
-    }();
-    auto data = make_data(true, step);
-    rp.forward_backward({data.x}, data.y, mse_over(data.y.numel()), cfg);
-    rp.step([&] {
-      optimizer.step();
-      optimizer.zero_grad();
-    }, StepMode::kSync);
-  };
   RoundPipe straight(make_transformer(11, 0.3), RoundPipeOptions().devices(cpu_devices(2)).seed(seed));
-  train_step(straight, 0);
-  train_step(straight, 1);
+  sgd_steps(straight, cfg, 0, 2);
   EXPECT_EQ(straight.iteration(), 2);
   auto at_two = deep_copy(straight.module());
-  train_step(straight, 2);
+  sgd_steps(straight, cfg, 2, 1);
   const auto expected = straight.module()->parameters();
 
   RoundPipe resumed(deep_copy(at_two), RoundPipeOptions().devices(cpu_devices(2)).seed(seed));
   resumed.set_iteration(2);
-  train_step(resumed, 2);
+  sgd_steps(resumed, cfg, 2, 1);
   EXPECT_EQ(resumed.iteration(), 3);
   const auto got = resumed.module()->parameters();
   ASSERT_EQ(got.size(), expected.size());
   for (size_t k = 0; k < got.size(); ++k) EXPECT_TRUE(testing::tensors_equal(got[k], expected[k])) << "param " << k;
 
   RoundPipe restarted(deep_copy(at_two), RoundPipeOptions().devices(cpu_devices(2)).seed(seed));
-  train_step(restarted, 2);  // iteration 0's masks
+  sgd_steps(restarted, cfg, 2, 1);  // iteration 0's masks
   EXPECT_FALSE(testing::tensor_lists_close(restarted.module()->parameters(), expected, 1e-6));
 
   EXPECT_THROW_WITH(resumed.set_iteration(-1), "must be >= 0");
