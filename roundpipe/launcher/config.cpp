@@ -325,9 +325,7 @@ Value parse_value(const KeySpec& spec, const YAML::Node& node) {
           config_fail(spec.path, shown, "wrong type: expected " + spec.type_name() +
                                             " (auto, a CPU worker count, or e.g. [cuda:0, cuda:1])");
         }
-        if (r.int_overflow) {
-          config_fail(spec.path, shown, "out of range: the count must be " + spec.bounds.describe());
-        }
+        // An integer beyond 64 bits resolves to INT64_MAX / INT64_MIN: out of the bounds below.
         check_range(static_cast<double>(r.integer), "the count");
         return std::vector<std::string>(static_cast<size_t>(r.integer), "cpu");
       }

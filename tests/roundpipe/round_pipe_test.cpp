@@ -424,6 +424,9 @@ struct SlowIdentityImpl : torch::nn::Cloneable<SlowIdentityImpl> {
 };
 TORCH_MODULE(SlowIdentity);
 
+// The rules the runtime simulates its plans under: backward stages recompute ahead.
+scheduler::SimulateOptions runtime_rules() { return scheduler::SimulateOptions().set_recompute_ahead(true); }
+
 // `rp`'s automatic plan is the simulation planner's plan for `costs` on 2 devices with 3
 // microbatches, as the runtime models itself (iterations overlap, backward stages recompute
 // ahead); with 6 layers the planner
@@ -435,7 +438,7 @@ void expect_simulation_optimum(const RoundPipe& rp, const std::vector<scheduler:
                                                          .set_num_devices(2)
                                                          .set_num_microbatch(3)
                                                          .set_objective(objective)
-                                                         .set_simulate(scheduler::SimulateOptions().set_recompute_ahead(true)));
+                                                         .set_simulate(runtime_rules()));
   ASSERT_TRUE(planned.exhaustive);
   EXPECT_EQ(rp.plan().to_string(), planned.plan.to_string());
 }
@@ -473,10 +476,8 @@ TEST(RoundPipeTest, MeasuredLayerTimes_ReplanAfterFirstCall) {
   }
   // The plan minimises the simulated makespan for the measured costs, whatever they are.
   expect_simulation_optimum(rp, costs);
-  auto simulated = [&](const scheduler::ExecutePlan& plan) {  // under the runtime's rules (recompute ahead)
-    return scheduler::simulate(plan, scheduler::RunType::kFused, costs, 2, 3,
-                               scheduler::SimulateOptions().set_recompute_ahead(true))
-        .makespan;
+  auto simulated = [&](const scheduler::ExecutePlan& plan) {
+    return scheduler::simulate(plan, scheduler::RunType::kFused, costs, 2, 3, runtime_rules()).makespan;
   };
   const auto partitioned =
       scheduler::partition(costs, scheduler::RunType::kFused, scheduler::PartitionOptions().set_min_stages(2));
