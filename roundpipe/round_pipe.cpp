@@ -24,6 +24,7 @@
 #include "roundpipe/detail/caller_guard.h"
 #include "roundpipe/detail/device_worker.h"
 #include "roundpipe/detail/grad_sync.h"
+#include "roundpipe/detail/host_blocks.h"
 #include "roundpipe/detail/master_checks.h"
 #include "roundpipe/detail/planner.h"
 #include "roundpipe/detail/run_launcher.h"
@@ -219,8 +220,24 @@ RoundPipe::RoundPipe(torch::nn::Sequential model, RoundPipeOptions options) : im
     m.layer_set.use_of_position.push_back(use_of_position);
   }
   if (std::any_of(m.devices.begin(), m.devices.end(), [](const c10::Device& d) { return d.is_cuda(); })) {
-    // Host copies in pinned memory, so uploads are asynchronous (Note [Stage streams]).
+    // Host copies in pinned memory, so uploads are asynchronous (Note [Stage streams]): one
+    // exact-size registered block per layer (Note [Exact-size pinned host memory]); what that
+    // leaves pageable (a refused registration, tensors outside the layers) goes through the
+    // caching host allocator.
     torch::NoGradGuard no_grad;
+    std::vector<std::vector<at::Tensor>> groups;
+    for (const auto& layer : m.layer_set.layers) {
+      groups.emplace_back();
+      for (const auto& p : layer.ptr()->parameters()) groups.back().push_back(p);
+      for (const auto& b : layer.ptr()->buffers()) groups.back().push_back(b);
+    }
+    const auto packed = detail::pack_host_tensors(groups, detail::cuda_host_pinner());
+    constexpr double kMiB = 1024.0 * 1024.0;
+    ROUNDPIPE_LOG(Logger::get("runtime"), kInfo, "RoundPipe '", options.name(), "': compute copies pinned in ",
+                  packed.blocks, " exact-size host blocks, ", packed.block_bytes / kMiB, " MiB (",
+                  packed.power_of_two_bytes / kMiB, " MiB through the caching host allocator)",
+                  packed.refused_groups > 0 ? "; " + std::to_string(packed.refused_groups) + " layers refused" : "");
+    m.layer_set.grad_buffers = std::make_shared<detail::HostBufferPool>(detail::cuda_host_pinner());
     auto pin = [](torch::Tensor t) {
       if (t.defined() && t.is_cpu() && !t.is_pinned()) t.set_data(t.detach().pin_memory());
     };

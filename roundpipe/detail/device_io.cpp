@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "base/config.h"
+#include "roundpipe/detail/host_blocks.h"
 #include "roundpipe/detail/trace_recorder.h"
 #if ROUNDPIPE_WITH_CUDA
 #include <ATen/cuda/CUDAEvent.h>
@@ -62,8 +63,9 @@ struct DeviceIo::Cuda {
   c10::cuda::CUDAStreamGuard compute_guard;
   std::vector<std::pair<const torch::nn::Module*, at::cuda::CUDAEvent>> pending_uploads;
 
-  // Device tensors -> new pinned host tensors; returns when the copies are complete.
-  Activations download(const Activations& acts) {
+  // Device tensors -> new pinned host tensors (from `pool` where it has a buffer); returns when
+  // the copies are complete, so a pool buffer is never freed while its copy is in flight.
+  Activations download(const Activations& acts, HostBufferPool* pool) {
     Activations out(acts.size());
     wait_for(streams.download, streams.compute);
     {
@@ -75,7 +77,10 @@ struct DeviceIo::Cuda {
           out[k] = t.detach().clone();
           continue;
         }
-        out[k] = at::empty(t.sizes(), t.options().device(c10::kCPU).pinned_memory(true).requires_grad(false));
+        if (pool != nullptr) out[k] = pool->empty(t.sizes(), t.scalar_type());
+        if (!out[k].defined()) {
+          out[k] = at::empty(t.sizes(), t.options().device(c10::kCPU).pinned_memory(true).requires_grad(false));
+        }
         out[k].copy_(t.detach(), /*non_blocking=*/true);
         t.record_stream(streams.download);
       }
@@ -273,7 +278,7 @@ Activations DeviceIo::upload(const Activations& host) {
   return out;
 }
 
-Activations DeviceIo::download(const Activations& acts) {
+Activations DeviceIo::download(const Activations& acts, HostBufferPool* pool) {
   if (!cuda_) {
     Activations out;
     out.reserve(acts.size());
@@ -281,8 +286,9 @@ Activations DeviceIo::download(const Activations& acts) {
     return out;
   }
 #if ROUNDPIPE_WITH_CUDA
-  return cuda_->download(acts);
+  return cuda_->download(acts, pool);
 #else
+  (void)pool;
   return acts;
 #endif
 }
@@ -297,7 +303,7 @@ Activations DeviceIo::download_copy(const Activations& acts) {
     return out;
   }
 #if ROUNDPIPE_WITH_CUDA
-  return cuda_->download(acts);  // always fresh host tensors
+  return cuda_->download(acts, nullptr);  // always fresh host tensors
 #else
   return acts;
 #endif

@@ -11,6 +11,8 @@
 
 namespace roundpipe::detail {
 
+class HostBufferPool;
+
 // Note [Stage streams]:
 // On a CUDA device a stage job uses four streams of its worker (CudaStreamSet): parameter upload,
 // activation upload, compute and download, ordered only by CUDA events, never by host syncs
@@ -28,8 +30,11 @@ namespace roundpipe::detail {
 //    user's stream: uploads on compute, downloaded device tensors on download. Without that the
 //    caching allocator could hand the block of a released parameter (the shell is emptied when
 //    the job ends) to the next upload while kernels that read it are still queued on compute.
-//    Pinned host blocks read by asynchronous copies are protected by the CUDA host allocator,
-//    which records an event per copy.
+//    Host tensors from the caching host allocator (activations) are protected by it: it records an
+//    event per asynchronous copy and reuses a block only after them. The parameters' host copies
+//    are registered blocks that live as long as the model's tensors, and gradients land in the
+//    model's HostBufferPool; neither is read by an asynchronous copy after it could be freed
+//    (Note [Exact-size pinned host memory]).
 // On CPU devices every method is a plain host operation and there are no streams.
 
 /// One per stage job, created and used on the job's worker thread only. On CUDA the compute
@@ -59,7 +64,9 @@ class DeviceIo {
   /// Host tensors -> device, ready for compute. CPU: the tensors themselves (no copy).
   Activations upload(const Activations& host);
   /// Device tensors -> host (detached), complete on return. CPU: the tensors detached, no copy.
-  Activations download(const Activations& acts);
+  /// CUDA: into `pool`'s exact-size buffers where it has one (parameter gradients), else into
+  /// pinned memory from the caching host allocator.
+  Activations download(const Activations& acts, HostBufferPool* pool = nullptr);
   /// Like `download`, but always a fresh host copy that later in-place writes cannot alter.
   Activations download_copy(const Activations& acts);
 

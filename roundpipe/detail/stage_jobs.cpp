@@ -226,7 +226,7 @@ std::vector<at::Tensor> param_grads(const RunContext& ctx, int64_t l, ShellLease
     if (!g.defined()) continue;
     grads[u] = grads[u].defined() ? grads[u] + g : g;
   }
-  return io.download(grads);
+  return io.download(grads, ctx.model->grad_buffers.get());
 }
 
 // Records which GradScaler the loss_fn used (Note [Cross-thread GradScaler]). Runs on the fused

@@ -56,6 +56,8 @@ struct ParamRef {
   int64_t index = 0;
 };
 
+class HostBufferPool;
+
 /// The model's layers as the engine runs them. Immutable after construction, except
 /// `call_modes` (atomics) and the tensors' data (written only by the caller thread between
 /// calls, or by the optimizer through the per-layer protocol) and `shells` (its own mutex).
@@ -69,6 +71,9 @@ struct LayerSet {
   /// [layer][position in layers[l]->parameters()] -> u, the index into uses[l].
   std::vector<std::vector<int64_t>> use_of_position;
   mutable LayerShells shells{&layers};  // the stage jobs' module copies (Note [Layer shells])
+  /// CUDA runs: where jobs download parameter gradients (Note [Exact-size pinned host memory]);
+  /// null on CPU devices. Thread-safe.
+  std::shared_ptr<HostBufferPool> grad_buffers;
 };
 
 /// State of one forward_backward / forward call. Channels synchronize the jobs; each result slot

@@ -4,6 +4,10 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdint>
 #include <limits>
 
 #include "amp/grad_scaler.h"
@@ -182,6 +186,29 @@ TEST(CudaEngineTest, StageTrace_RecordsSpansAndUploadOverlap_CUDA) {
     EXPECT_LT(s.compute_begin_ms, s.compute_end_ms) << s.job;
   }
   EXPECT_GT(trace::upload_overlap_fraction(spans), 0.0) << "no upload overlapped compute";
+}
+
+// The compute copies live in exact-size host blocks registered with CUDA (Note [Exact-size pinned
+// host memory]): every parameter is pinned, a layer's parameters lie in one span no longer than
+// their bytes at 256-byte alignment rounded to a page (the caching host allocator would round
+// each up to a power of two), and the async stress above trains from them.
+TEST(CudaEngineTest, HostCopies_ExactSizePinnedBlocksPerLayer_CUDA) {
+  auto model = testing::random_mlp(3, 4, 24, 4, 5, 700);
+  RoundPipe rp(model, RoundPipeOptions().devices(gpu_workers(1)));
+  const auto page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+  for (const auto& layer : *rp.module()) {
+    uintptr_t lo = UINTPTR_MAX, hi = 0, packed = 0;
+    for (const auto& p : layer.ptr()->parameters()) {
+      EXPECT_TRUE(p.is_pinned()) << layer.ptr()->name();
+      const auto begin = reinterpret_cast<uintptr_t>(p.storage().data());
+      lo = std::min(lo, begin);
+      hi = std::max(hi, begin + p.storage().nbytes());
+      packed += (p.storage().nbytes() + 255) / 256 * 256;
+    }
+    if (hi == 0) continue;  // Tanh
+    EXPECT_EQ(lo % page, 0u) << layer.ptr()->name();
+    EXPECT_LE(hi - lo, (packed + page - 1) / page * page) << layer.ptr()->name();
+  }
 }
 
 }  // namespace
