@@ -74,10 +74,9 @@ HostPinner cuda_host_pinner() {
     const cudaError_t err = cudaHostRegister(ptr, bytes, cudaHostRegisterPortable);
     if (err == cudaSuccess) return true;
     (void)cudaGetLastError();  // clear it, so a later check of the last error does not report it
-    ROUNDPIPE_LOG(Logger::get("runtime"), kWarn, "cudaHostRegister of ", bytes,
-                  " bytes of host memory for a layer's compute copies failed (", cudaGetErrorString(err),
-                  "); that layer is pinned through the caching host allocator instead, which rounds each tensor "
-                  "up to a power of two");
+    ROUNDPIPE_LOG(Logger::get("runtime"), kWarn, "cudaHostRegister of ", bytes, " bytes of host memory failed (",
+                  cudaGetErrorString(err), "); those tensors are pinned through the caching host allocator instead, "
+                  "which rounds each up to a power of two (more host memory per parameter)");
     return false;
   };
   pinner.unpin = [](void* ptr) {

@@ -15,7 +15,7 @@ namespace roundpipe::detail {
 // On CUDA, uploads are asynchronous only from page-locked host memory, so the compute copies of
 // the model's parameters and buffers live there. `Tensor::pin_memory()` takes that memory from
 // CUDA's caching host allocator, which rounds every block up to a power of two (c10's
-// PowerOf2Ceil): a 4096 x 11008 bf16 weight (86 MiB) takes 128 MiB, 1.41x over a Llama block,
+// PowerOf2Ceil): a 4096 x 11008 bf16 weight (86 MiB) takes 128 MiB, 1.33x over a Llama-2-7B block,
 // and the host bytes per parameter are what bound the largest model (docs/benchmarks.md).
 // Instead, RoundPipe packs each layer's tensors into one block of their exact size (each storage
 // at a 256-byte offset, the block rounded to whole pages), allocated with mmap and page-locked
