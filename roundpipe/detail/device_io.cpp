@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 
 #include <functional>
+#include <memory>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -63,31 +64,46 @@ struct DeviceIo::Cuda {
   c10::cuda::CUDAStreamGuard compute_guard;
   std::vector<std::pair<const torch::nn::Module*, at::cuda::CUDAEvent>> pending_uploads;
 
-  // Device tensors -> new pinned host tensors (from `pool` where it has a buffer); returns when
-  // the copies are complete, so a pool buffer is never freed while its copy is in flight.
-  Activations download(const Activations& acts, HostBufferPool* pool) {
-    Activations out(acts.size());
+  // Device tensors -> new pinned host tensors (from `pool` where it has a buffer), copied on the
+  // download stream after the compute enqueued so far; returns the event that marks the copies
+  // complete. With `clone`, the copies read device clones made on the compute stream first.
+  std::shared_ptr<at::cuda::CUDAEvent> enqueue_download(const Activations& acts, Activations& out, bool clone,
+                                                        HostBufferPool* pool) {
+    out.assign(acts.size(), at::Tensor());
+    Activations sources(acts.size());
+    for (size_t k = 0; k < acts.size(); ++k) {
+      if (!acts[k].defined()) continue;
+      sources[k] = acts[k].detach();
+      if (clone && sources[k].is_cuda()) sources[k] = sources[k].clone();  // on compute (the current stream)
+    }
     wait_for(streams.download, streams.compute);
     {
       c10::cuda::CUDAStreamGuard guard(streams.download);
-      for (size_t k = 0; k < acts.size(); ++k) {
-        const auto& t = acts[k];
+      for (size_t k = 0; k < sources.size(); ++k) {
+        const auto& t = sources[k];
         if (!t.defined()) continue;
         if (!t.is_cuda()) {
-          out[k] = t.detach().clone();
+          out[k] = t.clone();
           continue;
         }
         if (pool != nullptr) out[k] = pool->empty(t.sizes(), t.scalar_type());
         if (!out[k].defined()) {
           out[k] = at::empty(t.sizes(), t.options().device(c10::kCPU).pinned_memory(true).requires_grad(false));
         }
-        out[k].copy_(t.detach(), /*non_blocking=*/true);
+        out[k].copy_(t, /*non_blocking=*/true);
         t.record_stream(streams.download);
       }
     }
-    at::cuda::CUDAEvent done;
-    done.record(streams.download);
-    done.synchronize();
+    auto done = std::make_shared<at::cuda::CUDAEvent>();
+    done->record(streams.download);
+    return done;
+  }
+
+  // Returns when the copies are complete, so a pool buffer is never freed while its copy is in
+  // flight.
+  Activations download(const Activations& acts, HostBufferPool* pool) {
+    Activations out;
+    enqueue_download(acts, out, /*clone=*/false, pool)->synchronize();
     return out;
   }
 };
@@ -291,6 +307,27 @@ Activations DeviceIo::download(const Activations& acts, HostBufferPool* pool) {
   (void)pool;
   return acts;
 #endif
+}
+
+Activations DeviceIo::Pending::wait() {
+  if (complete_) {
+    complete_();
+    complete_ = nullptr;
+  }
+  return std::move(host_);
+}
+
+DeviceIo::Pending DeviceIo::download_async(const Activations& acts, bool copy) {
+  Pending pending;
+  if (!cuda_) {
+    pending.host_ = copy ? download_copy(acts) : download(acts);
+    return pending;
+  }
+#if ROUNDPIPE_WITH_CUDA
+  auto done = cuda_->enqueue_download(acts, pending.host_, copy, nullptr);
+  pending.complete_ = [done] { done->synchronize(); };
+#endif
+  return pending;
 }
 
 Activations DeviceIo::download_copy(const Activations& acts) {

@@ -4,6 +4,7 @@
 #include <c10/core/Device.h>
 #include <torch/nn/module.h>
 
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -25,7 +26,8 @@ class HostBufferPool;
 //    results in host memory: there is no cross-job prefetch (docs/user-guide.md, "Limitations").
 //  - Activations come in on the activation-upload stream (event -> compute) and go out on the
 //    download stream (compute event -> download) into pinned host memory; the job waits for the
-//    download's event before it hands the host tensor to another job.
+//    download's event before it hands the host tensor to another job, and it first enqueues the
+//    next microbatch's compute, so the copies overlap it (Note [Deferred hand-over]).
 //  - Memory: a tensor allocated on one stream and used on another is record_stream()-ed on the
 //    user's stream: uploads on compute, downloaded device tensors on download. Without that the
 //    caching allocator could hand the block of a released parameter (the shell is emptied when
@@ -69,6 +71,24 @@ class DeviceIo {
   Activations download(const Activations& acts, HostBufferPool* pool = nullptr);
   /// Like `download`, but always a fresh host copy that later in-place writes cannot alter.
   Activations download_copy(const Activations& acts);
+
+  /// A download that may still be in flight (Note [Deferred hand-over], stage_jobs.cpp).
+  class Pending {
+   public:
+    /// The host tensors, complete. Call once.
+    Activations wait();
+
+   private:
+    friend class DeviceIo;
+    Activations host_;
+    std::function<void()> complete_;  // CUDA: waits for the copies' event; CPU: empty
+  };
+  /// Like `download` (`copy` false) or `download_copy` (`copy` true), but returns before the
+  /// copies complete. CUDA: enqueued on the download stream after the compute enqueued so far;
+  /// with `copy`, from a device clone made on the compute stream first, so later kernels that
+  /// write the tensors in place cannot alter the copy. CPU: complete on return, as `download` /
+  /// `download_copy`.
+  Pending download_async(const Activations& acts, bool copy);
 
  private:
   c10::Device device_;

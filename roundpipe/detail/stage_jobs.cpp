@@ -5,7 +5,11 @@
 #include <torch/autograd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
+#include <deque>
+#include <functional>
+#include <limits>
 #include <sstream>
 
 #include "amp/detail/grad_scaler_access.h"
@@ -29,6 +33,64 @@ const Activations& await(const ChannelPtr& channel) {
     throw UpstreamError{std::current_exception()};
   }
 }
+
+// Note [Deferred hand-over]:
+// A job's per-microbatch results (forward outputs, saved inputs, activation gradients, losses) go
+// to other jobs through channels, and only complete host tensors may go. Waiting for each
+// download right after its microbatch would leave a CUDA device idle until the worker has
+// enqueued the next microbatch's kernels. So on CUDA a job enqueues the downloads of microbatch j
+// (DeviceIo::download_async), goes on to enqueue microbatch j+1's compute, and only then waits
+// for j's copies and hands them over: the copies and the hand-over overlap the next microbatch's
+// compute. A job never blocks on an input while holding results back: before an await whose
+// channel is not ready it hands over everything it holds (the producer upstream never depends on
+// them, but a consumer downstream may be waiting). At the end of the job everything is handed
+// over, before its parameter gradients. A failing job hands over nothing more; guarded() fails
+// the channels it had not set. CPU jobs hand over at once (their downloads are complete on
+// return), unless set_defer_cpu_handovers_for_testing.
+std::atomic<bool> defer_cpu_handovers{false};
+
+class Handovers {
+ public:
+  explicit Handovers(const DeviceIo& io) : defer_(io.device().is_cuda() || defer_cpu_handovers.load()) {}
+  Handovers(const Handovers&) = delete;
+  Handovers& operator=(const Handovers&) = delete;
+
+  using Deliver = std::function<void(Activations)>;
+  /// Hands `download`'s tensors to `deliver` now (CPU) or at a later flush.
+  void post(int64_t microbatch, Deliver deliver, DeviceIo::Pending download) {
+    if (!defer_) {
+      deliver(download.wait());
+      return;
+    }
+    held_.push_back({microbatch, std::move(deliver), std::move(download)});
+  }
+  void post(int64_t microbatch, const ChannelPtr& channel, DeviceIo::Pending download) {
+    post(microbatch, [channel](Activations a) { channel->set(std::move(a)); }, std::move(download));
+  }
+  /// Hands over what was posted for microbatches before `microbatch`, in posting order.
+  void flush_before(int64_t microbatch) {
+    while (!held_.empty() && held_.front().microbatch < microbatch) {
+      Held h = std::move(held_.front());
+      held_.pop_front();
+      h.deliver(h.download.wait());
+    }
+  }
+  void flush_all() { flush_before(std::numeric_limits<int64_t>::max()); }
+  /// await(channel), handing everything over first if it would block.
+  const Activations& await_input(const ChannelPtr& channel) {
+    if (!held_.empty() && !channel->ready()) flush_all();
+    return await(channel);
+  }
+
+ private:
+  struct Held {
+    int64_t microbatch;
+    Deliver deliver;
+    DeviceIo::Pending download;
+  };
+  const bool defer_;
+  std::deque<Held> held_;
+};
 
 // Where a job is, for error messages.
 struct Position {
@@ -294,6 +356,8 @@ void release_after_copy(RunContext& ctx, scheduler::LayerRange r, DeviceIo& io, 
 
 }  // namespace
 
+void set_defer_cpu_handovers_for_testing(bool on) { defer_cpu_handovers.store(on); }
+
 void release_layers(RunContext& ctx, int64_t begin, int64_t end) {
   if (!ctx.on_release) return;
   for (int64_t l = begin; l < end; ++l) {
@@ -319,23 +383,27 @@ void run_forward_stage(RunContext& ctx, size_t stage, scheduler::LayerRange r, c
       ctx.buffer_snapshot[l]->set(buffer_copies(shell, io));
     }
     at::NoGradGuard no_grad;
+    Handovers handovers(io);  // Note [Deferred hand-over]
     for (int64_t j = 0; j < ctx.num_microbatch; ++j) {
       pos.microbatch = j;
-      Activations acts = io.upload(stage == 0 ? ctx.inputs[j] : await(ctx.fwd_out[stage - 1][j]));
+      Activations acts = io.upload(stage == 0 ? ctx.inputs[j] : handovers.await_input(ctx.fwd_out[stage - 1][j]));
       for (int64_t l = r.begin; l < r.end; ++l) {
         pos.layer = l;
-        if (!ctx.saved[l].empty()) ctx.saved[l][j]->set(io.download_copy(acts));
+        if (!ctx.saved[l].empty()) handovers.post(j, ctx.saved[l][j], io.download_async(acts, /*copy=*/true));
         acts = run_layer(ctx, shells[l - r.begin], l, j, acts, io, /*first_pass=*/true);
       }
       pos.layer = -1;
+      handovers.flush_before(j);
       if (stage < ctx.fwd_out.size()) {
-        ctx.fwd_out[stage][j]->set(io.download(acts));
+        handovers.post(j, ctx.fwd_out[stage][j], io.download_async(acts, /*copy=*/false));
       } else if (ctx.output_device.is_cpu()) {
-        ctx.outputs[j] = io.download(acts);
+        handovers.post(j, [&ctx, j](Activations a) { ctx.outputs[j] = std::move(a); },
+                       io.download_async(acts, /*copy=*/false));
       } else {
         for (const auto& t : acts) ctx.outputs[j].push_back(t.defined() ? t.to(ctx.output_device) : t);
       }
     }
+    handovers.flush_all();
     for (int64_t l = r.begin; l < r.end; ++l) ctx.buffers[l] = buffer_copies(shells[l - r.begin], io);
   });
 }
@@ -349,10 +417,11 @@ void run_fused_stage(RunContext& ctx, scheduler::LayerRange r, c10::Device devic
     release_after_copy(ctx, r, io, device, -1);
     RunScaleObserver observer(ctx);
     const size_t fwd_stages = ctx.fwd_out.size();
+    Handovers handovers(io);  // Note [Deferred hand-over]
     for (int64_t j = 0; j < ctx.num_microbatch; ++j) {
       pos.microbatch = j;
-      Activations leaves =
-          r.begin == 0 ? io.upload(ctx.inputs[j]) : make_leaves(io, await(ctx.fwd_out[fwd_stages - 1][j]), true);
+      Activations leaves = r.begin == 0 ? io.upload(ctx.inputs[j])
+                                        : make_leaves(io, handovers.await_input(ctx.fwd_out[fwd_stages - 1][j]), true);
       StageTimer timer(ctx, io, 0);
       Activations acts = leaves;
       for (int64_t l = r.begin; l < r.end; ++l) {
@@ -379,10 +448,13 @@ void run_fused_stage(RunContext& ctx, scheduler::LayerRange r, c10::Device devic
       loss.backward();
       timer.stop();
       pos.step = "";
-      ctx.losses[j] = loss.detach().to(c10::kCPU).reshape({});
-      if (r.begin > 0) ctx.bwd_grad[0][j]->set(io.download(leaf_grads(leaves)));
+      handovers.flush_before(j);
+      handovers.post(j, [&ctx, j](Activations a) { ctx.losses[j] = a[0].reshape({}); },
+                     io.download_async({loss.detach()}, /*copy=*/false));
+      if (r.begin > 0) handovers.post(j, ctx.bwd_grad[0][j], io.download_async(leaf_grads(leaves), /*copy=*/false));
       release_after_copy(ctx, r, io, device, j);
     }
+    handovers.flush_all();
     pos.microbatch = -1;
     pos.step = "checking gradients for inf/NaN";
     post_found_inf(ctx, shells, device);
@@ -412,19 +484,21 @@ void run_backward_stage(RunContext& ctx, size_t stage, scheduler::LayerRange r, 
     // downstream (what the Python original does; scheduler::SimulateOptions::recompute_ahead).
     // The measuring call awaits first, so its timer sees only the work.
     const bool ahead = ctx.grain == RecomputeGrain::kStage && stage >= ctx.backward_stage_ms.size();
+    Handovers handovers(io);  // Note [Deferred hand-over]
     for (int64_t j = 0; j < ctx.num_microbatch; ++j) {
       pos.microbatch = j;
       Activations grads;
-      if (!ahead) grads = io.upload(await(ctx.bwd_grad[stage - 1][j]));
+      if (!ahead) grads = io.upload(handovers.await_input(ctx.bwd_grad[stage - 1][j]));
       StageTimer timer(ctx, io, stage);
       if (ctx.grain == RecomputeGrain::kStage) {
         // The forward of the stage's layers must be done for this microbatch (the recompute
         // replays its draws, Note [Layer RNG]): the saved input of the next stage down, or the
         // fused tail's input. Awaiting the gradient first implied it.
         if (ahead) {
-          await(r.end < ctx.num_layers && !ctx.saved[r.end].empty() ? ctx.saved[r.end][j] : ctx.fwd_out.back()[j]);
+          handovers.await_input(r.end < ctx.num_layers && !ctx.saved[r.end].empty() ? ctx.saved[r.end][j]
+                                                                                    : ctx.fwd_out.back()[j]);
         }
-        Activations leaves = make_leaves(io, await(ctx.saved[r.begin][j]), r.begin > 0);
+        Activations leaves = make_leaves(io, handovers.await_input(ctx.saved[r.begin][j]), r.begin > 0);
         Activations acts = leaves;
         pos.step = "recompute";
         for (int64_t l = r.begin; l < r.end; ++l) {
@@ -434,7 +508,7 @@ void run_backward_stage(RunContext& ctx, size_t stage, scheduler::LayerRange r, 
         pos.layer = -1;
         if (ahead) {
           pos.step = "";  // as when awaiting first: an upstream failure is reported as such
-          grads = io.upload(await(ctx.bwd_grad[stage - 1][j]));
+          grads = io.upload(handovers.await_input(ctx.bwd_grad[stage - 1][j]));
         }
         pos.step = "backward";
         backward_paired(acts, grads);
@@ -442,7 +516,7 @@ void run_backward_stage(RunContext& ctx, size_t stage, scheduler::LayerRange r, 
       } else {
         for (int64_t l = r.end - 1; l >= r.begin; --l) {
           pos.layer = l;
-          Activations leaves = make_leaves(io, await(ctx.saved[l][j]), l > 0);
+          Activations leaves = make_leaves(io, handovers.await_input(ctx.saved[l][j]), l > 0);
           pos.step = "recompute";
           Activations acts = run_layer(ctx, shells[l - r.begin], l, j, leaves, io);
           pos.step = "backward";
@@ -453,9 +527,11 @@ void run_backward_stage(RunContext& ctx, size_t stage, scheduler::LayerRange r, 
       }
       timer.stop();
       pos.step = "";
-      if (r.begin > 0) ctx.bwd_grad[stage][j]->set(io.download(grads));
+      handovers.flush_before(j);
+      if (r.begin > 0) handovers.post(j, ctx.bwd_grad[stage][j], io.download_async(grads, /*copy=*/false));
       release_after_copy(ctx, r, io, device, j);
     }
+    handovers.flush_all();
     pos.microbatch = -1;
     pos.step = "checking gradients for inf/NaN";
     post_found_inf(ctx, shells, device);

@@ -4,6 +4,7 @@
 #include <torch/nn/modules/container/any.h>
 
 #include <atomic>
+#include <chrono>
 #include <exception>
 #include <functional>
 #include <future>
@@ -42,6 +43,8 @@ class Channel {
     }
   }
   const Activations& get() const { return future_.get(); }
+  /// Whether get() would return (or throw) at once.
+  bool ready() const { return future_.wait_for(std::chrono::seconds(0)) == std::future_status::ready; }
 
  private:
   std::promise<Activations> promise_;
@@ -149,6 +152,10 @@ struct RunContext {
 
 /// Calls ctx.on_release for each layer of [begin, end) not released yet (any thread).
 void release_layers(RunContext& ctx, int64_t begin, int64_t end);
+
+/// Tests only: CPU jobs defer their hand-overs as CUDA jobs do (Note [Deferred hand-over]), so the
+/// CPU suite runs that control flow. Process-wide; set it while no run is in flight.
+void set_defer_cpu_handovers_for_testing(bool on);
 
 void run_forward_stage(RunContext& ctx, size_t stage, scheduler::LayerRange layers, c10::Device device);
 void run_fused_stage(RunContext& ctx, scheduler::LayerRange layers, c10::Device device);
