@@ -20,13 +20,8 @@ namespace roundpipe {
 namespace {
 
 using testing::deep_copy;
+using testing::mse_over;
 using testing::StaleReference;
-
-LossFn mse_over(int64_t full_numel) {
-  return [full_numel](const torch::Tensor& out, const torch::Tensor& y) {
-    return torch::mse_loss(out, y, torch::Reduction::Sum) / static_cast<double>(full_numel);
-  };
-}
 
 std::unique_ptr<torch::optim::Optimizer> make_opt(int which, std::vector<torch::Tensor> params) {
   if (which == 0) return std::make_unique<torch::optim::SGD>(params, torch::optim::SGDOptions(0.05));

@@ -19,13 +19,8 @@
 namespace roundpipe {
 namespace {
 
-std::vector<c10::Device> cpu_devices(int n) { return std::vector<c10::Device>(n, c10::Device(c10::kCPU)); }
-
-LossFn mse_over(int64_t full_numel) {
-  return [full_numel](const torch::Tensor& out, const torch::Tensor& y) {
-    return torch::mse_loss(out, y, torch::Reduction::Sum) / static_cast<double>(full_numel);
-  };
-}
+using testing::cpu_devices;
+using testing::mse_over;
 
 class DeferredHandoverTest : public ::testing::Test {
  protected:

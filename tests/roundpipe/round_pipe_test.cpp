@@ -22,6 +22,9 @@
 namespace roundpipe {
 namespace {
 
+using testing::cpu_devices;
+using testing::mse_over;
+
 using testing::deep_copy;
 using testing::make_mlp;
 using testing::make_transformer;
@@ -36,14 +39,6 @@ std::unique_ptr<torch::optim::Optimizer> make_optimizer(Opt opt, std::vector<tor
   return std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(1e-2).eps(1e-4));
 }
 
-// Sum-reduced loss over a microbatch divided by the full batch's element count: the sum over
-// microbatches equals the full-batch mean loss.
-LossFn mse_over(int64_t full_numel) {
-  return [full_numel](const torch::Tensor& out, const torch::Tensor& y) {
-    return torch::mse_loss(out, y, torch::Reduction::Sum) / static_cast<double>(full_numel);
-  };
-}
-
 struct Data {
   torch::Tensor x, y;
 };
@@ -53,8 +48,6 @@ Data make_data(bool transformer, int64_t step, int64_t batch = 12) {
   if (transformer) return {torch::randn({batch, 5, 16}), torch::randn({batch, 5, 4})};
   return {torch::randn({batch, 8}), torch::randn({batch, 4})};
 }
-
-std::vector<c10::Device> cpu_devices(int n) { return std::vector<c10::Device>(n, c10::Device(c10::kCPU)); }
 
 // Plain full-batch loop vs RoundPipe (kSync): parameters after every step within 1e-6.
 void check_equivalence(bool transformer, int num_devices, int64_t num_micro, RecomputeGrain grain, Opt opt,

@@ -7,18 +7,13 @@
 
 #include "roundpipe/round_pipe.h"
 #include "tests/common/tensor_compare.h"
+#include "tests/roundpipe/test_models.h"
 
 namespace roundpipe {
 namespace {
 
-std::vector<c10::Device> cpu_devices(int n) { return std::vector<c10::Device>(n, c10::Device(c10::kCPU)); }
-
-// Sum-reduced loss over a microbatch divided by the full batch's element count.
-LossFn mse_over(int64_t full_numel) {
-  return [full_numel](const torch::Tensor& out, const torch::Tensor& y) {
-    return torch::mse_loss(out, y, torch::Reduction::Sum) / static_cast<double>(full_numel);
-  };
-}
+using testing::cpu_devices;
+using testing::mse_over;
 
 // y = x W^T + b with a weight it is given (tying) and a bias of its own. Its clone (made by
 // reset() + copy, as RoundPipe's layer shells are) holds its own copy of the weight.

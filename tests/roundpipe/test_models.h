@@ -55,6 +55,17 @@ struct FaultyImpl : torch::nn::Cloneable<FaultyImpl> {
 };
 TORCH_MODULE(Faulty);
 
+/// `n` CPU devices.
+inline std::vector<c10::Device> cpu_devices(int n) { return std::vector<c10::Device>(n, c10::Device(c10::kCPU)); }
+
+/// Sum-reduced MSE over a microbatch divided by the full batch's element count: the sum over
+/// microbatches equals the full-batch mean loss.
+inline std::function<torch::Tensor(const torch::Tensor&, const torch::Tensor&)> mse_over(int64_t full_numel) {
+  return [full_numel](const torch::Tensor& out, const torch::Tensor& y) {
+    return torch::mse_loss(out, y, torch::Reduction::Sum) / static_cast<double>(full_numel);
+  };
+}
+
 inline torch::nn::Sequential make_mlp(int64_t seed) {
   torch::manual_seed(seed);
   return torch::nn::Sequential(torch::nn::Linear(8, 16), torch::nn::Tanh(), torch::nn::Linear(16, 16),
