@@ -29,6 +29,13 @@ namespace {
 
 constexpr size_t kStorageAlignment = 256;
 
+// Every page of a block is written (packing) or pinned (registering) right away: MAP_POPULATE
+// faults them in in bulk, 3x faster than one fault per page under a memcpy on the development VM
+// (1 GiB: 0.52 vs 0.16 GB/s, two runs each).
+void* map_block(size_t bytes) {
+  return ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
+}
+
 size_t round_up(size_t n, size_t to) { return (n + to - 1) / to * to; }
 
 // One mapped block; the storages made from it share ownership, so it goes with the last of them.
@@ -113,7 +120,7 @@ HostPackStats pack_host_tensors(const std::vector<std::vector<at::Tensor>>& grou
     }
     if (layout.empty()) continue;
     const size_t bytes = round_up(end, page);
-    void* ptr = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    void* ptr = map_block(bytes);
     TORCH_CHECK(ptr != MAP_FAILED, "could not map ", bytes, " bytes of host memory for a layer's compute copies (",
                 std::strerror(errno), "): the host is out of memory for this model");
     auto block = std::make_shared<HostBlock>(ptr, bytes);
@@ -218,7 +225,7 @@ at::Tensor HostBufferPool::empty(at::IntArrayRef sizes, c10::ScalarType dtype) {
     }
   }
   if (ptr == nullptr) {
-    ptr = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    ptr = map_block(bytes);
     TORCH_CHECK(ptr != MAP_FAILED, "could not map ", bytes, " bytes of host memory for a gradient (",
                 std::strerror(errno), "): the host is out of memory for this model");
     if (state_->pinner.pin && !state_->pinner.pin(ptr, bytes)) {
