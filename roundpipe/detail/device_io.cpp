@@ -63,6 +63,7 @@ struct DeviceIo::Cuda {
   CudaStreamSet& streams;
   c10::cuda::CUDAStreamGuard compute_guard;
   std::vector<std::pair<const torch::nn::Module*, at::cuda::CUDAEvent>> pending_uploads;
+  std::optional<at::cuda::CUDAEvent> layer_uploads_done;  // after the latest upload_layer's copies
 
   // Device tensors -> new pinned host tensors (from `pool` where it has a buffer), copied on the
   // download stream after the compute enqueued so far; returns the event that marks the copies
@@ -240,6 +241,8 @@ void DeviceIo::upload_layer(torch::nn::Module& shell, torch::nn::Module& layer, 
   at::cuda::CUDAEvent uploaded;
   uploaded.record(s.param_upload);
   cuda_->pending_uploads.emplace_back(&shell, std::move(uploaded));
+  if (!cuda_->layer_uploads_done) cuda_->layer_uploads_done.emplace();
+  cuda_->layer_uploads_done->record(s.param_upload);
 #endif
 }
 
@@ -268,6 +271,12 @@ void DeviceIo::before_compute(const torch::nn::Module& shell) {
 void DeviceIo::synchronize() {
 #if ROUNDPIPE_WITH_CUDA
   if (cuda_) cuda_->streams.compute.synchronize();
+#endif
+}
+
+void DeviceIo::wait_for_layer_uploads() {
+#if ROUNDPIPE_WITH_CUDA
+  if (cuda_ && cuda_->layer_uploads_done) cuda_->layer_uploads_done->synchronize();
 #endif
 }
 

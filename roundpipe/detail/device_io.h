@@ -62,6 +62,10 @@ class DeviceIo {
 
   /// Waits until the job's compute so far has finished (CUDA: the compute stream; CPU: no-op).
   void synchronize();
+  /// Waits until every upload_layer copy so far is complete in device memory, without waiting
+  /// for compute (CUDA: an event recorded on the parameter-upload stream; CPU: no-op, the copies
+  /// are complete on return).
+  void wait_for_layer_uploads();
 
   /// Host tensors -> device, ready for compute. CPU: the tensors themselves (no copy).
   Activations upload(const Activations& host);

@@ -340,14 +340,15 @@ void post_found_inf(RunContext& ctx, std::vector<ShellLease>& shells, const c10:
 }
 
 // The run's last reader of layers [r.begin, r.end) has its copy of them (Note [Run tails]): on CPU
-// once they are copied; on CUDA the copies are asynchronous, so after the first microbatch, whose
-// compute used every layer of the stage, with the device synchronized.
+// once they are copied; on CUDA the copies are asynchronous, so once they are complete, checked
+// after the first microbatch's compute is enqueued (waiting for them earlier would hold that
+// compute back; they complete before it, which waits for each layer's copy).
 void release_after_copy(RunContext& ctx, scheduler::LayerRange r, DeviceIo& io, const c10::Device& device,
                         int64_t microbatch) {
   if (!ctx.on_release) return;
   if (device.is_cuda()) {
     if (microbatch != 0) return;
-    io.synchronize();
+    io.wait_for_layer_uploads();
   } else if (microbatch != -1) {
     return;
   }

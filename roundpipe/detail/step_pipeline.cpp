@@ -55,11 +55,11 @@ namespace roundpipe::detail {
 //    only once tails_done >= R.
 // So the next iteration's forward jobs, which wait for the step's publish per layer, start as
 // soon as the previous run's last backward job has copied layer 0 (CPU: at its start; CUDA:
-// after its first microbatch, when the copy is known complete), filling the previous run's
-// drain. Whoever reads the gradients outside a step (synchronize, a sync step, the scaler's
-// marshalled unscale_, RoundPipe::parameters / module) waits for every posted tail first. A
-// detached tail's error is kept like a queued step's: the step queued after it skips its step
-// function, and the error is rethrown at the next entry point.
+// once its uploads are complete, checked after its first microbatch's compute is enqueued),
+// filling the previous run's drain. Whoever reads the gradients outside a step (synchronize, a
+// sync step, the scaler's marshalled unscale_, RoundPipe::parameters / module) waits for every
+// posted tail first. A detached tail's error is kept like a queued step's: the step queued after
+// it skips its step function, and the error is rethrown at the next entry point.
 
 StepPipeline::StepPipeline(const std::vector<std::vector<at::Tensor>>* params,
                            std::optional<c10::ScalarType> optim_dtype,
