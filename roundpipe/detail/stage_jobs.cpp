@@ -433,7 +433,9 @@ void run_fused_stage(RunContext& ctx, scheduler::LayerRange r, c10::Device devic
       pos.step = "loss_fn";
       TORCH_CHECK(acts.size() == 1, "the last layer returned ", acts.size(),
                   " tensors; loss_fn takes one output tensor");
-      at::Tensor label = ctx.labels[j].defined() ? ctx.labels[j].to(device) : ctx.labels[j];
+      // Uploaded like an activation: a plain .to(device) from pageable memory would synchronize the
+      // compute stream, draining this microbatch's forward before its loss is enqueued.
+      at::Tensor label = ctx.labels[j].defined() ? io.upload({ctx.labels[j]})[0] : ctx.labels[j];
       at::Tensor loss;
       {
         amp::detail::ScopedScaleObserver observe(&observer);
