@@ -198,6 +198,11 @@ HostBufferPool::~HostBufferPool() {
   std::vector<std::pair<void*, size_t>> cached;
   {
     std::lock_guard<std::mutex> lock(state_->mutex);
+    if (state_->stats.buffers > 0) {
+      // Buffers are only cached until now, so this is the pool's peak.
+      ROUNDPIPE_LOG(Logger::get("runtime"), kInfo, "exact-size pinned gradient buffers: ", state_->stats.buffers,
+                    " buffers, ", static_cast<double>(state_->stats.mapped_bytes) / (1024.0 * 1024.0), " MiB");
+    }
     state_->closed = true;
     for (auto& [bytes, ptrs] : state_->free_buffers) {
       for (void* ptr : ptrs) cached.emplace_back(ptr, bytes);

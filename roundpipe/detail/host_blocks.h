@@ -68,8 +68,9 @@ HostPackStats pack_host_tensors(const std::vector<std::vector<at::Tensor>>& grou
 /// it, so a tensor from the pool must not be freed while such a copy is in flight (gradient
 /// downloads are complete before the tensor is handed over; nothing in RoundPipe uploads them).
 /// Thread-safety: `empty` and `stats` from any thread; a tensor from it may be freed on any
-/// thread. Lifetime: cached buffers are unmapped with the pool; a buffer in use when the pool
-/// goes is unmapped when its last tensor is freed.
+/// thread. Lifetime: cached buffers are unmapped with the pool, which logs (info) how many it
+/// mapped and their bytes, its peak; a buffer in use when the pool goes is unmapped when its
+/// last tensor is freed.
 class HostBufferPool {
  public:
   /// Tensors of fewer bytes than this come from the caching host allocator (`empty` returns an
