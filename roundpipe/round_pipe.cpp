@@ -225,13 +225,7 @@ RoundPipe::RoundPipe(torch::nn::Sequential model, RoundPipeOptions options) : im
     // leaves pageable (a refused registration, tensors outside the layers) goes through the
     // caching host allocator.
     torch::NoGradGuard no_grad;
-    std::vector<std::vector<at::Tensor>> groups;
-    for (const auto& layer : m.layer_set.layers) {
-      groups.emplace_back();
-      for (const auto& p : layer.ptr()->parameters()) groups.back().push_back(p);
-      for (const auto& b : layer.ptr()->buffers()) groups.back().push_back(b);
-    }
-    const auto packed = detail::pack_host_tensors(groups, detail::cuda_host_pinner());
+    const auto packed = detail::pack_layers(m.layer_set.layers, detail::cuda_host_pinner());
     constexpr double kMiB = 1024.0 * 1024.0;
     ROUNDPIPE_LOG(Logger::get("runtime"), kInfo, "RoundPipe '", options.name(), "': compute copies pinned in ",
                   packed.blocks, " exact-size host blocks, ", packed.block_bytes / kMiB, " MiB (",

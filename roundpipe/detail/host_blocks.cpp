@@ -156,6 +156,16 @@ HostPackStats pack_host_tensors(const std::vector<std::vector<at::Tensor>>& grou
   return stats;
 }
 
+HostPackStats pack_layers(const std::vector<torch::nn::AnyModule>& layers, const HostPinner& pinner) {
+  std::vector<std::vector<at::Tensor>> groups;
+  for (const auto& layer : layers) {
+    groups.emplace_back();
+    for (const auto& p : layer.ptr()->parameters()) groups.back().push_back(p);
+    for (const auto& b : layer.ptr()->buffers()) groups.back().push_back(b);
+  }
+  return pack_host_tensors(groups, pinner);
+}
+
 // Shared by the pool and its buffers' storages, so a buffer freed after the pool is still unmapped.
 struct HostBufferPool::State {
   explicit State(HostPinner p) : pinner(std::move(p)) {}

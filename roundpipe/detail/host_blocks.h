@@ -2,6 +2,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <torch/nn/modules/container/any.h>
 
 #include <cstddef>
 #include <cstdint>
@@ -60,6 +61,10 @@ struct HostPackStats {
 /// Values, sizes, strides, dtypes and requires_grad are unchanged. Call it while nothing else
 /// uses the tensors (RoundPipe's constructor).
 HostPackStats pack_host_tensors(const std::vector<std::vector<at::Tensor>>& groups, const HostPinner& pinner);
+
+/// pack_host_tensors with one group per layer: its parameters and buffers (recursively). What
+/// RoundPipe's constructor packs on CUDA runs.
+HostPackStats pack_layers(const std::vector<torch::nn::AnyModule>& layers, const HostPinner& pinner);
 
 /// Exact-size pinned host buffers, reused by size: the destinations of CUDA jobs' parameter-gradient
 /// downloads, which the caching host allocator would round up to powers of two (Note [Exact-size

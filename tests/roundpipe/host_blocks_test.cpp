@@ -170,22 +170,17 @@ TEST(HostBlocksTest, Pack_RefusedBlockLeavesItsTensorsUnchanged) {
   EXPECT_EQ(rec.unpinned.size(), 1u);  // the refused block was never pinned, so never unpinned
 }
 
-// A model packed into blocks trains through the engine (async step, overlapping iterations)
-// bitwise as the same model unpacked, and the compute copies are still in their blocks at the
-// end: the step writes them in place, it never swaps their storage (which would lose the pinning).
+// A model packed as RoundPipe's constructor packs it (pack_layers) trains through the engine
+// (async step, overlapping iterations) bitwise as the same model unpacked, and the compute copies
+// are still in their blocks at the end: the step writes them in place, it never swaps their
+// storage (which would lose the pinning).
 TEST(HostBlocksTest, PackedModel_TrainsBitwiseAsUnpacked_StaysInItsBlocks) {
   RecordingPinner rec;
   std::vector<std::vector<torch::Tensor>> finals;
   for (bool pack : {false, true}) {
     auto model = testing::make_transformer(5, 0.0);
     if (pack) {
-      std::vector<std::vector<at::Tensor>> groups;
-      for (const auto& layer : *model) {
-        groups.emplace_back();
-        for (const auto& p : layer.ptr()->parameters()) groups.back().push_back(p);
-        for (const auto& b : layer.ptr()->buffers()) groups.back().push_back(b);
-      }
-      const auto stats = detail::pack_host_tensors(groups, rec.pinner());
+      const auto stats = detail::pack_layers({model->begin(), model->end()}, rec.pinner());
       ASSERT_EQ(stats.blocks, 4);
     }
     RoundPipe rp(model, RoundPipeOptions().devices({c10::kCPU, c10::kCPU}).seed(7));
