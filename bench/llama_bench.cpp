@@ -18,7 +18,11 @@
 //
 // Usage: llama_bench [--device cuda|cpu] [--hidden 2048] [--layers 16] [--heads 16] [--ffn 5632]
 //                    [--vocab 32000] [--seq 2048] [--batch 8] [--micro 4] [--iters 4]
-//                    [--mode both|roundpipe|plain] [--mem-cap-gib 0] [--peak-tflops 989] [--tiny]
+//                    [--mode both|roundpipe|plain] [--head chunked|full] [--mem-cap-gib 0]
+//                    [--peak-tflops 989] [--tiny]
+// --head: the RoundPipe run's loss: `chunked` (default) has the LM head compute it from the labels
+// chunk by chunk (models::linear_cross_entropy; no [tokens, vocab] logits), `full` from full
+// logits in loss_fn (as the plain loop always does).
 // --tiny: hidden 64, 2 layers, 4 heads, ffn 128, vocab 256, seq 32, batch 4, 2 iterations on
 // CPU devices (a smoke run, registered with CTest). --mem-cap-gib caps each GPU's caching
 // allocator (per-process memory fraction) to mimic a smaller card, and sets RoundPipe's
@@ -34,6 +38,7 @@
 #include <map>
 #include <string>
 
+#include "roundpipe/models/linear_cross_entropy.h"
 #include "roundpipe/roundpipe.h"
 #if ROUNDPIPE_WITH_CUDA
 #include <ATen/cuda/CUDAEvent.h>
@@ -47,7 +52,7 @@ namespace rp = roundpipe;
 using Clock = std::chrono::steady_clock;
 
 struct Config {
-  std::string device = "cuda", mode = "both";
+  std::string device = "cuda", mode = "both", head = "chunked";
   int64_t hidden = 2048, layers = 16, heads = 16, ffn = 5632, vocab = 32000, seq = 2048, batch = 8, micro = 4,
           iters = 4;
   double mem_cap_gib = 0, peak_tflops = 989;
@@ -105,10 +110,18 @@ struct LmHeadImpl : torch::nn::Cloneable<LmHeadImpl> {
     norm = register_parameter("norm", torch::ones({hidden_}));
     proj = register_module("proj", torch::nn::Linear(torch::nn::LinearOptions(hidden_, vocab_).bias(false)));
   }
-  torch::Tensor forward(const torch::Tensor& x) { return proj(rms_norm(x, norm)); }
+  // With the labels (RoundPipe's label_to_last_layer, --head chunked): the summed token loss,
+  // chunked over tokens (models::linear_cross_entropy), no logits materialized.
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& labels = {}) {
+    if (!labels.defined()) return proj(rms_norm(x, norm));
+    return rp::models::linear_cross_entropy(rms_norm(x, norm), proj->weight, labels);
+  }
   int64_t hidden_, vocab_;
   torch::Tensor norm;
   torch::nn::Linear proj{nullptr};
+
+ protected:
+  FORWARD_HAS_DEFAULT_ARGS({1, torch::nn::AnyValue(torch::Tensor())})
 };
 TORCH_MODULE(LmHead);
 
@@ -254,6 +267,7 @@ Result run_roundpipe(const Config& c, const std::vector<c10::Device>& devices) {
                      .devices(devices)
                      .optim_dtype(torch::kFloat)
                      .master_grad_dtype(torch::kBFloat16)
+                     .label_to_last_layer(c.head == "chunked")
                      .name("llama");
   // Under a memory cap the default budget (half the device's total memory) would ignore the cap:
   // give stages a third of it, leaving the rest for activations.
@@ -265,7 +279,12 @@ Result run_roundpipe(const Config& c, const std::vector<c10::Device>& devices) {
   }();
   rp::RunConfig cfg;
   cfg.num_microbatch = c.micro;
-  const auto loss_fn = token_loss(c.vocab, c.batch * c.seq);
+  const double batch_tokens = static_cast<double>(c.batch * c.seq);
+  const rp::LossFn loss_fn = c.head == "chunked"
+                                 ? rp::LossFn([batch_tokens](const torch::Tensor& summed, const torch::Tensor&) {
+                                     return summed / batch_tokens;
+                                   })
+                                 : token_loss(c.vocab, c.batch * c.seq);
   Result r{"roundpipe"};
   double seconds = 0;
   for (int64_t it = 0; it <= c.iters; ++it) {  // iteration 0 warms up (allocator, shells)
@@ -370,6 +389,8 @@ Config parse(int argc, char** argv) {
       c.device = value;
     } else if (key == "--mode") {
       c.mode = value;
+    } else if (key == "--head") {
+      c.head = value;
     } else if (key == "--mem-cap-gib") {
       c.mem_cap_gib = std::stod(value);
     } else if (key == "--peak-tflops") {
@@ -381,6 +402,7 @@ Config parse(int argc, char** argv) {
   TORCH_CHECK(c.device == "cuda" || c.device == "cpu", "llama_bench: --device must be cuda or cpu, got ", c.device);
   TORCH_CHECK(c.mode == "both" || c.mode == "roundpipe" || c.mode == "plain",
               "llama_bench: --mode must be both, roundpipe or plain, got ", c.mode);
+  TORCH_CHECK(c.head == "chunked" || c.head == "full", "llama_bench: --head must be chunked or full, got ", c.head);
   TORCH_CHECK(c.hidden % c.heads == 0 && (c.hidden / c.heads) % 2 == 0,
               "llama_bench: --hidden must be a multiple of --heads with an even head size");
   return c;

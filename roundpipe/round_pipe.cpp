@@ -156,8 +156,11 @@ struct RoundPipe::Impl {
     ctx.output_device = cfg.output_device;
     ctx.autocast = amp::AutocastState::capture();
     ctx.inputs = detail::split_batch(inputs, M, "inputs", options.name());
+    ctx.label_to_last_layer = options.label_to_last_layer();
+    TORCH_CHECK(!ctx.label_to_last_layer || label.defined() || !ctx.training, "RoundPipe '", options.name(), "': ",
+                entry, " needs a label: RoundPipeOptions::label_to_last_layer passes it to the last layer");
+    if (ctx.training || label.defined()) ctx.labels = detail::split_label(label, rows, M, options.name());
     if (ctx.training) {
-      ctx.labels = detail::split_label(label, rows, M, options.name());
       if (measure_if_automatic && !cfg.execute_plan) {
         ctx.forward_ms.assign(static_cast<size_t>(num_layers()), 0.0);
         ctx.backward_stage_ms.assign(plan.backward_stages().size(), 0.0);
@@ -430,12 +433,20 @@ torch::Tensor RoundPipe::forward_backward(const std::vector<torch::Tensor>& inpu
 }
 
 torch::Tensor RoundPipe::forward(const std::vector<torch::Tensor>& inputs, const RunConfig& config) {
+  return forward(inputs, torch::Tensor(), config);
+}
+
+torch::Tensor RoundPipe::forward(const std::vector<torch::Tensor>& inputs, const torch::Tensor& label,
+                                 const RunConfig& config) {
   Impl& m = *impl_;
   const auto entered = m.enter("forward");
   m.steps->rethrow_async_error();
+  TORCH_CHECK(!label.defined() || m.options.label_to_last_layer(), "RoundPipe '", m.options.name(),
+              "': forward was given a label, but only a last layer that takes it uses one: set "
+              "RoundPipeOptions::label_to_last_layer, or call forward(inputs) for the outputs");
   detail::RunContext ctx;
   const auto prepared =
-      m.prepare(ctx, RunType::kInfer, "forward", inputs, torch::Tensor(), config, /*measure_if_automatic=*/false);
+      m.prepare(ctx, RunType::kInfer, "forward", inputs, label, config, /*measure_if_automatic=*/false);
   detail::execute_run(ctx, prepared.second, RunType::kInfer, m.workers, &m.device_cursor);
   detail::write_back_buffers(ctx, m.layer_set);
   std::vector<torch::Tensor> outs;
@@ -443,7 +454,8 @@ torch::Tensor RoundPipe::forward(const std::vector<torch::Tensor>& inputs, const
     TORCH_CHECK(acts.size() == 1, "forward: the last layer returned ", acts.size(), " tensors; forward() merges one");
     outs.push_back(acts[0]);
   }
-  return torch::cat(outs, 0);
+  // 0-dim outputs (a loss per microbatch, e.g. a head given the label) cannot be concatenated.
+  return outs.front().dim() == 0 ? torch::stack(outs) : torch::cat(outs, 0);
 }
 
 void RoundPipe::step(std::function<void()> step_fn, StepMode mode) {

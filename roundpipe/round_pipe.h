@@ -76,6 +76,13 @@ struct RoundPipeOptions {
   TORCH_ARG(std::shared_ptr<comm::ProcessGroup>, process_group) = nullptr;
   /// Gradient bytes per all-reduce bucket with a process group (whole layers per bucket).
   TORCH_ARG(int64_t, grad_bucket_bytes) = 25 << 20;
+  /// The last layer is called with each microbatch's label (its rows of forward_backward's label,
+  /// uploaded to the layer's device) appended to its activations, and loss_fn receives what it
+  /// returns: for a head that computes the loss itself without materializing its output, e.g.
+  /// models::LmHead's fused, chunked cross-entropy (docs/user-guide.md, "Long sequences"). The
+  /// layer's forward must also accept the activations alone (forward(inputs) calls it so);
+  /// forward(inputs, label) passes the label (evaluation). forward_backward then needs a label.
+  TORCH_ARG(bool, label_to_last_layer) = false;
 };
 
 /// Counters of the data-parallel gradient averaging (RoundPipe::data_parallel_stats).
@@ -142,6 +149,11 @@ class RoundPipe {
   /// a model-level plan is a training plan and is not used here), outputs merged along dim 0 (on
   /// config.output_device, default CPU). Runs in the module's current train/eval mode.
   torch::Tensor forward(const std::vector<torch::Tensor>& inputs, const RunConfig& config = {});
+  /// Inference with RoundPipeOptions::label_to_last_layer: as above, the last layer also gets each
+  /// microbatch's rows of `label` (e.g. a head that returns its summed loss: evaluation without
+  /// logits). 0-dim outputs are stacked into [num_microbatch] instead of concatenated.
+  torch::Tensor forward(const std::vector<torch::Tensor>& inputs, const torch::Tensor& label,
+                        const RunConfig& config = {});
 
   /// Moves this iteration's gradients into the master copies (cast to master_grad_dtype, by
   /// default optim_dtype, added to their .grad; docs/architecture.md, "step"), runs `step_fn`

@@ -3,7 +3,7 @@
 # scripts/pack-offline-deps.sh into a private prefix (never into /), and builds against that
 # machine's PyTorch (python3 -c 'import torch; print(torch.utils.cmake_prefix_path)').
 # Usage: scripts/build-offline.sh [debs_dir=.debs] [python=python3]; env ROUNDPIPE_BUILD_DIR
-# (default build-offline), ROUNDPIPE_JOBS. Then: ctest --test-dir $ROUNDPIPE_BUILD_DIR.
+# (default build-offline), ROUNDPIPE_JOBS, ROUNDPIPE_BUILD_TARGETS (space-separated: only those targets). Then: ctest --test-dir $ROUNDPIPE_BUILD_DIR.
 # Executables get an RPATH (not RUNPATH) to the prefix, so the libraries' own dependencies (e.g.
 # spdlog's libfmt) are found there too, without LD_LIBRARY_PATH.
 set -euo pipefail
@@ -27,5 +27,7 @@ cmake -S "$root" -B "$build" "${generator[@]}" \
   -DCMAKE_EXE_LINKER_FLAGS="-Wl,--disable-new-dtags" \
   -DROUNDPIPE_PYTHON="$(command -v "$python")" \
   -DGTest_DIR="$libdir/cmake/GTest" "${@:3}"
-cmake --build "$build" -j "${ROUNDPIPE_JOBS:-$(nproc)}"
+targets=()
+for t in ${ROUNDPIPE_BUILD_TARGETS:-}; do targets+=(--target "$t"); done
+cmake --build "$build" -j "${ROUNDPIPE_JOBS:-$(nproc)}" "${targets[@]}"
 echo "built in $build; run: LD_LIBRARY_PATH=$libdir ctest --test-dir $build --output-on-failure"

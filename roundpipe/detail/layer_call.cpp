@@ -17,6 +17,9 @@ torch::nn::AnyValue invoke(torch::nn::AnyModule& layer, const Activations& acts,
     case CallMode::kTensor:
       return layer.any_forward(acts.at(0));
     case CallMode::kTensors:
+      // A layer with default arguments is called with fewer tensors at times (a head that takes the
+      // label in training, not in forward(inputs)).
+      if (acts.size() == 1) return layer.any_forward(acts[0]);
       if (acts.size() == 2) return layer.any_forward(acts[0], acts[1]);
       if (acts.size() == 3) return layer.any_forward(acts[0], acts[1], acts[2]);
       if (acts.size() == 4) return layer.any_forward(acts[0], acts[1], acts[2], acts[3]);
@@ -40,6 +43,8 @@ Activations to_activations(torch::nn::AnyValue&& value) {
 
 Activations call_layer(torch::nn::AnyModule& layer, const Activations& acts, std::atomic<int>& mode) {
   auto cached = static_cast<CallMode>(mode.load(std::memory_order_relaxed));
+  // kTensor was found with one activation; more (a label appended) need detecting again.
+  if (cached == CallMode::kTensor && acts.size() != 1) cached = CallMode::kUnknown;
   if (cached != CallMode::kUnknown) return to_activations(invoke(layer, acts, cached));
   std::vector<CallMode> candidates;
   if (acts.size() == 1) candidates.push_back(CallMode::kTensor);

@@ -355,6 +355,24 @@ void release_after_copy(RunContext& ctx, scheduler::LayerRange r, DeviceIo& io, 
   release_layers(ctx, r.begin, r.end);
 }
 
+enum class LabelUse { kLossFn, kLastLayerOnly };
+
+// Microbatch j's label on the job's device, uploaded like an activation (a plain .to(device) from
+// pageable memory would synchronize the compute stream, draining the microbatch's forward), if
+// the job needs it: for loss_fn (the fused job), or because layers `r` include the last layer and
+// it takes the label (RoundPipeOptions::label_to_last_layer). Else undefined.
+at::Tensor label_for(RunContext& ctx, scheduler::LayerRange r, int64_t j, DeviceIo& io, LabelUse use) {
+  const bool needed = use == LabelUse::kLossFn || (ctx.label_to_last_layer && r.end == ctx.num_layers);
+  if (!needed || ctx.labels.empty() || !ctx.labels[j].defined()) return at::Tensor();
+  return io.upload({ctx.labels[j]})[0];
+}
+
+// The activations layer l is called with: the last layer gets the label appended when it takes it.
+const Activations& layer_inputs(const RunContext& ctx, int64_t l, Activations& acts, const at::Tensor& label) {
+  if (ctx.label_to_last_layer && l == ctx.num_layers - 1) acts.push_back(label);
+  return acts;
+}
+
 }  // namespace
 
 void set_defer_cpu_handovers_for_testing(bool on) { defer_cpu_handovers.store(on); }
@@ -388,10 +406,11 @@ void run_forward_stage(RunContext& ctx, size_t stage, scheduler::LayerRange r, c
     for (int64_t j = 0; j < ctx.num_microbatch; ++j) {
       pos.microbatch = j;
       Activations acts = io.upload(stage == 0 ? ctx.inputs[j] : handovers.await_input(ctx.fwd_out[stage - 1][j]));
+      const at::Tensor label = label_for(ctx, r, j, io, LabelUse::kLastLayerOnly);
       for (int64_t l = r.begin; l < r.end; ++l) {
         pos.layer = l;
         if (!ctx.saved[l].empty()) handovers.post(j, ctx.saved[l][j], io.download_async(acts, /*copy=*/true));
-        acts = run_layer(ctx, shells[l - r.begin], l, j, acts, io, /*first_pass=*/true);
+        acts = run_layer(ctx, shells[l - r.begin], l, j, layer_inputs(ctx, l, acts, label), io, /*first_pass=*/true);
       }
       pos.layer = -1;
       handovers.flush_before(j);
@@ -425,17 +444,15 @@ void run_fused_stage(RunContext& ctx, scheduler::LayerRange r, c10::Device devic
                                         : make_leaves(io, handovers.await_input(ctx.fwd_out[fwd_stages - 1][j]), true);
       StageTimer timer(ctx, io, 0);
       Activations acts = leaves;
+      const at::Tensor label = label_for(ctx, r, j, io, LabelUse::kLossFn);
       for (int64_t l = r.begin; l < r.end; ++l) {
         pos.layer = l;
-        acts = run_layer(ctx, shells[l - r.begin], l, j, acts, io, /*first_pass=*/true);
+        acts = run_layer(ctx, shells[l - r.begin], l, j, layer_inputs(ctx, l, acts, label), io, /*first_pass=*/true);
       }
       pos.layer = -1;
       pos.step = "loss_fn";
       TORCH_CHECK(acts.size() == 1, "the last layer returned ", acts.size(),
                   " tensors; loss_fn takes one output tensor");
-      // Uploaded like an activation: a plain .to(device) from pageable memory would synchronize the
-      // compute stream, draining this microbatch's forward before its loss is enqueued.
-      at::Tensor label = ctx.labels[j].defined() ? io.upload({ctx.labels[j]})[0] : ctx.labels[j];
       at::Tensor loss;
       {
         amp::detail::ScopedScaleObserver observe(&observer);

@@ -94,6 +94,8 @@ struct RunContext {
   std::vector<Activations> inputs;   // [mb]
   std::vector<at::Tensor> labels;    // [mb]
   const LossFn* loss_fn = nullptr;
+  /// RoundPipeOptions::label_to_last_layer: the last layer is called with labels[mb] appended.
+  bool label_to_last_layer = false;
   c10::Device output_device = c10::kCPU;
   /// The caller's autocast state (CPU and CUDA), applied on the worker threads for every job.
   amp::AutocastState autocast;

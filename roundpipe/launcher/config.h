@@ -85,6 +85,7 @@ struct RunSection {
   std::optional<int64_t> num_microbatch;  ///< nullopt = RoundPipe's default
   RecomputeGrain recompute;
   StepMode step_mode;
+  int64_t loss_chunk_mib;  ///< LmHead's loss chunk (models::LinearCrossEntropyOptions::chunk_bytes)
 };
 
 struct AmpConfig {

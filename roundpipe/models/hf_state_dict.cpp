@@ -2,7 +2,6 @@
 // state dicts and the loss.
 #include <ATen/core/Reduction.h>
 #include <ATen/core/grad_mode.h>
-#include <ATen/ops/constant_pad_nd.h>
 #include <ATen/ops/cross_entropy_loss.h>
 #include <c10/util/Exception.h>
 
@@ -10,12 +9,11 @@
 #include <string>
 
 #include "roundpipe/models/layers.h"
+#include "roundpipe/models/linear_cross_entropy.h"
 #include "roundpipe/models/pretrained.h"
 
 namespace roundpipe::models {
 namespace {
-
-constexpr int64_t kIgnoreIndex = -100;
 
 // Checks that `model` is [Embedding, DecoderLayer x N, LmHead] for `config` and returns the
 // embedding and head.
@@ -136,7 +134,7 @@ at::Tensor causal_lm_loss(const at::Tensor& logits, const at::Tensor& labels) {
   // As transformers' ForCausalLMLoss: pad the labels with the ignore index and shift them left,
   // so logits[:, t] is scored against labels[:, t + 1] and the last position is ignored.
   const int64_t vocab = logits.size(2);
-  const at::Tensor shifted = at::constant_pad_nd(labels.to(at::kLong), {0, 1}, kIgnoreIndex).narrow(1, 1, labels.size(1));
+  const at::Tensor shifted = shift_labels(labels);
   return at::cross_entropy_loss(logits.to(at::kFloat).reshape({-1, vocab}), shifted.reshape({-1}).to(logits.device()),
                                 /*weight=*/{}, at::Reduction::Mean, kIgnoreIndex);
 }

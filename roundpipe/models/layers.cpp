@@ -1,6 +1,8 @@
 #include "roundpipe/models/layers.h"
 
 #include <ATen/core/grad_mode.h>
+#include <ATen/core/Reduction.h>
+#include <ATen/ops/cross_entropy_loss.h>
 #include <ATen/ops/embedding.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/linear.h>
@@ -12,6 +14,7 @@
 #include <set>
 
 #include "roundpipe/models/detail/rotary.h"
+#include "roundpipe/models/linear_cross_entropy.h"
 
 namespace roundpipe::models {
 namespace {
@@ -260,7 +263,23 @@ void LmHeadImpl::reset() {
   lm_head = register_module("lm_head", Linear(config_.hidden_size, config_.vocab_size, /*bias=*/false, options));
 }
 
-at::Tensor LmHeadImpl::forward(const at::Tensor& hidden) { return lm_head(norm(hidden)); }
+at::Tensor LmHeadImpl::forward(const at::Tensor& hidden, const at::Tensor& targets) {
+  const at::Tensor h = norm(hidden);
+  if (!targets.defined()) return lm_head(h);
+  if (lm_head->has_lora() || lm_head->bias.defined()) {
+    // The fused path multiplies by the weight alone; the adapters' and the bias' terms would need
+    // their own products per chunk. The same summed loss from full logits.
+    const at::Tensor logits = lm_head(h);
+    return at::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}).to(at::kFloat),
+                                  targets.reshape({-1}).to(at::kLong), /*weight=*/{}, at::Reduction::Sum, kIgnoreIndex);
+  }
+  return linear_cross_entropy(h, lm_head->weight, targets, LinearCrossEntropyOptions().chunk_bytes(loss_chunk_bytes_));
+}
+
+void LmHeadImpl::set_loss_chunk_bytes(int64_t bytes) {
+  TORCH_CHECK(bytes > 0, "LmHead: loss chunk bytes must be positive, got ", bytes);
+  loss_chunk_bytes_ = bytes;
+}
 
 // ---- init ----------------------------------------------------------------------------------------
 

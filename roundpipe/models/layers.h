@@ -7,6 +7,8 @@
 #include <ATen/core/Tensor.h>
 #include <c10/core/TensorOptions.h>
 #include <torch/nn/cloneable.h>
+#include <torch/nn/modules/common.h>
+#include <torch/nn/modules/container/any_value.h>
 #include <torch/nn/pimpl.h>
 
 #include <cstdint>
@@ -165,20 +167,36 @@ class DecoderLayerImpl : public torch::nn::Cloneable<DecoderLayerImpl> {
 };
 TORCH_MODULE(DecoderLayer);
 
-/// Last pipeline layer: final norm and output projection, hidden [B, T, H] -> logits
-/// [B, T, vocab] in the model's dtype. Children: norm (HF "model.norm"), lm_head (HF "lm_head").
+/// Last pipeline layer: final norm and output projection. Children: norm (HF "model.norm"),
+/// lm_head (HF "lm_head").
+/// - forward(hidden): hidden [B, T, H] -> logits [B, T, vocab] in the model's dtype.
+/// - forward(hidden, targets): the summed cross-entropy (0-dim float32) of the logits against
+///   targets [B, T] (the target of each position, -100 ignored: shift_labels() of HF-style
+///   labels), through linear_cross_entropy: chunked, the logits never materialized
+///   (docs/models.md, "Long sequences"). RoundPipe passes each microbatch's label here with
+///   RoundPipeOptions::label_to_last_layer. A head with LoRA adapters or a bias computes the
+///   same loss from full logits.
 class LmHeadImpl : public torch::nn::Cloneable<LmHeadImpl> {
  public:
   explicit LmHeadImpl(const ModelConfig& config, const at::TensorOptions& options = {});
   void reset() override;
-  at::Tensor forward(const at::Tensor& hidden);
+  at::Tensor forward(const at::Tensor& hidden, const at::Tensor& targets = {});
+
+  /// Bytes of one chunk's logits buffers in forward(hidden, targets)
+  /// (LinearCrossEntropyOptions::chunk_bytes; default 256 MiB). Kept by clones.
+  void set_loss_chunk_bytes(int64_t bytes);
+  int64_t loss_chunk_bytes() const { return loss_chunk_bytes_; }
 
   RMSNorm norm{nullptr};
   Linear lm_head{nullptr};
 
+ protected:
+  FORWARD_HAS_DEFAULT_ARGS({1, torch::nn::AnyValue(at::Tensor())})
+
  private:
   ModelConfig config_;
   at::TensorOptions options_;
+  int64_t loss_chunk_bytes_ = int64_t{256} << 20;
 };
 TORCH_MODULE(LmHead);
 

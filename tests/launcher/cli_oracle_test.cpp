@@ -72,6 +72,54 @@ TEST(CliOracleTest, Eval_MatchesTransformersLossOnTheSameWindows) {
   EXPECT_TRUE(is_regular_file(dir.file("run/metrics.jsonl")));
 }
 
+// Long sequence, Qwen3's vocabulary: one window of 8,192 tokens x 151,936 logits would be 5 GiB in
+// fp32; the launcher's eval gets the loss from the LmHead's chunks (64 MiB: 110 tokens each) and
+// transformers' reference is computed from its hidden states chunk by chunk.
+TEST(CliOracleTest, Eval_LongSequenceLargeVocabulary_MatchesTransformersChunked) {
+  ROUNDPIPE_REQUIRE_PYTHON("transformers");
+  constexpr int64_t kVocab = 151936, kSeq = 8192;
+  ScratchDir dir;
+  const std::string hf = dir.file("hf");
+  run_python("from transformers import Qwen3Config, AutoModelForCausalLM\n"
+             "torch.manual_seed(4)\n"
+             "cfg = Qwen3Config(vocab_size=" + std::to_string(kVocab) + ", hidden_size=32, intermediate_size=48,"
+             " num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,"
+             " max_position_embeddings=" + std::to_string(kSeq) + ", tie_word_embeddings=True)\n"
+             "model = AutoModelForCausalLM.from_config(cfg)\n"
+             "with torch.no_grad():\n"
+             "    for name, p in model.named_parameters():\n"
+             "        p.normal_(0, 0.2) if not name.endswith('norm.weight') else p.uniform_(0.8, 1.2)\n"
+             "model.save_pretrained('" + hf + "')\n");
+  std::vector<int64_t> tokens;
+  for (int64_t i = 0; i <= kSeq; ++i) tokens.push_back((i * 7919 + i / 3) % kVocab);
+  write_token_file(dir.file("data.bin"), tokens, TokenWidth::kUint32);
+  dir.write("eval.yaml", "out_dir: run\nmodel: {pretrained: " + hf + ", dtype: float32}\n"
+                         "data: {train: " + dir.file("data.bin") + ", valid: " + dir.file("data.bin") +
+                         ", format: tokens, seq_len: " + std::to_string(kSeq) + "}\n"
+                         "train: {batch_size: 1}\n"
+                         "run: {devices: 1, loss_chunk_mib: 64}\n");
+  CliResult r = run_cli(dir, "eval eval.yaml");
+  ASSERT_EQ(r.code, 0) << r.err;
+  const std::string line = last_line(r.out);
+  ASSERT_EQ(line.rfind("eval_loss=", 0), 0u) << r.out;
+  const double ours = std::stod(line.substr(10));
+
+  auto ref = run_python("from transformers import AutoModelForCausalLM\n"
+                        "import torch.nn.functional as F\n"
+                        "model = AutoModelForCausalLM.from_pretrained('" + hf + "', dtype=torch.float32).eval()\n"
+                        "w = inputs['ids'].view(1, -1)\n"
+                        "total = torch.zeros((), dtype=torch.float64)\n"
+                        "with torch.no_grad():\n"
+                        "    h = model.model(input_ids=w[:, :-1]).last_hidden_state[0]\n"
+                        "    y = w[0, 1:]\n"
+                        "    for c in range(0, h.size(0), 1024):\n"
+                        "        logits = model.lm_head(h[c:c + 1024]).float()\n"
+                        "        total += F.cross_entropy(logits, y[c:c + 1024], reduction='sum').double()\n"
+                        "outputs['loss'] = total / y.numel()\n",
+                        {{"ids", at::tensor(tokens)}});
+  EXPECT_NEAR(ours, ref.at("loss").item<double>(), 1e-4);
+}
+
 TEST(CliOracleTest, Export_LoadsInTransformersWithTheTrainedWeights) {
   ROUNDPIPE_REQUIRE_PYTHON("transformers");
   ScratchDir dir;

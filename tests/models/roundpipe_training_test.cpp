@@ -8,6 +8,8 @@
 
 #include <map>
 
+#include "roundpipe/models/layers.h"
+#include "roundpipe/models/linear_cross_entropy.h"
 #include "roundpipe/models/pretrained.h"
 #include "roundpipe/models/safetensors.h"
 #include "roundpipe/round_pipe.h"
@@ -41,7 +43,13 @@ std::string train_snippet(const std::string& config_class, const std::string& kw
          "    outputs['p:' + name] = p.detach()\n";
 }
 
-void expect_training_matches(const std::string& config_class, const std::string& kwargs, bool tied) {
+// How the RoundPipe side computes the loss: from full logits in loss_fn, or in the LM head given
+// the label (RoundPipeOptions::label_to_last_layer, models::linear_cross_entropy) with chunks of a
+// few tokens that do not divide a microbatch's 2 x 16 tokens.
+enum class Head { kLogits, kFusedLoss };
+
+void expect_training_matches(const std::string& config_class, const std::string& kwargs, bool tied,
+                             Head head = Head::kLogits) {
   using namespace roundpipe::models;
   ScratchDir scratch;
   const std::string hf_dir = scratch.file("hf"), out_dir = scratch.file("trained");
@@ -51,7 +59,15 @@ void expect_training_matches(const std::string& config_class, const std::string&
   ASSERT_EQ(ref.at("tied").item<bool>(), tied);
 
   Pretrained pre = load_pretrained(hf_dir);
-  RoundPipe model(pre.model, RoundPipeOptions().devices(std::vector<c10::Device>(3, c10::kCPU)).seed(1));
+  const bool fused = head == Head::kFusedLoss;
+  if (fused) {
+    // 5 tokens a chunk: 16 * 4 bytes is the fp32 head's bytes per token at vocab 128.
+    pre.model->ptr<LmHeadImpl>(pre.model->size() - 1)->set_loss_chunk_bytes(5 * kVocab * 4);
+  }
+  RoundPipe model(pre.model, RoundPipeOptions()
+                                 .devices(std::vector<c10::Device>(3, c10::kCPU))
+                                 .seed(1)
+                                 .label_to_last_layer(fused));
   auto optimizer = [&] {
     OptimizerCtx ctx;
     return torch::optim::SGD(model.parameters(), torch::optim::SGDOptions(kLr));
@@ -63,8 +79,16 @@ void expect_training_matches(const std::string& config_class, const std::string&
   const LossFn loss_fn = [](const at::Tensor& logits, const at::Tensor& labels) {
     return causal_lm_loss(logits, labels) * (static_cast<double>(logits.size(0)) / kRows);
   };
+  // The fused head returns the microbatch's summed loss; the mean is over the batch's scored tokens.
+  const LossFn summed_loss_fn = [](const at::Tensor& summed, const at::Tensor&) {
+    return summed / static_cast<double>(kRows * (kTokens - 1));
+  };
   for (int64_t step = 0; step < kSteps; ++step) {
-    model.forward_backward({ids[step]}, ids[step], loss_fn, cfg);
+    if (fused) {
+      model.forward_backward({ids[step]}, shift_labels(ids[step]), summed_loss_fn, cfg);
+    } else {
+      model.forward_backward({ids[step]}, ids[step], loss_fn, cfg);
+    }
     model.step([&] {
       optimizer.step();
       optimizer.zero_grad();
@@ -100,6 +124,24 @@ TEST(PretrainedTrainingTest, RoundPipeSgdMatchesTransformers_Qwen3TiedEmbeddings
       "dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,"
       " num_key_value_heads=2, head_dim=16, max_position_embeddings=64, tie_word_embeddings=True)",
       /*tied=*/true);
+}
+
+TEST(PretrainedTrainingTest, RoundPipeSgdMatchesTransformers_LlamaFusedChunkedHeadLoss) {
+  ROUNDPIPE_REQUIRE_TRANSFORMERS();
+  expect_training_matches(
+      "LlamaConfig",
+      "dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,"
+      " num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)",
+      /*tied=*/false, Head::kFusedLoss);
+}
+
+TEST(PretrainedTrainingTest, RoundPipeSgdMatchesTransformers_Qwen3TiedFusedChunkedHeadLoss) {
+  ROUNDPIPE_REQUIRE_TRANSFORMERS();
+  expect_training_matches(
+      "Qwen3Config",
+      "dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,"
+      " num_key_value_heads=2, head_dim=16, max_position_embeddings=64, tie_word_embeddings=True)",
+      /*tied=*/true, Head::kFusedLoss);
 }
 
 }  // namespace

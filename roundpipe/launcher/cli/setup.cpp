@@ -16,6 +16,7 @@
 
 #include "base/logging.h"
 #include "roundpipe/devices.h"
+#include "roundpipe/models/layers.h"
 
 namespace roundpipe::launcher {
 
@@ -125,6 +126,7 @@ LauncherModel make_launcher_model(const LauncherConfig& config, bool allocate_on
   models::ModelConfig model_config = resolve_model_config(config);
   check_supported(config, model_config);
   models::Pretrained pre = make_base_model(config, model_config, allocate_only);
+  pre.model->ptr<models::LmHeadImpl>(pre.model->size() - 1)->set_loss_chunk_bytes(config.run.loss_chunk_mib << 20);
   LauncherModel out{pre.model, pre.config, lora_options(config)};
   if (!out.lora.has_value()) return out;
   // Note [LoRA in the launcher]
@@ -223,6 +225,7 @@ RoundPipeOptions round_pipe_options(const LauncherConfig& config) {
       .optim_dtype(config.model.master_dtype)
       .run_config(run)
       .seed(config.train.seed)
+      .label_to_last_layer(true)  // the LmHead computes the loss, chunked (models::linear_cross_entropy)
       .measure_layer_times(false);  // Note [Deterministic plans]
 }
 
@@ -241,12 +244,6 @@ std::unique_ptr<TokenSource> open_data(const LauncherConfig& config, const std::
   return make_synthetic_tokens(config.train.seed + seed_offset, vocab, int64_t{1} << 24);
 }
 
-at::Tensor summed_token_loss(const at::Tensor& logits, const at::Tensor& labels) {
-  const int64_t vocab = logits.size(-1);
-  return at::cross_entropy_loss(logits.reshape({-1, vocab}).to(at::kFloat), labels.reshape({-1}),
-                                /*weight=*/{}, at::Reduction::Sum);
-}
-
 double evaluate(RoundPipe& model, const LauncherConfig& config, const TokenSource& source) {
   EvalBatches batches(source, config.train.batch_size, config.data.seq_len, config.eval.max_batches);
   at::NoGradGuard no_grad;
@@ -257,8 +254,8 @@ double evaluate(RoundPipe& model, const LauncherConfig& config, const TokenSourc
     RunConfig run;
     run.num_microbatch = std::min<int64_t>(batch->inputs.size(0),
                                            config.run.num_microbatch.value_or(1));
-    at::Tensor logits = model.forward({batch->inputs}, run);
-    total += summed_token_loss(logits, batch->labels).item<double>();
+    // The head given the labels returns each microbatch's summed loss; no logits are made.
+    total += model.forward({batch->inputs}, batch->labels, run).sum().item<double>();
     count += batch->labels.numel();
   }
   model.module()->train();

@@ -73,11 +73,9 @@ std::unique_ptr<TokenSource> open_data(const LauncherConfig& config, const std::
                                        uint64_t seed_offset);
 
 /// Mean token cross-entropy (sum of every predicted token's loss / their count, in float32) over
-/// EvalBatches(source, train.batch_size, data.seq_len, eval.max_batches), with RoundPipe::forward
-/// in eval mode without autograd. Call synchronize() first when steps may be queued.
+/// EvalBatches(source, train.batch_size, data.seq_len, eval.max_batches), with
+/// RoundPipe::forward(inputs, labels) in eval mode without autograd: the LmHead returns each
+/// microbatch's summed loss, chunked (the logits never exist whole). Call synchronize() first when steps may be queued.
 double evaluate(RoundPipe& model, const LauncherConfig& config, const TokenSource& source);
-
-/// Summed token cross-entropy of logits [B, T, V] against labels [B, T], in float32 (0-dim).
-at::Tensor summed_token_loss(const at::Tensor& logits, const at::Tensor& labels);
 
 }  // namespace roundpipe::launcher

@@ -130,14 +130,12 @@ void run_training(const LauncherConfig& config, const std::optional<std::string>
                 " device(s); plan ", model.plan().to_string());
 
   const int64_t step_tokens = config.train.batch_size * config.train.grad_accum * config.data.seq_len;
-  std::mutex loss_mutex;
-  double step_loss = 0.0;  // unscaled, summed by loss_fn over the step's microbatches
-  const LossFn loss_fn = [&](const at::Tensor& logits, const at::Tensor& labels) {
-    at::Tensor loss = summed_token_loss(logits, labels) / static_cast<double>(step_tokens);
-    {
-      std::lock_guard<std::mutex> lock(loss_mutex);
-      step_loss += loss.detach().item<double>();
-    }
+  double step_loss = 0.0;  // unscaled: the sum of forward_backward's results over the step's passes
+  // The LmHead returns each microbatch's summed token loss (RoundPipeOptions::label_to_last_layer:
+  // chunked, no logits); the step's loss is the mean over its tokens. No host read here: on a GPU
+  // worker a .item() per microbatch would synchronize the device.
+  const LossFn loss_fn = [&](const at::Tensor& summed_loss, const at::Tensor& /*labels*/) {
+    at::Tensor loss = summed_loss / static_cast<double>(step_tokens);
     return scaler.is_enabled() ? scaler.scale(loss) : loss;
   };
   const std::vector<at::Tensor> masters = model.optim_parameters();
@@ -188,7 +186,9 @@ void run_training(const LauncherConfig& config, const std::optional<std::string>
         batch.inputs = batch.inputs.narrow(0, rank * config.train.batch_size, config.train.batch_size);
         batch.labels = batch.labels.narrow(0, rank * config.train.batch_size, config.train.batch_size);
       }
-      model.forward_backward({batch.inputs}, batch.labels, loss_fn);
+      const at::Tensor pass_loss = model.forward_backward({batch.inputs}, batch.labels, loss_fn);  // on the CPU
+      // The scale the pass's losses were multiplied by (update() runs after the step).
+      step_loss += pass_loss.item<double>() / (scaler.is_enabled() ? scaler.get_scale() : 1.0);
     }
     model.step(
         [&, lr] {

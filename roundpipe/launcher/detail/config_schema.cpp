@@ -361,6 +361,13 @@ std::vector<KeySpec> build_schema() {
                   .enum_field([](C& c) -> StepMode& { return c.run.step_mode; },
                               std::vector<StepMode>{StepMode::kAsync, StepMode::kSync}));
 
+  t.push_back(Key("run.loss_chunk_mib", KeyKind::kInt, "256",
+                  "MiB of logits buffers per chunk of the LM head's fused cross-entropy: the loss is computed "
+                  "chunk by chunk over tokens and the [tokens, vocab] logits never exist whole "
+                  "(docs/models.md, \"Long sequences\"). Larger: fewer, bigger matrix products.")
+                  .range(in_cc(1, 1 << 20))
+                  .field([](C& c) -> int64_t& { return c.run.loss_chunk_mib; }));
+
   // ---- amp ----
   t.push_back(Key("amp", KeyKind::kSection, "{}", "Mixed precision: dynamic loss scaling.").section());
   t.push_back(Key("amp.scaler", KeyKind::kBool, "false",
