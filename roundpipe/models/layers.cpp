@@ -2,6 +2,8 @@
 
 #include <ATen/core/grad_mode.h>
 #include <ATen/core/Reduction.h>
+#include <ATen/ops/arange.h>
+#include <ATen/ops/cat.h>
 #include <ATen/ops/cross_entropy_loss.h>
 #include <ATen/ops/embedding.h>
 #include <ATen/ops/empty.h>
@@ -11,7 +13,9 @@
 #include <ATen/ops/silu.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <set>
+#include <vector>
 
 #include "roundpipe/models/detail/rotary.h"
 #include "roundpipe/models/linear_cross_entropy.h"
@@ -24,6 +28,35 @@ namespace {
 // dtype and device, so a clone of a module moved with ->to() is allocated where it will live.
 at::TensorOptions param_options(const at::Tensor& current, const at::TensorOptions& fallback) {
   return current.defined() ? current.options() : fallback;
+}
+
+// Causal attention in which query i sees keys (i - window, i] (transformers' sliding_window_overlay:
+// kv_idx > q_idx - window), for q, k, v [B, heads, T, d] with as many key as query heads. Note
+// [Sliding window in blocks]: the queries go in blocks of Q = max(window, kMinQueryBlock) rows;
+// block [s, e) attends to keys [max(0, s - window + 1), e) through SDPA with a boolean band mask of
+// Q x (Q + window - 1) at most, so no [T, T] mask or score matrix exists at any T, and the kernel
+// is the flash one on CPU (it takes masks) and the memory-efficient one on CUDA. Memory and
+// compute are O(T * (Q + window)); each block's output is exact softmax attention over its band,
+// so the result equals the full-mask computation up to float summation order.
+constexpr int64_t kMinQueryBlock = 512;
+
+at::Tensor sliding_window_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t window,
+                                    double dropout) {
+  const int64_t seq = q.size(2);
+  const int64_t block = std::max(window, kMinQueryBlock);
+  const auto positions = at::TensorOptions().dtype(at::kLong).device(q.device());
+  std::vector<at::Tensor> outputs;
+  outputs.reserve(static_cast<size_t>((seq + block - 1) / block));
+  for (int64_t s = 0; s < seq; s += block) {
+    const int64_t e = std::min(seq, s + block);
+    const int64_t ks = std::max<int64_t>(0, s - window + 1);
+    const at::Tensor q_pos = at::arange(s, e, positions).unsqueeze(1);
+    const at::Tensor k_pos = at::arange(ks, e, positions).unsqueeze(0);
+    const at::Tensor mask = k_pos.le(q_pos).logical_and_(k_pos.gt(q_pos - window));
+    outputs.push_back(at::scaled_dot_product_attention(q.narrow(2, s, e - s), k.narrow(2, ks, e - ks),
+                                                       v.narrow(2, ks, e - ks), mask, dropout));
+  }
+  return at::cat(outputs, 2);
 }
 
 }  // namespace
@@ -175,11 +208,6 @@ at::Tensor AttentionImpl::forward(const at::Tensor& x) {
   const int64_t batch = x.size(0);
   const int64_t seq = x.size(1);
   const int64_t d = config_.head_dim;
-  if (config_.layer_uses_sliding_window(layer_index_)) {
-    TORCH_CHECK(seq <= *config_.sliding_window, "layer ", layer_index_, ": sequence length ", seq,
-                " exceeds the config's sliding_window = ", *config_.sliding_window,
-                "; sliding-window attention is not implemented (use sequences of at most the window)");
-  }
   at::Tensor q = q_proj(x).view({batch, seq, -1, d});
   at::Tensor k = k_proj(x).view({batch, seq, -1, d});
   at::Tensor v = v_proj(x).view({batch, seq, -1, d}).transpose(1, 2);
@@ -197,16 +225,20 @@ at::Tensor AttentionImpl::forward(const at::Tensor& x) {
   q = detail::apply_rotary(q, cos, sin);
   k = detail::apply_rotary(k, cos, sin);
   const int64_t groups = config_.num_attention_heads / config_.num_key_value_heads;
+  const bool windowed = config_.layer_uses_sliding_window(layer_index_) && seq > *config_.sliding_window;
   // Like transformers' sdpa path: CUDA lets SDPA broadcast the key/value heads (enable_gqa);
-  // elsewhere they are repeated, which every SDPA backend accepts.
-  const bool gqa_in_sdpa = groups > 1 && x.is_cuda();
+  // elsewhere they are repeated, which every SDPA backend accepts. The windowed path passes masks,
+  // which not every CUDA kernel combines with enable_gqa, so it repeats them too.
+  const bool gqa_in_sdpa = groups > 1 && x.is_cuda() && !windowed;
   if (groups > 1 && !gqa_in_sdpa) {
     k = k.repeat_interleave(groups, 1);
     v = v.repeat_interleave(groups, 1);
   }
   const double dropout = is_training() ? config_.attention_dropout : 0.0;
-  const at::Tensor attn = at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, dropout, /*is_causal=*/true,
-                                                           /*scale=*/std::nullopt, /*enable_gqa=*/gqa_in_sdpa);
+  const at::Tensor attn =
+      windowed ? sliding_window_attention(q, k, v, *config_.sliding_window, dropout)
+               : at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, dropout, /*is_causal=*/true,
+                                                  /*scale=*/std::nullopt, /*enable_gqa=*/gqa_in_sdpa);
   return o_proj(attn.transpose(1, 2).reshape({batch, seq, -1}));
 }
 

@@ -40,7 +40,7 @@ int64_t loss_chunk_tokens(int64_t vocab, c10::ScalarType dtype, int64_t chunk_by
 /// of the weight is accumulated over the chunks in float32 and cast to its dtype at the end.
 ///
 /// When autograd records (grad mode on and hidden or weight requires grad), the gradients of
-/// hidden and weight are computed during this call, chunk by chunk (Note [Fused head and loss]),
+/// hidden and weight are computed during this call, chunk by chunk (docs/models.md, "Long sequences"),
 /// and backward only scales them by the loss's gradient; the graph supports one backward. Without
 /// autograd only the loss is computed (evaluation), one chunk's logits at a time.
 /// Divide by the number of trained tokens outside (e.g. those of the whole step) for a mean.

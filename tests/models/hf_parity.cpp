@@ -85,7 +85,7 @@ void expect_matches_transformers(const TinyModelSpec& spec) {
   const std::string hf_dir = scratch.file("hf");
   const std::string our_dir = scratch.file("ours");
   torch::manual_seed(7);
-  const at::Tensor ids = torch::randint(0, 128, {2, 24}, torch::kLong);
+  const at::Tensor ids = torch::randint(0, 128, {2, spec.seq}, torch::kLong);
   auto ref = run_python(make_snippet(spec, hf_dir), {{"ids", ids}});
   ASSERT_EQ(ref.at("tied").item<bool>(), spec.tied) << "the spec's tie_word_embeddings disagrees with transformers";
 

@@ -2,6 +2,7 @@
 // body of LlamaTest, Qwen3Test and MistralTest.
 #pragma once
 
+#include <cstdint>
 #include <string>
 
 namespace roundpipe::testing {
@@ -11,6 +12,7 @@ struct TinyModelSpec {
   std::string config_class;  ///< "LlamaConfig", "Qwen3Config", "MistralConfig"
   std::string kwargs;        ///< Python dict literal
   bool tied = false;         ///< expected tie_word_embeddings
+  int64_t seq = 24;          ///< tokens per row of the two-row batch
 };
 
 /// Builds the model in transformers with random weights (not the tiny init, so that every

@@ -216,7 +216,11 @@ TEST(LinearCrossEntropyTest, RoundPipeForwardWithLabel_PerMicrobatchSummedLossOf
     EXPECT_TRUE(close_rel(losses[j], ce_of_logits(logits.index({rows}), targets.index({rows})), 1e-6));
   }
   RoundPipe plain(models::build(tiny_config(true)).model, RoundPipeOptions().devices({c10::kCPU}));
-  EXPECT_THROW_WITH(plain.forward({ids}, targets, cfg), "label_to_last_layer");
+  EXPECT_THROW_WITH(plain.forward({ids}, targets, cfg), "forward was given a label, but only a last layer");
+  at::GradMode::set_enabled(true);
+  const LossFn loss_fn = [](const at::Tensor& summed, const at::Tensor&) { return summed; };
+  EXPECT_THROW_WITH(model.forward_backward({ids}, at::Tensor(), loss_fn, cfg),
+                    "forward_backward needs a label: RoundPipeOptions::label_to_last_layer");
 }
 
 }  // namespace

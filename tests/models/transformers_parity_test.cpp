@@ -52,27 +52,42 @@ TEST(MistralTest, MatchesTransformers_WindowLongerThanSequence) {
        /*tied=*/false});
 }
 
-TEST(MistralTest, Forward_FailsPastSlidingWindow) {
-  models::ModelConfig config = models::parse_model_config(
-      R"({"model_type": "mistral", "vocab_size": 32, "hidden_size": 16, "intermediate_size": 32,
-          "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1, "sliding_window": 8})");
-  auto pre = models::build(config);
-  EXPECT_NO_THROW(pre.model->forward(torch::zeros({1, 8}, torch::kLong)));
-  EXPECT_THROW_WITH(pre.model->forward(torch::zeros({1, 9}, torch::kLong)), "sliding_window = 8");
+TEST(MistralTest, MatchesTransformers_SequenceLongerThanWindow) {
+  // 24 tokens through a window of 5: one query block with a band mask.
+  ROUNDPIPE_REQUIRE_TRANSFORMERS();
+  expect_matches_transformers(
+      {"MistralConfig",
+       "dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,"
+       " num_key_value_heads=2, sliding_window=5, max_position_embeddings=128)",
+       /*tied=*/false});
 }
 
-TEST(Qwen3Test, Forward_SlidingOnlyOnSlidingLayers) {
-  // use_sliding_window with max_window_layers = 1: layer 0 is full attention, layer 1 slides.
+TEST(MistralTest, MatchesTransformers_SlidingWindowAcrossQueryBlocks) {
+  // 1100 tokens through a window of 300: query blocks [0, 512), [512, 1024), [1024, 1100), the
+  // later ones attending to keys from 299 positions before the block (Note [Sliding window in blocks]).
+  ROUNDPIPE_REQUIRE_TRANSFORMERS();
+  expect_matches_transformers(
+      {"MistralConfig",
+       "dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,"
+       " num_key_value_heads=1, sliding_window=300, max_position_embeddings=2048)",
+       /*tied=*/false, /*seq=*/1100});
+}
+
+TEST(Qwen3Test, MatchesTransformers_SlidingOnlyOnSlidingLayers) {
+  // use_sliding_window with max_window_layers = 1: layer 0 is full attention, layer 1 slides over 7.
+  ROUNDPIPE_REQUIRE_TRANSFORMERS();
   models::ModelConfig config = models::parse_model_config(
       R"({"model_type": "qwen3", "vocab_size": 32, "hidden_size": 16, "intermediate_size": 32, "head_dim": 8,
           "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
           "use_sliding_window": true, "sliding_window": 4, "max_window_layers": 1})");
   EXPECT_FALSE(config.layer_uses_sliding_window(0));
   EXPECT_TRUE(config.layer_uses_sliding_window(1));
-  auto pre = models::build(config);
-  const auto x = torch::randn({1, 6, 16});
-  EXPECT_NO_THROW(pre.model->ptr(1)->as<models::DecoderLayerImpl>()->forward(x));
-  EXPECT_THROW_WITH(pre.model->ptr(2)->as<models::DecoderLayerImpl>()->forward(x), "layer 1: sequence length 6");
+  expect_matches_transformers(
+      {"Qwen3Config",
+       "dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,"
+       " num_key_value_heads=2, head_dim=16, tie_word_embeddings=True, use_sliding_window=True,"
+       " sliding_window=7, max_window_layers=1, max_position_embeddings=128)",
+       /*tied=*/true});
 }
 
 }  // namespace

@@ -365,7 +365,7 @@ std::vector<KeySpec> build_schema() {
                   "MiB of logits buffers per chunk of the LM head's fused cross-entropy: the loss is computed "
                   "chunk by chunk over tokens and the [tokens, vocab] logits never exist whole "
                   "(docs/models.md, \"Long sequences\"). Larger: fewer, bigger matrix products.")
-                  .range(in_cc(1, 1 << 20))
+                  .range(in_cc(1, 65536))
                   .field([](C& c) -> int64_t& { return c.run.loss_chunk_mib; }));
 
   // ---- amp ----
