@@ -57,8 +57,11 @@ int child(const std::string& what, const std::string& head, int64_t seq, int64_t
   torch::manual_seed(1);
   rm::Pretrained pre = rm::build(model_config(vocab, seq));
   const bool fused = head == "fused";
+  rp::RunConfig one_microbatch;  // the batch is one row
+  one_microbatch.num_microbatch = 1;
   rp::RoundPipe model(pre.model, rp::RoundPipeOptions()
                                      .devices({c10::kCPU})
+                                     .run_config(one_microbatch)
                                      .label_to_last_layer(fused)
                                      .measure_layer_times(false));
   const at::Tensor ids = torch::randint(0, vocab, {1, seq}, torch::kLong);
@@ -96,6 +99,7 @@ int child(const std::string& what, const std::string& head, int64_t seq, int64_t
 
 // Runs `args` as a child of this executable; its peak RSS in GiB, or a negative value on failure.
 double child_peak_gib(const std::vector<std::string>& args) {
+  std::fflush(stdout);  // or the child's freopen flushes our buffered lines a second time
   const pid_t pid = ::fork();
   if (pid < 0) return -1;
   if (pid == 0) {
