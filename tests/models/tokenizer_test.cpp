@@ -6,11 +6,12 @@
 
 #include <nlohmann/json.hpp>
 
+#include <sys/stat.h>
+
 #include <cstdlib>
 #include <fstream>
-#include <map>
-#include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "roundpipe/models/tokenizer.h"
@@ -102,30 +103,30 @@ std::vector<std::string> corpus() {
   return texts;
 }
 
+// The oracle's output for corpus(), computed once per process (it converts SmolLM2's GGUF, ~10 s);
+// the scratch directory goes at exit.
 struct OracleRun {
-  std::vector<std::string> texts;
+  std::vector<std::string> texts = corpus();
   ScratchDir dir;
   json result;
   std::string error;
+
+  OracleRun() {
+    write_bytes(dir.file("texts.json"), json(texts).dump());
+    const std::string cmd = std::string("TOKENIZERS_PARALLELISM=false \"") + ROUNDPIPE_TEST_PYTHON + "\" \"" +
+                            ROUNDPIPE_SOURCE_DIR + "/tests/models/tokenizer_oracle.py\" \"" + dir.path() + "\" \"" +
+                            dir.file("texts.json") + "\" 2>\"" + dir.file("stderr.txt") + "\"";
+    if (std::system(cmd.c_str()) != 0) {
+      error = "tokenizer_oracle.py failed: " + read_bytes(dir.file("stderr.txt"));
+    } else {
+      result = json::parse(read_bytes(dir.file("result.json")));
+    }
+  }
 };
 
-// Runs the oracle once per process (it converts SmolLM2's GGUF, ~10 s).
 const OracleRun& oracle() {
-  static OracleRun* run = [] {
-    auto* r = new OracleRun;
-    r->texts = corpus();
-    write_bytes(r->dir.file("texts.json"), json(r->texts).dump());
-    const std::string cmd = std::string("TOKENIZERS_PARALLELISM=false \"") + ROUNDPIPE_TEST_PYTHON + "\" \"" +
-                            ROUNDPIPE_SOURCE_DIR + "/tests/models/tokenizer_oracle.py\" \"" + r->dir.path() +
-                            "\" \"" + r->dir.file("texts.json") + "\" 2>\"" + r->dir.file("stderr.txt") + "\"";
-    if (std::system(cmd.c_str()) != 0) {
-      r->error = "tokenizer_oracle.py failed: " + read_bytes(r->dir.file("stderr.txt"));
-    } else {
-      r->result = json::parse(read_bytes(r->dir.file("result.json")));
-    }
-    return r;
-  }();
-  return *run;
+  static const OracleRun run;
+  return run;
 }
 
 class TokenizerParityTest : public ::testing::TestWithParam<std::string> {};
@@ -138,7 +139,7 @@ TEST_P(TokenizerParityTest, Encode_MatchesTokenizers) {
   if (run.result["missing"].contains(name)) {
     const std::string reason = run.result["missing"][name].get<std::string>();
     if (running_in_ci()) FAIL() << "CI=true but " << reason;
-    GTEST_SKIP() << reason << " (pip install: see requirements.txt)";
+    GTEST_SKIP() << reason << " (run scripts/setup.sh)";
   }
   const json& expected = run.result["tokenizers"][name];
   const Tokenizer tok = Tokenizer::from_file(run.dir.path() + "/" + name + "/tokenizer.json");
@@ -146,9 +147,10 @@ TEST_P(TokenizerParityTest, Encode_MatchesTokenizers) {
   ASSERT_EQ(expected["ids"].size(), texts.size());
   size_t mismatches = 0;
   size_t tokens = 0;
+  std::vector<std::vector<int64_t>> ours(texts.size());
   for (size_t i = 0; i < texts.size(); ++i) {
     const auto want = expected["ids"][i].get<std::vector<int64_t>>();
-    const auto got = tok.encode(texts[i]);
+    const auto& got = ours[i] = tok.encode(texts[i]);
     tokens += got.size();
     if (got != want && ++mismatches <= 5) {
       ADD_FAILURE() << name << " line " << i << " ids differ: " << ::testing::PrintToString(texts[i]) << "\n  ours "
@@ -172,6 +174,16 @@ TEST_P(TokenizerParityTest, Encode_MatchesTokenizers) {
               expected["decoded_skip"][i].get<std::string>())
         << name << " line " << i << " with skip_special_tokens";
   }
+  // Four threads on one (shared) Tokenizer, word cache included, give the same ids.
+  std::vector<std::thread> threads;
+  std::vector<size_t> thread_mismatches(4, 0);
+  for (size_t t = 0; t < 4; ++t) {
+    threads.emplace_back([&, t] {
+      for (size_t i = t; i < texts.size(); i += 2) thread_mismatches[t] += tok.encode(texts[i]) != ours[i];
+    });
+  }
+  for (auto& thread : threads) thread.join();
+  EXPECT_EQ(thread_mismatches, std::vector<size_t>(4, 0)) << name << ": encode from four threads differs";
   EXPECT_EQ(mismatches, 0u) << name << ": " << mismatches << " of " << texts.size() << " lines differ";
   RecordProperty("lines", std::to_string(texts.size()));
   RecordProperty("tokens", std::to_string(tokens));
