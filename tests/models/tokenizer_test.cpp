@@ -1,7 +1,7 @@
-// models::Tokenizer against Hugging Face `tokenizers` (Python) on real tokenizer.json files
-// (SmolLM2, Qwen2.5, Llama-3.2 and one trained here with Qwen2's pre-tokenizer): every line of
-// the fortunes corpus plus hand-picked hard cases, ids compared exactly. One Python run serves
-// the whole suite (tests/models/tokenizer_oracle.py).
+// models::Tokenizer against Hugging Face `tokenizers` (Python): real tokenizer.json files
+// (SmolLM2, Qwen2.5, Llama-3.2), one trained here with Qwen2's pre-tokenizer and one handmade;
+// every line of the fortunes corpus and common licenses plus hand-picked hard cases, ids compared
+// exactly. One Python run serves the whole suite (tests/models/tokenizer_oracle.py).
 #include <gtest/gtest.h>
 
 #include <nlohmann/json.hpp>
@@ -51,6 +51,7 @@ std::vector<std::string> hard_cases() {
       "mongolian\xE1\xA0\x8Evowel zero\xE2\x80\x8Bwidth bom\xEF\xBB\xBF line\xE2\x80\xA8sep",
       "x\xE1\xA0\x8E\xE1\xA0\x8E 12 \xE1\xA0\x8E! \xE1\xA0\x8E\n\xE1\xA0\x8E",  // U+180E: not \s in Oniguruma
       "aaaaa bbbbbbb ccccccccc ddddddddddd xxxxx yyyyyyy hmmmmmmm ahhhhhhhhh nooooooo wheeeeee",
+      "aaaaa aab aaab aaaab aaaaab aaaaaaa",
       "aaa aaaaa zzzzzzz !!!!!!! ===== ----- ....... 1111111 ~~~ oooooooooooooooooooooooooooooo",
       "mixed123abc456 x2 3x 1st 2nd ½ ² ٣ 四",
       "symbols !@#$%^&*()_+-=[]{}|;':\",./<>? ~` \\ «» „“ — … ©",
@@ -190,7 +191,7 @@ TEST_P(TokenizerParityTest, Encode_MatchesTokenizers) {
 }
 
 INSTANTIATE_TEST_SUITE_P(RealFiles, TokenizerParityTest,
-                         ::testing::Values("smollm2", "qwen2", "llama3", "trained"),
+                         ::testing::Values("smollm2", "qwen2", "llama3", "trained", "handmade"),
                          [](const auto& info) { return info.param; });
 
 // A minimal valid file: bytes a, b and their merge, GPT-2 pre-tokenizer, ByteLevel decoder.
