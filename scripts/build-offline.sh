@@ -16,6 +16,9 @@ mkdir -p "$prefix"
 for f in "$debs"/*.deb; do dpkg -x "$f" "$prefix"; done
 libdir="$prefix/usr/lib/x86_64-linux-gnu"
 export LD_LIBRARY_PATH="$libdir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+# pkg-config (PCRE2, utf8proc): the .pc files of the prefix, their /usr paths moved under it.
+export PKG_CONFIG_PATH="$libdir/pkgconfig${PKG_CONFIG_PATH:+:$PKG_CONFIG_PATH}"
+export PKG_CONFIG_SYSROOT_DIR="$prefix"
 torch_prefix="$("$python" -c 'import torch.utils; print(torch.utils.cmake_prefix_path)')"
 generator=()
 command -v ninja >/dev/null && generator=(-G Ninja)

@@ -14,6 +14,7 @@ packages=(
   libbenchmark-dev libbenchmark1debian
   libyaml-cpp-dev libyaml-cpp0.7
   libcli11-dev nlohmann-json3-dev
+  libpcre2-dev libpcre2-8-0 libutf8proc-dev libutf8proc2   # models::Tokenizer (pkg-config finds them)
   libgloo-dev   # headers only (c10d ProcessGroupGloo.hpp); torch carries the library
 )
 cd "$out"

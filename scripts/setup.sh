@@ -19,6 +19,7 @@ apt_packages=(
   libspdlog-dev libfmt-dev libboost-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   libyaml-cpp-dev libcli11-dev nlohmann-json3-dev
+  libpcre2-dev libutf8proc-dev   # models::Tokenizer: pre-tokenizer regexes (lookahead), NFC
   libgloo-dev    # headers only: c10d's ProcessGroupGloo.hpp includes them (never link -lgloo)
   clang libclang-rt-14-dev   # scripts/asan.sh and scripts/fuzz.sh (ASan/UBSan, libFuzzer)
   fortunes-min   # English text for configs/default.yaml

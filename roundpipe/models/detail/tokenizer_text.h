@@ -1,0 +1,53 @@
+// Text primitives of the tokenizer (roundpipe/models/tokenizer.h): UTF-8 checks, GPT-2's
+// byte <-> character table of the ByteLevel pre-tokenizer and decoder, NFC (utf8proc) and a
+// PCRE2 regex with Oniguruma's `\s` (the engine of Hugging Face `tokenizers`).
+#pragma once
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+namespace roundpipe::models::detail {
+
+/// True when `text` is well-formed UTF-8 (no surrogates, no overlong forms, <= U+10FFFF).
+bool is_valid_utf8(std::string_view text);
+
+/// `bytes` as UTF-8 with each ill-formed subsequence replaced by one U+FFFD (the rule of Rust's
+/// String::from_utf8_lossy, which `tokenizers`' ByteLevel decoder uses).
+std::string utf8_lossy(std::string_view bytes);
+
+/// Length in bytes of the UTF-8 sequence led by `lead` (1 for a stray continuation byte).
+size_t utf8_sequence_length(unsigned char lead);
+
+/// NFC of valid UTF-8 `text` (utf8proc). ASCII text is returned unchanged without a copy's work.
+std::string nfc(std::string_view text);
+
+/// GPT-2's bytes_to_unicode: byte b is written as the character byte_chars()[b] (UTF-8).
+const std::array<std::string, 256>& byte_chars();
+
+/// The inverse of byte_chars() for a code point, or -1 when no byte is written as `code_point`.
+int char_to_byte(char32_t code_point);
+
+/// A compiled PCRE2 pattern (UTF, Unicode properties) shared by copies; matching is thread-safe.
+class Regex {
+ public:
+  enum class Syntax { kOniguruma, kLiteral };
+  /// Throws std::runtime_error with PCRE2's message and offset when `pattern` does not compile.
+  /// kOniguruma: `\s`/`\S` mean Unicode White_Space as in Oniguruma (PCRE2's own `\s` also
+  /// takes U+180E); the rest of the syntax the tokenizers' patterns use is common to both.
+  Regex(const std::string& pattern, Syntax syntax);
+
+  /// [start, end) byte ranges of the successive leftmost non-empty matches in valid UTF-8 `text`
+  /// (after an empty match the search resumes one character later, as Oniguruma's find_iter).
+  std::vector<std::pair<size_t, size_t>> find_all(std::string_view text) const;
+
+ private:
+  std::shared_ptr<void> code_;  // pcre2_code_8, freed by pcre2_code_free_8
+};
+
+}  // namespace roundpipe::models::detail
