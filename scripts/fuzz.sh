@@ -9,7 +9,7 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 seconds="${1:-60}"
 [ $# -gt 0 ] && shift
-targets=(fuzz_safetensors fuzz_token_file fuzz_config fuzz_split_batch)
+targets=(fuzz_safetensors fuzz_token_file fuzz_config fuzz_split_batch fuzz_tokenizer)
 export ROUNDPIPE_BUILD_DIR="${ROUNDPIPE_ASAN_BUILD_DIR:-$root/build-asan}"
 export ROUNDPIPE_BUILD_TARGETS="${targets[*]}"
 export CXX="${ROUNDPIPE_ASAN_CXX:-clang++}" CC="${ROUNDPIPE_ASAN_CC:-clang}"
