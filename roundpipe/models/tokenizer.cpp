@@ -173,6 +173,17 @@ struct Tokenizer::Impl {
     throw std::runtime_error(origin + ": " + key + " = " + shorten(value) + " is not supported (" + supported +
                              "; docs/models.md, \"Tokenizer\")");
   }
+  // A token id: a JSON integer in [0, 2^31) (tokenizers keeps ids as u32; no vocabulary comes
+  // near). A float or an out-of-range integer is refused here: converting one would be undefined
+  // behaviour (found by fuzz_tokenizer).
+  int64_t token_id(const json& value, const std::string& key) const {
+    constexpr int64_t kMaxId = 2147483647;
+    if (!value.is_number_integer()) refuse(key, value, "an integer token id");
+    const bool in_range = value.is_number_unsigned() ? value.get<uint64_t>() <= static_cast<uint64_t>(kMaxId)
+                                                     : value.get<int64_t>() >= 0 && value.get<int64_t>() <= kMaxId;
+    if (!in_range) refuse(key, value, "a token id in [0, 2147483647]");
+    return value.get<int64_t>();
+  }
   const json& at(const json& object, const std::string& name, const std::string& key) const {
     if (!object.is_object() || !object.contains(name)) {
       throw std::runtime_error(origin + ": missing key " + key + (key.empty() ? "" : ".") + name);
@@ -219,7 +230,9 @@ void Tokenizer::Impl::load_model(const json& model) {
     }
   }
   std::unordered_map<std::string, int64_t> vocab;
-  for (const auto& [token, id] : at(model, "vocab", "model").items()) vocab.emplace(token, id.get<int64_t>());
+  for (const auto& [token, id] : at(model, "vocab", "model").items()) {
+    vocab.emplace(token, token_id(id, "model.vocab[" + shorten(token) + "]"));
+  }
   std::vector<std::pair<std::string, std::string>> merges;
   const json& merge_list = at(model, "merges", "model");
   merges.reserve(merge_list.size());
@@ -258,7 +271,7 @@ void Tokenizer::Impl::load_added_tokens(const json& tokens) {
       if (t.value(flag, false)) refuse(key + "." + flag, true, "only false");
     }
     const std::string content = at(t, "content", key).get<std::string>();
-    const int64_t id = at(t, "id", key).get<int64_t>();
+    const int64_t id = token_id(at(t, "id", key), key + ".id");
     if (content.empty()) refuse(key + ".content", content, "a non-empty string");
     added_by_id[id] = {content, t.value("special", false)};
     added_by_content[content] = id;
@@ -360,7 +373,10 @@ void Tokenizer::Impl::load_post_processor(const json& post, const std::string& k
     } else if (piece.contains("SpecialToken")) {
       const std::string name = at(piece.at("SpecialToken"), "id", piece_key + ".SpecialToken").get<std::string>();
       const json& ids = at(at(specials, name, key + ".special_tokens"), "ids", key + ".special_tokens." + name);
-      for (const json& id : ids) (after_sequence ? suffix_ids : prefix_ids).push_back(id.get<int64_t>());
+      if (!ids.is_array()) refuse(key + ".special_tokens." + name + ".ids", ids, "a list of token ids");
+      for (const json& id : ids) {
+        (after_sequence ? suffix_ids : prefix_ids).push_back(token_id(id, key + ".special_tokens." + name + ".ids"));
+      }
     } else {
       refuse(piece_key, piece, "Sequence or SpecialToken");
     }

@@ -11,6 +11,7 @@
 #include <cstdlib>
 #include <fstream>
 #include <string>
+#include <limits>
 #include <thread>
 #include <vector>
 
@@ -284,6 +285,20 @@ TEST(TokenizerTest, UnsupportedComponents_NameKeyAndValue) {
   f = minimal_file();
   f.erase("model");
   expect_error(f, "missing key model");
+  // Ids that are not integers in [0, 2^31): converting them was undefined behaviour (fuzz_tokenizer).
+  f = minimal_file();
+  f["model"]["vocab"]["b"] = 1e300;
+  expect_error(f, "model.vocab[\"b\"] = 1e+300 is not supported (an integer token id");
+  f = minimal_file();
+  f["model"]["vocab"]["b"] = -1;
+  expect_error(f, "model.vocab[\"b\"] = -1 is not supported (a token id in [0, 2147483647]");
+  f = minimal_file();
+  f["added_tokens"][0]["id"] = std::numeric_limits<uint64_t>::max();
+  expect_error(f, "added_tokens[0].id = 18446744073709551615 is not supported");
+  f = minimal_file();
+  f["post_processor"] = json::parse(R"({"type": "TemplateProcessing", "single": [{"SpecialToken": {"id": "<s>"}},
+      {"Sequence": {"id": "A"}}], "special_tokens": {"<s>": {"id": "<s>", "ids": [2.5]}}})");
+  expect_error(f, "post_processor.special_tokens.<s>.ids = 2.5");
 }
 
 }  // namespace
