@@ -9,6 +9,7 @@
 #include "comm/launch_env.h"
 #include "optim/adam.h"
 #include "roundpipe/devices.h"
+#include "roundpipe/recompute_data.h"
 #include "roundpipe/round_pipe.h"
 #include "roundpipe/run_config.h"
 #include "roundpipe/stage_trace.h"

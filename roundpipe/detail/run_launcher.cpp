@@ -103,6 +103,7 @@ void make_channels(RunContext& ctx, const scheduler::ExecutePlan& plan, schedule
   for (int64_t l = 0; l < L; ++l) ctx.released[l] = false;
   ctx.rng_used = std::make_unique<std::atomic<bool>[]>(static_cast<size_t>(L * M));
   for (int64_t i = 0; i < L * M; ++i) ctx.rng_used[i] = false;
+  ctx.recompute_slots.resize(static_cast<size_t>(L * M));
 }
 
 }  // namespace

@@ -210,8 +210,15 @@ std::vector<ShellLease> lease_layers(RunContext& ctx, scheduler::LayerRange r, D
 // unseeded: bitwise the same, and it leaves the device's default generator alone, which lets a
 // run whose backward stages draw nothing finish them in the background while the caller's
 // thread uses the generator (Note [Overlapping iterations]).
+// `kind`: whether the pass saves data for its recompute (a training forward stage), replays it (a
+// recompute) or neither (Note [Recompute data] in roundpipe/recompute_data.h).
 Activations run_layer(RunContext& ctx, ShellLease& shell, int64_t l, int64_t j, const Activations& acts, DeviceIo& io,
-                      bool first_pass = false) {
+                      bool first_pass, PassKind kind) {
+  RecomputeSlot* slot = ctx.recompute_slots.empty()
+                            ? nullptr
+                            : &ctx.recompute_slots[static_cast<size_t>(l * ctx.num_microbatch + j)];
+  if (slot == nullptr) kind = PassKind::kPlain;
+  RecomputePassScope pass(slot, kind, io.device());
   auto& layer = shell.module();
   io.before_compute(*layer.ptr());
   const bool timed = first_pass && !ctx.forward_ms.empty();
@@ -410,7 +417,8 @@ void run_forward_stage(RunContext& ctx, size_t stage, scheduler::LayerRange r, c
       for (int64_t l = r.begin; l < r.end; ++l) {
         pos.layer = l;
         if (!ctx.saved[l].empty()) handovers.post(j, ctx.saved[l][j], io.download_async(acts, /*copy=*/true));
-        acts = run_layer(ctx, shells[l - r.begin], l, j, layer_inputs(ctx, l, acts, label), io, /*first_pass=*/true);
+        acts = run_layer(ctx, shells[l - r.begin], l, j, layer_inputs(ctx, l, acts, label), io, /*first_pass=*/true,
+                         ctx.training ? PassKind::kSaves : PassKind::kPlain);
       }
       pos.layer = -1;
       handovers.flush_before(j);
@@ -447,7 +455,8 @@ void run_fused_stage(RunContext& ctx, scheduler::LayerRange r, c10::Device devic
       const at::Tensor label = label_for(ctx, r, j, io, LabelUse::kLossFn);
       for (int64_t l = r.begin; l < r.end; ++l) {
         pos.layer = l;
-        acts = run_layer(ctx, shells[l - r.begin], l, j, layer_inputs(ctx, l, acts, label), io, /*first_pass=*/true);
+        acts = run_layer(ctx, shells[l - r.begin], l, j, layer_inputs(ctx, l, acts, label), io, /*first_pass=*/true,
+                         PassKind::kPlain);
       }
       pos.layer = -1;
       pos.step = "loss_fn";
@@ -523,7 +532,7 @@ void run_backward_stage(RunContext& ctx, size_t stage, scheduler::LayerRange r, 
         pos.step = "recompute";
         for (int64_t l = r.begin; l < r.end; ++l) {
           pos.layer = l;
-          acts = run_layer(ctx, shells[l - r.begin], l, j, acts, io);
+          acts = run_layer(ctx, shells[l - r.begin], l, j, acts, io, /*first_pass=*/false, PassKind::kReplays);
         }
         pos.layer = -1;
         if (ahead) {
@@ -538,7 +547,8 @@ void run_backward_stage(RunContext& ctx, size_t stage, scheduler::LayerRange r, 
           pos.layer = l;
           Activations leaves = make_leaves(io, handovers.await_input(ctx.saved[l][j]), l > 0);
           pos.step = "recompute";
-          Activations acts = run_layer(ctx, shells[l - r.begin], l, j, leaves, io);
+          Activations acts = run_layer(ctx, shells[l - r.begin], l, j, leaves, io, /*first_pass=*/false,
+                                       PassKind::kReplays);
           pos.step = "backward";
           backward_paired(acts, grads);
           grads = leaf_grads(leaves);
@@ -547,6 +557,9 @@ void run_backward_stage(RunContext& ctx, size_t stage, scheduler::LayerRange r, 
       }
       timer.stop();
       pos.step = "";
+      if (!ctx.recompute_slots.empty()) {
+        for (int64_t l = r.begin; l < r.end; ++l) ctx.recompute_slots[static_cast<size_t>(l * ctx.num_microbatch + j)] = {};
+      }
       handovers.flush_before(j);
       if (r.begin > 0) handovers.post(j, ctx.bwd_grad[stage][j], io.download_async(grads, /*copy=*/false));
       release_after_copy(ctx, r, io, device, j);

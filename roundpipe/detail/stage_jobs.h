@@ -16,6 +16,7 @@
 
 #include "amp/autocast_guard.h"
 #include "roundpipe/detail/layer_call.h"
+#include "roundpipe/recompute_data.h"
 #include "roundpipe/detail/layer_shells.h"
 #include "roundpipe/round_pipe.h"
 #include "scheduler/execute_plan.h"
@@ -140,6 +141,10 @@ struct RunContext {
   /// that no backward job clones a layer (which draws from the CPU generator) in the background.
   /// Taken by that job (moved out); the rest are released with the context.
   std::vector<std::optional<ShellLease>> preleased;
+  /// Training runs: [layer * num_microbatch + mb] what the layer's forward-stage pass on the
+  /// microbatch saved for its recompute (Note [Recompute data] in roundpipe/recompute_data.h):
+  /// written by the forward job, then read and cleared by the backward job that recomputes it.
+  std::vector<RecomputeSlot> recompute_slots;
 
   std::vector<std::vector<ChannelPtr>> fwd_out;   // [forward stage][mb]
   std::vector<std::vector<ChannelPtr>> saved;     // [layer][mb]; empty when not kept

@@ -51,6 +51,7 @@ std::string train_line(const TrainRecord& r) {
   j["tokens_per_s"] = number(r.tokens_per_s);
   j["grad_norm"] = optional_number(r.grad_norm);
   j["scale"] = optional_number(r.scale);
+  if (r.aux_loss) j["aux_loss"] = number(*r.aux_loss);
   j["time"] = number(r.time_s);
   return j.dump() + "\n";
 }
@@ -117,6 +118,7 @@ MetricsLog parse_metrics(const std::string& text, const std::string& source) {
         r.tokens_per_s = read_number(j, "tokens_per_s");
         r.grad_norm = read_optional(j, "grad_norm");
         r.scale = read_optional(j, "scale");
+        r.aux_loss = read_optional(j, "aux_loss");
         r.time_s = read_number(j, "time");
         log.train.push_back(r);
       }

@@ -12,10 +12,15 @@
 namespace roundpipe::launcher {
 
 /// One training step's record: {"step", "loss", "lr", "tokens", "tokens_per_s", "grad_norm",
-/// "scale", "time"} in metrics.jsonl (grad_norm / scale are null when not measured / no scaler).
+/// "scale", "time"} in metrics.jsonl (grad_norm / scale are null when not measured / no scaler),
+/// plus "aux_loss" for mixture-of-experts models.
 struct TrainRecord {
   int64_t step = 0;
+  /// Cross-entropy, mean over the step's tokens (without the load-balancing loss).
   double loss = 0.0;
+  /// Mixture-of-experts models: the load-balancing loss (unweighted; the objective adds
+  /// router_aux_loss_coef times it), token-weighted mean over the step's microbatches.
+  std::optional<double> aux_loss;
   double lr = 0.0;
   int64_t tokens = 0;            ///< tokens trained on so far (cumulative, across resumes)
   double tokens_per_s = 0.0;

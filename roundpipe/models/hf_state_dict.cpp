@@ -10,26 +10,29 @@
 
 #include "roundpipe/models/layers.h"
 #include "roundpipe/models/linear_cross_entropy.h"
+#include "roundpipe/models/moe.h"
 #include "roundpipe/models/pretrained.h"
 
 namespace roundpipe::models {
 namespace {
 
-// Checks that `model` is [Embedding, DecoderLayer x N, LmHead] for `config` and returns the
-// embedding and head.
+// Checks that `model` is [Embedding, DecoderLayer x N, LmHead] (MoeDecoderLayer for a mixture of
+// experts) for `config` and returns the embedding and head.
 std::pair<EmbeddingImpl*, LmHeadImpl*> check_layout(const torch::nn::Sequential& model, const ModelConfig& config) {
   TORCH_CHECK(model, "the model is empty (a null Sequential)");
   const int64_t n = config.num_hidden_layers;
   TORCH_CHECK(static_cast<int64_t>(model->size()) == n + 2, "the model has ", model->size(),
               " layers but its config (num_hidden_layers = ", n,
-              ") needs ", n + 2, ": Embedding, ", n, " DecoderLayer, LmHead");
+              ") needs ", n + 2, ": Embedding, ", n, config.is_moe() ? " MoeDecoderLayer" : " DecoderLayer", ", LmHead");
   auto* embedding = model->ptr(0)->as<EmbeddingImpl>();
   auto* head = model->ptr(n + 1)->as<LmHeadImpl>();
   TORCH_CHECK(embedding != nullptr, "layer 0 of the model is a ", model->ptr(0)->name(), ", expected Embedding");
   TORCH_CHECK(head != nullptr, "layer ", n + 1, " of the model is a ", model->ptr(n + 1)->name(), ", expected LmHead");
   for (int64_t i = 1; i <= n; ++i) {
-    TORCH_CHECK(model->ptr(i)->as<DecoderLayerImpl>() != nullptr, "layer ", i, " of the model is a ",
-                model->ptr(i)->name(), ", expected DecoderLayer");
+    const bool fits = config.is_moe() ? model->ptr(i)->as<MoeDecoderLayerImpl>() != nullptr
+                                      : model->ptr(i)->as<DecoderLayerImpl>() != nullptr;
+    TORCH_CHECK(fits, "layer ", i, " of the model is a ", model->ptr(i)->name(), ", expected ",
+                config.is_moe() ? "MoeDecoderLayer (model_type " + config.model_type + ")" : std::string("DecoderLayer"));
   }
   return {embedding, head};
 }
@@ -45,7 +48,11 @@ torch::nn::Sequential make_model(const ModelConfig& config, const at::TensorOpti
   auto embedding = Embedding(config, options);
   model->push_back("0", embedding);
   for (int64_t i = 0; i < config.num_hidden_layers; ++i) {
-    model->push_back(std::to_string(i + 1), DecoderLayer(config, i, options));
+    if (config.is_moe()) {
+      model->push_back(std::to_string(i + 1), MoeDecoderLayer(config, i, options));
+    } else {
+      model->push_back(std::to_string(i + 1), DecoderLayer(config, i, options));
+    }
   }
   auto head = LmHead(config, options);
   if (config.tie_word_embeddings) head->lm_head->share_weight(embedding->embed_tokens->weight);
@@ -113,6 +120,29 @@ void load_hf_state_dict(torch::nn::Sequential& model, const ModelConfig& config,
                 " but the model expects ", param.sizes(), " (check config.json: hidden_size, heads, head_dim)");
     param.copy_(source);
   }
+}
+
+at::Tensor forward(const torch::nn::Sequential& model, const at::Tensor& input_ids, const at::Tensor& targets) {
+  TORCH_CHECK(model && model->size() >= 2, "models::forward: the model must be [Embedding, layers..., LmHead]");
+  auto* embedding = model->ptr(0)->as<EmbeddingImpl>();
+  TORCH_CHECK(embedding != nullptr, "models::forward: layer 0 of the model is a ", model->ptr(0)->name(),
+              ", expected Embedding");
+  std::vector<at::Tensor> acts = {embedding->forward(input_ids)};
+  const size_t last = model->size() - 1;
+  for (size_t i = 1; i < last; ++i) {
+    if (auto* dense = model->ptr(i)->as<DecoderLayerImpl>()) {
+      acts = {dense->forward(acts.at(0))};
+    } else if (auto* moe = model->ptr(i)->as<MoeDecoderLayerImpl>()) {
+      acts = moe->forward(acts.at(0), acts.size() > 1 ? acts[1] : at::Tensor());
+    } else {
+      TORCH_CHECK(false, "models::forward: layer ", i, " of the model is a ", model->ptr(i)->name(),
+                  ", expected DecoderLayer or MoeDecoderLayer");
+    }
+  }
+  auto* head = model->ptr(last)->as<LmHeadImpl>();
+  TORCH_CHECK(head != nullptr, "models::forward: the last layer is a ", model->ptr(last)->name(), ", expected LmHead");
+  if (acts.size() > 1) return head->forward(acts[0], acts[1], targets);
+  return head->forward(acts[0], targets);
 }
 
 std::vector<at::Tensor> unique_parameters(const torch::nn::Module& model) {

@@ -11,14 +11,21 @@
 #include <ATen/ops/rsqrt.h>
 #include <ATen/ops/scaled_dot_product_attention.h>
 #include <ATen/ops/silu.h>
+#include <ATen/ops/softmax.h>
+#include <ATen/ops/matmul.h>
+#include <ATen/ops/dropout.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <cmath>
+#include <limits>
+#include <optional>
 #include <set>
 #include <vector>
 
 #include "roundpipe/models/detail/rotary.h"
 #include "roundpipe/models/linear_cross_entropy.h"
+#include "roundpipe/models/moe.h"
 
 namespace roundpipe::models {
 namespace {
@@ -55,6 +62,39 @@ at::Tensor sliding_window_attention(const at::Tensor& q, const at::Tensor& k, co
     const at::Tensor mask = k_pos.le(q_pos).logical_and_(k_pos.gt(q_pos - window));
     outputs.push_back(at::scaled_dot_product_attention(q.narrow(2, s, e - s), k.narrow(2, ks, e - ks),
                                                        v.narrow(2, ks, e - ks), mask, dropout));
+  }
+  return at::cat(outputs, 2);
+}
+
+// Note [Attention sinks]: gpt-oss appends a learned logit per head to every row of the scaled,
+// masked scores, subtracts the row maximum, takes the softmax and drops the sink column, so the
+// rows sum to less than one (transformers' eager_attention_forward in modeling_gpt_oss.py, the
+// same operations in the same order and dtype). SDPA has no sink, so this is an explicit
+// computation in blocks of kSinkQueryBlock query rows over the keys they may see ([0, e), or the
+// window's band), so no [T, T] score matrix exists; autograd differentiates it (the sinks too).
+constexpr int64_t kSinkQueryBlock = 256;
+
+at::Tensor sink_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& sinks,
+                          std::optional<int64_t> window, double dropout, bool training) {
+  const int64_t batch = q.size(0), heads = q.size(1), seq = q.size(2);
+  const double scaling = 1.0 / std::sqrt(static_cast<double>(q.size(3)));
+  const auto positions = at::TensorOptions().dtype(at::kLong).device(q.device());
+  const at::Tensor sink_column = sinks.to(q.scalar_type()).view({1, heads, 1, 1});
+  std::vector<at::Tensor> outputs;
+  for (int64_t s = 0; s < seq; s += kSinkQueryBlock) {
+    const int64_t e = std::min(seq, s + kSinkQueryBlock);
+    const int64_t ks = window ? std::max<int64_t>(0, s - *window + 1) : 0;
+    const at::Tensor q_pos = at::arange(s, e, positions).unsqueeze(1);
+    const at::Tensor k_pos = at::arange(ks, e, positions).unsqueeze(0);
+    at::Tensor allowed = k_pos.le(q_pos);
+    if (window) allowed = allowed.logical_and(k_pos.gt(q_pos - *window));
+    at::Tensor scores = at::matmul(q.narrow(2, s, e - s), k.narrow(2, ks, e - ks).transpose(2, 3)) * scaling;
+    scores = scores.masked_fill(allowed.logical_not(), -std::numeric_limits<double>::infinity());
+    at::Tensor combined = at::cat({scores, sink_column.expand({batch, heads, e - s, 1})}, -1);
+    combined = combined - std::get<0>(combined.max(-1, /*keepdim=*/true));
+    at::Tensor probs = at::softmax(combined, -1).narrow(-1, 0, e - ks);
+    if (dropout > 0) probs = at::dropout(probs, dropout, training);
+    outputs.push_back(at::matmul(probs.to(v.scalar_type()), v.narrow(2, ks, e - ks)));
   }
   return at::cat(outputs, 2);
 }
@@ -125,8 +165,8 @@ void LinearImpl::share_weight(const at::Tensor& weight_tensor) {
 
 // ---- RMSNorm -------------------------------------------------------------------------------------
 
-RMSNormImpl::RMSNormImpl(int64_t dim, double eps, const at::TensorOptions& options)
-    : dim_(dim), eps_(eps), options_(options) {
+RMSNormImpl::RMSNormImpl(int64_t dim, double eps, const at::TensorOptions& options, bool weight_in_fp32)
+    : dim_(dim), eps_(eps), options_(options), weight_in_fp32_(weight_in_fp32) {
   TORCH_CHECK(dim > 0 && eps > 0, "RMSNorm: dim = ", dim, " and eps = ", eps, " must be positive");
   reset();
 }
@@ -137,7 +177,12 @@ at::Tensor RMSNormImpl::forward(const at::Tensor& x) {
   const auto input_dtype = x.scalar_type();
   const at::Tensor h = x.to(at::kFloat);
   const at::Tensor variance = h.pow(2).mean(-1, /*keepdim=*/true);
+  if (weight_in_fp32_) return (weight * (h * at::rsqrt(variance + eps_))).to(input_dtype);
   return weight * (h * at::rsqrt(variance + eps_)).to(input_dtype);
+}
+
+RMSNorm make_rms_norm(const ModelConfig& config, int64_t dim, const at::TensorOptions& options) {
+  return RMSNorm(dim, config.rms_norm_eps, options, /*weight_in_fp32=*/config.model_type == "gpt_oss");
 }
 
 // ---- TokenEmbedding ------------------------------------------------------------------------------
@@ -196,9 +241,12 @@ void AttentionImpl::reset() {
   k_proj = register_module("k_proj", Linear(h, config_.num_key_value_heads * d, bias, options));
   v_proj = register_module("v_proj", Linear(h, config_.num_key_value_heads * d, bias, options));
   o_proj = register_module("o_proj", Linear(config_.num_attention_heads * d, h, bias, options));
-  if (config_.model_type == "qwen3") {
+  if (config_.model_type == "qwen3" || config_.model_type == "qwen3_moe") {
     q_norm = register_module("q_norm", RMSNorm(d, config_.rms_norm_eps, options));
     k_norm = register_module("k_norm", RMSNorm(d, config_.rms_norm_eps, options));
+  }
+  if (config_.model_type == "gpt_oss") {
+    sinks = register_parameter("sinks", at::empty({config_.num_attention_heads}, param_options(sinks, options)));
   }
 }
 
@@ -225,6 +273,17 @@ at::Tensor AttentionImpl::forward(const at::Tensor& x) {
   q = detail::apply_rotary(q, cos, sin);
   k = detail::apply_rotary(k, cos, sin);
   const int64_t groups = config_.num_attention_heads / config_.num_key_value_heads;
+  const double dropout = is_training() ? config_.attention_dropout : 0.0;
+  if (sinks.defined()) {
+    if (groups > 1) {
+      k = k.repeat_interleave(groups, 1);
+      v = v.repeat_interleave(groups, 1);
+    }
+    const std::optional<int64_t> window =
+        config_.layer_uses_sliding_window(layer_index_) ? config_.sliding_window : std::nullopt;
+    const at::Tensor attn = sink_attention(q, k, v, sinks, window, dropout, is_training());
+    return o_proj(attn.transpose(1, 2).reshape({batch, seq, -1}));
+  }
   const bool windowed = config_.layer_uses_sliding_window(layer_index_) && seq > *config_.sliding_window;
   // Like transformers' sdpa path: CUDA lets SDPA broadcast the key/value heads (enable_gqa);
   // elsewhere they are repeated, which every SDPA backend accepts. The windowed path passes masks,
@@ -234,7 +293,6 @@ at::Tensor AttentionImpl::forward(const at::Tensor& x) {
     k = k.repeat_interleave(groups, 1);
     v = v.repeat_interleave(groups, 1);
   }
-  const double dropout = is_training() ? config_.attention_dropout : 0.0;
   const at::Tensor attn =
       windowed ? sliding_window_attention(q, k, v, *config_.sliding_window, dropout)
                : at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, dropout, /*is_causal=*/true,
@@ -270,10 +328,10 @@ DecoderLayerImpl::DecoderLayerImpl(const ModelConfig& config, int64_t layer_inde
 
 void DecoderLayerImpl::reset() {
   const auto options = input_layernorm ? param_options(input_layernorm->weight, options_) : options_;
-  input_layernorm = register_module("input_layernorm", RMSNorm(config_.hidden_size, config_.rms_norm_eps, options));
+  input_layernorm = register_module("input_layernorm", make_rms_norm(config_, config_.hidden_size, options));
   self_attn = register_module("self_attn", Attention(config_, layer_index_, options));
   post_attention_layernorm =
-      register_module("post_attention_layernorm", RMSNorm(config_.hidden_size, config_.rms_norm_eps, options));
+      register_module("post_attention_layernorm", make_rms_norm(config_, config_.hidden_size, options));
   mlp = register_module("mlp", Mlp(config_, options));
 }
 
@@ -285,19 +343,17 @@ at::Tensor DecoderLayerImpl::forward(const at::Tensor& hidden) {
 // ---- LmHead --------------------------------------------------------------------------------------
 
 LmHeadImpl::LmHeadImpl(const ModelConfig& config, const at::TensorOptions& options)
-    : config_(config), options_(options) {
+    : config_(config), options_(options), router_aux_loss_coef_(config.router_aux_loss_coef) {
   reset();
 }
 
 void LmHeadImpl::reset() {
   const auto options = norm ? param_options(norm->weight, options_) : options_;
-  norm = register_module("norm", RMSNorm(config_.hidden_size, config_.rms_norm_eps, options));
+  norm = register_module("norm", make_rms_norm(config_, config_.hidden_size, options));
   lm_head = register_module("lm_head", Linear(config_.hidden_size, config_.vocab_size, /*bias=*/false, options));
 }
 
-at::Tensor LmHeadImpl::forward(const at::Tensor& hidden, const at::Tensor& targets) {
-  const at::Tensor h = norm(hidden);
-  if (!targets.defined()) return lm_head(h);
+at::Tensor LmHeadImpl::cross_entropy_sum(const at::Tensor& h, const at::Tensor& targets) {
   if (lm_head->has_lora() || lm_head->bias.defined()) {
     // The fused path multiplies by the weight alone; the adapters' and the bias' terms would need
     // their own products per chunk. The same summed loss from full logits.
@@ -308,9 +364,38 @@ at::Tensor LmHeadImpl::forward(const at::Tensor& hidden, const at::Tensor& targe
   return linear_cross_entropy(h, lm_head->weight, targets, LinearCrossEntropyOptions().chunk_bytes(loss_chunk_bytes_));
 }
 
+at::Tensor LmHeadImpl::forward(const at::Tensor& hidden, const at::Tensor& second, const at::Tensor& third) {
+  if (!config_.is_moe()) {
+    TORCH_CHECK(!third.defined(), "LmHead: a dense model's head takes (hidden, targets); a third tensor was given");
+    const at::Tensor h = norm(hidden);
+    return second.defined() ? cross_entropy_sum(h, second) : lm_head(h);
+  }
+  const at::Tensor& stats = second;
+  const at::Tensor& targets = third;
+  TORCH_CHECK(!stats.defined() || (stats.dim() == 2 && stats.size(0) == 2 && stats.size(1) == config_.num_experts),
+              "LmHead: a mixture-of-experts head takes (hidden, router statistics [2, ", config_.num_experts,
+              "], targets); got statistics of shape ", stats.sizes(),
+              " (are the layers MoeDecoderLayers of this config?)");
+  const at::Tensor h = norm(hidden);
+  if (!targets.defined()) return lm_head(h);
+  at::Tensor loss = cross_entropy_sum(h, targets);
+  const int64_t sparse_layers = config_.num_sparse_layers();
+  if (!is_training() || !stats.defined() || sparse_layers == 0) return loss;
+  const int64_t tokens = hidden.numel() / hidden.size(-1);
+  const at::Tensor weighted_aux = router_aux_loss(stats, tokens, sparse_layers) * static_cast<double>(tokens);
+  if (router_loss_log_) router_loss_log_->add(weighted_aux, tokens);
+  if (router_aux_loss_coef_ == 0.0) return loss;
+  return loss + weighted_aux * router_aux_loss_coef_;
+}
+
 void LmHeadImpl::set_loss_chunk_bytes(int64_t bytes) {
   TORCH_CHECK(bytes > 0, "LmHead: loss chunk bytes must be positive, got ", bytes);
   loss_chunk_bytes_ = bytes;
+}
+
+void LmHeadImpl::set_router_aux_loss_coef(double coef) {
+  TORCH_CHECK(coef >= 0 && std::isfinite(coef), "LmHead: router_aux_loss_coef must be finite and >= 0, got ", coef);
+  router_aux_loss_coef_ = coef;
 }
 
 // ---- init ----------------------------------------------------------------------------------------
@@ -332,10 +417,26 @@ void init_weights(torch::nn::Module& module, double std) {
       if (embedding->padding_idx()) embedding->weight[*embedding->padding_idx()].zero_();
     } else if (auto* norm = dynamic_cast<RMSNormImpl*>(&m)) {
       norm->weight.fill_(1.0);
+    } else if (auto* experts = dynamic_cast<ExpertsImpl*>(&m)) {
+      experts->gate_up_proj.normal_(0.0, std);
+      experts->down_proj.normal_(0.0, std);
+      if (experts->gate_up_proj_bias.defined()) experts->gate_up_proj_bias.zero_();
+      if (experts->down_proj_bias.defined()) experts->down_proj_bias.zero_();
+    } else if (auto* attention = dynamic_cast<AttentionImpl*>(&m)) {
+      if (attention->sinks.defined()) attention->sinks.normal_(0.0, std);
     }
   };
   init_one(module);
   for (const auto& child : module.modules(/*include_self=*/false)) init_one(*child);
+  // gpt-oss's router bias is drawn like its weight (GptOssPreTrainedModel._init_weights), after the
+  // Linear pass zeroed it.
+  auto router_bias = [std](torch::nn::Module& m) {
+    if (auto* block = dynamic_cast<SparseMoeBlockImpl*>(&m)) {
+      if (block->gate && block->gate->bias.defined()) block->gate->bias.normal_(0.0, std);
+    }
+  };
+  router_bias(module);
+  for (const auto& child : module.modules(/*include_self=*/false)) router_bias(*child);
 }
 
 }  // namespace roundpipe::models

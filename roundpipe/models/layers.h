@@ -61,10 +61,11 @@ class LinearImpl : public torch::nn::Cloneable<LinearImpl> {
 };
 TORCH_MODULE(Linear);
 
-/// HF LlamaRMSNorm: x is normalised in fp32, cast back to its dtype, then scaled by weight.
+/// HF LlamaRMSNorm: x is normalised in fp32, cast back to its dtype, then scaled by weight. With
+/// `weight_in_fp32` (GptOssRMSNorm) the weight multiplies the fp32 normalised x before the cast.
 class RMSNormImpl : public torch::nn::Cloneable<RMSNormImpl> {
  public:
-  RMSNormImpl(int64_t dim, double eps, const at::TensorOptions& options = {});
+  RMSNormImpl(int64_t dim, double eps, const at::TensorOptions& options = {}, bool weight_in_fp32 = false);
   void reset() override;
   at::Tensor forward(const at::Tensor& x);
 
@@ -74,8 +75,12 @@ class RMSNormImpl : public torch::nn::Cloneable<RMSNormImpl> {
   int64_t dim_;
   double eps_;
   at::TensorOptions options_;
+  bool weight_in_fp32_;
 };
 TORCH_MODULE(RMSNorm);
+
+/// The model's RMSNorm of width `dim` (GptOssRMSNorm for gpt_oss, else LlamaRMSNorm).
+RMSNorm make_rms_norm(const ModelConfig& config, int64_t dim, const at::TensorOptions& options);
 
 /// Embedding table [vocab, hidden]; the row `padding_idx` (if any) gets no gradient, as in
 /// torch.nn.Embedding.
@@ -113,7 +118,10 @@ class EmbeddingImpl : public torch::nn::Cloneable<EmbeddingImpl> {
 TORCH_MODULE(Embedding);
 
 /// Causal self-attention with rotary embeddings and grouped-query heads. Children: q_proj,
-/// k_proj, v_proj, o_proj, and for Qwen3 q_norm, k_norm (RMSNorm over head_dim).
+/// k_proj, v_proj, o_proj, and for Qwen3 and Qwen3-MoE q_norm, k_norm (RMSNorm over head_dim).
+/// gpt_oss adds the parameter `sinks` [heads]: a learned logit per head that joins every row's
+/// softmax and is dropped after it (rows sum to less than one), as transformers' eager
+/// GptOssAttention; computed in query blocks, exact (docs/models.md, "Mixture of experts").
 class AttentionImpl : public torch::nn::Cloneable<AttentionImpl> {
  public:
   AttentionImpl(const ModelConfig& config, int64_t layer_index, const at::TensorOptions& options = {});
@@ -122,7 +130,8 @@ class AttentionImpl : public torch::nn::Cloneable<AttentionImpl> {
   at::Tensor forward(const at::Tensor& x);
 
   Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
-  RMSNorm q_norm{nullptr}, k_norm{nullptr};  ///< Qwen3 only
+  RMSNorm q_norm{nullptr}, k_norm{nullptr};  ///< Qwen3 and Qwen3-MoE only
+  at::Tensor sinks;                           ///< gpt_oss only
 
  private:
   ModelConfig config_;
@@ -131,7 +140,7 @@ class AttentionImpl : public torch::nn::Cloneable<AttentionImpl> {
 };
 TORCH_MODULE(Attention);
 
-/// SwiGLU MLP: down_proj(silu(gate_proj(x)) * up_proj(x)).
+/// SwiGLU MLP: down_proj(silu(gate_proj(x)) * up_proj(x)), of config.intermediate_size.
 class MlpImpl : public torch::nn::Cloneable<MlpImpl> {
  public:
   MlpImpl(const ModelConfig& config, const at::TensorOptions& options = {});
@@ -167,6 +176,8 @@ class DecoderLayerImpl : public torch::nn::Cloneable<DecoderLayerImpl> {
 };
 TORCH_MODULE(DecoderLayer);
 
+class RouterLossLog;
+
 /// Last pipeline layer: final norm and output projection. Children: norm (HF "model.norm"),
 /// lm_head (HF "lm_head").
 /// - forward(hidden): hidden [B, T, H] -> logits [B, T, vocab] in the model's dtype.
@@ -176,33 +187,51 @@ TORCH_MODULE(DecoderLayer);
 ///   (docs/models.md, "Long sequences"). RoundPipe passes each microbatch's label here with
 ///   RoundPipeOptions::label_to_last_layer. A head with LoRA adapters or a bias computes the
 ///   same loss from full logits.
+/// - Mixture-of-experts models (config.is_moe()): forward(hidden, stats) and
+///   forward(hidden, stats, targets), with the router statistics of the decoder layers (Note
+///   [Router statistics] in moe.h). In training mode the loss with targets is
+///   CE_sum + router_aux_loss_coef * N * aux, N = B * T: divided by the step's token count (as the
+///   launcher does) it adds coef * aux weighted by the microbatch's share of the tokens, which is
+///   transformers' CE + coef * aux when the step is one microbatch. In eval mode it is CE_sum.
 class LmHeadImpl : public torch::nn::Cloneable<LmHeadImpl> {
  public:
   explicit LmHeadImpl(const ModelConfig& config, const at::TensorOptions& options = {});
   void reset() override;
-  at::Tensor forward(const at::Tensor& hidden, const at::Tensor& targets = {});
+  at::Tensor forward(const at::Tensor& hidden, const at::Tensor& second = {}, const at::Tensor& third = {});
 
   /// Bytes of one chunk's logits buffers in forward(hidden, targets)
   /// (LinearCrossEntropyOptions::chunk_bytes; default 256 MiB). Kept by clones.
   void set_loss_chunk_bytes(int64_t bytes);
   int64_t loss_chunk_bytes() const { return loss_chunk_bytes_; }
 
+  /// Mixture-of-experts models: the weight of the load-balancing loss (default: the config's
+  /// router_aux_loss_coef). Kept by clones.
+  void set_router_aux_loss_coef(double coef);
+  double router_aux_loss_coef() const { return router_aux_loss_coef_; }
+  /// Mixture-of-experts models: where training forwards with targets add N * aux (for metrics);
+  /// null: nowhere. Shared by clones.
+  void set_router_loss_log(std::shared_ptr<RouterLossLog> log) { router_loss_log_ = std::move(log); }
+
   RMSNorm norm{nullptr};
   Linear lm_head{nullptr};
 
  protected:
-  FORWARD_HAS_DEFAULT_ARGS({1, torch::nn::AnyValue(at::Tensor())})
+  FORWARD_HAS_DEFAULT_ARGS({1, torch::nn::AnyValue(at::Tensor())}, {2, torch::nn::AnyValue(at::Tensor())})
 
  private:
+  at::Tensor cross_entropy_sum(const at::Tensor& h, const at::Tensor& targets);
+
   ModelConfig config_;
   at::TensorOptions options_;
   int64_t loss_chunk_bytes_ = int64_t{256} << 20;
+  double router_aux_loss_coef_ = 0.0;
+  std::shared_ptr<RouterLossLog> router_loss_log_;
 };
 TORCH_MODULE(LmHead);
 
-/// HF's init (PreTrainedModel._init_weights for Llama/Qwen3) over every module in `module`:
-/// Linear and TokenEmbedding weights ~ normal(0, std), biases zero, the padding row zero,
-/// RMSNorm weights one. Draws from the default generator of each parameter's device.
+/// HF's init (PreTrainedModel._init_weights for Llama/Qwen3/Qwen3-MoE/Mixtral) over every module
+/// in `module`: Linear, TokenEmbedding and expert weights ~ normal(0, std), biases zero, the
+/// padding row zero, RMSNorm weights one. Draws from the default generator of each parameter's device.
 void init_weights(torch::nn::Module& module, double std);
 
 }  // namespace roundpipe::models

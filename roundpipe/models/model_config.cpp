@@ -3,6 +3,7 @@
 #include <c10/util/Exception.h>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <fstream>
 #include <iterator>
@@ -14,11 +15,20 @@ namespace {
 
 using nlohmann::json;
 
-// Keys that make a model a mixture of experts; any of them set (not null, not 0) is rejected.
+// Keys that make a model a mixture of experts; any of them set (not null, not 0) on a dense
+// model_type is rejected.
 constexpr const char* kMoeKeys[] = {"num_experts",          "num_local_experts",     "num_experts_per_tok",
                                     "n_routed_experts",     "n_shared_experts",      "moe_intermediate_size",
                                     "decoder_sparse_step",  "moe_layer_freq",        "first_k_dense_replace",
                                     "shared_expert_intermediate_size"};
+
+// Mixture-of-experts model types of transformers that we do not implement, named in the error.
+constexpr const char* kUnsupportedMoeTypes[] = {"qwen2_moe", "deepseek_v2", "deepseek_v3", "olmoe",
+                                                "jamba",    "dbrx",      "granitemoe",  "phimoe",      "jetmoe",
+                                                "minimax",  "qwen3_next", "glm4_moe",   "ernie4_5_moe", "dots1",
+                                                "hunyuan_v1_moe", "llama4", "switch_transformers", "nllb_moe"};
+
+constexpr const char* kSupportedTypes = "llama, mistral, qwen3, qwen3_moe, mixtral, gpt_oss";
 
 // Reads keys of one JSON object, remembering which ones it interpreted (the rest go to
 // ModelConfig::extra_json) and naming the file, key and value in every error.
@@ -160,20 +170,33 @@ void parse_rope(KeyReader& top, ModelConfig& config) {
 
 void parse_sliding_window(KeyReader& top, ModelConfig& config) {
   const std::string& source = top.source();
-  if (config.model_type == "mistral") {
-    // MistralConfig's default window is 4096; configs state null to turn it off.
+  if (config.model_type == "mistral" || config.model_type == "mixtral") {
+    // MistralConfig's default window is 4096, MixtralConfig's none; configs state null to turn it
+    // off. Every layer uses the window.
     const bool stated = top.contains("sliding_window");
     const json* v = top.find("sliding_window");
     config.sliding_window = std::nullopt;
     if (v != nullptr) config.sliding_window = top.as_int(*v, "sliding_window");
-    if (!stated) config.sliding_window = 4096;
+    if (!stated && config.model_type == "mistral") config.sliding_window = 4096;
     return;
   }
-  if (config.model_type == "qwen3") {
+  if (config.model_type == "qwen3_moe") {
+    // Qwen3MoeConfig: the window (default 4096) applies to every layer iff use_sliding_window.
     config.use_sliding_window = top.get_bool("use_sliding_window", false);
-    config.max_window_layers = top.get_int("max_window_layers", 28);
+    const bool stated = top.contains("sliding_window");
     const std::optional<int64_t> window = top.get_optional_int("sliding_window");
-    config.sliding_window = config.use_sliding_window ? window : std::nullopt;
+    config.sliding_window = config.use_sliding_window ? (stated ? window : std::optional<int64_t>(4096)) : std::nullopt;
+    return;
+  }
+  if (config.model_type == "qwen3" || config.model_type == "gpt_oss") {
+    const bool gpt_oss = config.model_type == "gpt_oss";
+    // GptOssConfig: window 128, even layers sliding unless layer_types says otherwise.
+    config.use_sliding_window = gpt_oss || top.get_bool("use_sliding_window", false);
+    config.max_window_layers = gpt_oss ? 0 : top.get_int("max_window_layers", 28);
+    const bool stated = top.contains("sliding_window");
+    const std::optional<int64_t> window = top.get_optional_int("sliding_window");
+    config.sliding_window = config.use_sliding_window ? (gpt_oss && !stated ? std::optional<int64_t>(128) : window)
+                                                      : std::nullopt;
     config.layer_types.clear();
     if (const json* types = top.find("layer_types")) {
       TORCH_CHECK(types->is_array() && static_cast<int64_t>(types->size()) == config.num_hidden_layers, source,
@@ -186,8 +209,8 @@ void parse_sliding_window(KeyReader& top, ModelConfig& config) {
       }
     } else {
       for (int64_t i = 0; i < config.num_hidden_layers; ++i) {
-        config.layer_types.push_back(config.sliding_window && i >= config.max_window_layers ? "sliding_attention"
-                                                                                            : "full_attention");
+        const bool sliding = gpt_oss ? i % 2 == 0 : config.sliding_window && i >= config.max_window_layers;
+        config.layer_types.push_back(sliding ? "sliding_attention" : "full_attention");
       }
     }
     bool any_sliding = false;
@@ -200,6 +223,70 @@ void parse_sliding_window(KeyReader& top, ModelConfig& config) {
   }
   // Llama has no sliding window; a stray key is kept in extra_json.
   config.sliding_window = std::nullopt;
+}
+
+// The expert keys of qwen3_moe and mixtral into `config` (after the sizes).
+void parse_experts(KeyReader& top, ModelConfig& config) {
+  const std::string& source = top.source();
+  const bool qwen3_moe = config.model_type == "qwen3_moe";
+  const bool gpt_oss = config.model_type == "gpt_oss";
+  // Qwen3MoeConfig and GptOssConfig map num_experts to num_local_experts (released configs use the first,
+  // transformers 5 writes the second); MixtralConfig has num_local_experts.
+  const char* count_key = top.has("num_local_experts") ? "num_local_experts" : "num_experts";
+  if ((qwen3_moe || gpt_oss) && top.has("num_local_experts") && top.has("num_experts")) {
+    TORCH_CHECK(top.get_int("num_experts", 0) == top.get_int("num_local_experts", 0), source,
+                ": keys \"num_experts\" and \"num_local_experts\" disagree (", top.get_int("num_experts", 0), " vs ",
+                top.get_int("num_local_experts", 0), "); they name the same count");
+  }
+  if (!qwen3_moe && !gpt_oss) {
+    const json* v = top.find("num_experts");
+    TORCH_CHECK(v == nullptr, source, ": key \"num_experts\" = ", v == nullptr ? "" : v->dump(),
+                " is not a Mixtral key; Mixtral's expert count is \"num_local_experts\"");
+  }
+  config.num_experts = top.get_int(count_key, qwen3_moe || gpt_oss ? 128 : 8);
+  config.num_experts_per_tok = top.get_int("num_experts_per_tok", qwen3_moe ? 8 : gpt_oss ? 4 : 2);
+  config.moe_intermediate_size =
+      qwen3_moe ? top.get_int("moe_intermediate_size", 768) : config.intermediate_size;
+  // gpt_oss softmaxes the k chosen logits (its weights sum to one by construction).
+  config.norm_topk_prob = qwen3_moe ? top.get_bool("norm_topk_prob", false) : !gpt_oss;
+  config.router_aux_loss_coef = top.get_double("router_aux_loss_coef", 0.001);
+  top.find("output_router_logits");  // kept in extra_json: see docs/models.md, "Mixture of experts"
+  config.decoder_sparse_step = 1;
+  config.mlp_only_layers.clear();
+  if (qwen3_moe) {
+    config.decoder_sparse_step = top.get_int("decoder_sparse_step", 1);
+    TORCH_CHECK(config.decoder_sparse_step > 0, source, ": key \"decoder_sparse_step\" = ",
+                config.decoder_sparse_step, " must be positive");
+    if (const json* only = top.find("mlp_only_layers")) {
+      TORCH_CHECK(only->is_array(), source, ": key \"mlp_only_layers\" = ", only->dump(),
+                  " must be a list of layer indices");
+      for (const auto& v : *only) {
+        const int64_t layer = top.as_int(v, "mlp_only_layers");
+        TORCH_CHECK(layer >= 0 && layer < config.num_hidden_layers, source, ": key \"mlp_only_layers\" holds ",
+                    layer, ", outside [0, num_hidden_layers = ", config.num_hidden_layers, ")");
+        config.mlp_only_layers.push_back(layer);
+      }
+    }
+  } else if (gpt_oss) {
+    config.swiglu_alpha = top.get_double("swiglu_alpha", 1.702);
+    config.swiglu_limit = top.get_double("swiglu_limit", 7.0);
+    TORCH_CHECK(std::isfinite(config.swiglu_alpha) && config.swiglu_limit > 0 && std::isfinite(config.swiglu_limit),
+                source, ": keys \"swiglu_alpha\" = ", config.swiglu_alpha, " and \"swiglu_limit\" = ",
+                config.swiglu_limit, " must be finite, the limit positive");
+  } else {
+    const double jitter = top.get_double("router_jitter_noise", 0.0);
+    TORCH_CHECK(jitter == 0.0, source, ": key \"router_jitter_noise\" = ", jitter,
+                " is not supported (it multiplies the layer input by random noise in training); set it to 0");
+  }
+  TORCH_CHECK(config.num_experts > 0, source, ": key \"", count_key, "\" = ", config.num_experts,
+              " must be positive");
+  TORCH_CHECK(config.num_experts_per_tok > 0 && config.num_experts_per_tok <= config.num_experts, source,
+              ": key \"num_experts_per_tok\" = ", config.num_experts_per_tok, " must be in [1, ", count_key, " = ",
+              config.num_experts, "]");
+  TORCH_CHECK(config.moe_intermediate_size > 0, source, ": key \"moe_intermediate_size\" = ",
+              config.moe_intermediate_size, " must be positive");
+  TORCH_CHECK(config.router_aux_loss_coef >= 0 && std::isfinite(config.router_aux_loss_coef), source,
+              ": key \"router_aux_loss_coef\" = ", config.router_aux_loss_coef, " must be finite and >= 0");
 }
 
 std::string read_text_file(const std::string& path) {
@@ -222,9 +309,25 @@ bool RopeParameters::operator==(const RopeParameters& o) const {
          original_max_position_embeddings == o.original_max_position_embeddings;
 }
 
+bool ModelConfig::is_moe() const {
+  return model_type == "qwen3_moe" || model_type == "mixtral" || model_type == "gpt_oss";
+}
+
+bool ModelConfig::layer_is_sparse(int64_t layer) const {
+  if (!is_moe() || num_experts <= 0) return false;
+  if (std::find(mlp_only_layers.begin(), mlp_only_layers.end(), layer) != mlp_only_layers.end()) return false;
+  return (layer + 1) % decoder_sparse_step == 0;
+}
+
+int64_t ModelConfig::num_sparse_layers() const {
+  int64_t n = 0;
+  for (int64_t i = 0; i < num_hidden_layers; ++i) n += layer_is_sparse(i) ? 1 : 0;
+  return n;
+}
+
 bool ModelConfig::layer_uses_sliding_window(int64_t layer) const {
   if (!sliding_window) return false;
-  if (model_type == "qwen3") {
+  if (model_type == "qwen3" || model_type == "gpt_oss") {
     return layer >= 0 && layer < static_cast<int64_t>(layer_types.size()) && layer_types[layer] == "sliding_attention";
   }
   return true;
@@ -241,7 +344,11 @@ bool ModelConfig::operator==(const ModelConfig& o) const {
          attention_dropout == o.attention_dropout && sliding_window == o.sliding_window &&
          layer_types == o.layer_types && use_sliding_window == o.use_sliding_window &&
          max_window_layers == o.max_window_layers && bos_token_id == o.bos_token_id &&
-         eos_token_id == o.eos_token_id && pad_token_id == o.pad_token_id &&
+         eos_token_id == o.eos_token_id && pad_token_id == o.pad_token_id && num_experts == o.num_experts &&
+         num_experts_per_tok == o.num_experts_per_tok && moe_intermediate_size == o.moe_intermediate_size &&
+         norm_topk_prob == o.norm_topk_prob && decoder_sparse_step == o.decoder_sparse_step &&
+         mlp_only_layers == o.mlp_only_layers && router_aux_loss_coef == o.router_aux_loss_coef &&
+         swiglu_alpha == o.swiglu_alpha && swiglu_limit == o.swiglu_limit &&
          json::parse(extra_json) == json::parse(o.extra_json);
 }
 
@@ -269,36 +376,55 @@ ModelConfig parse_model_config(const std::string& json_text, const std::string& 
   KeyReader top(root, source_name);
   ModelConfig c;
 
-  TORCH_CHECK(top.has("model_type"), source_name, " has no \"model_type\" (expected llama, mistral or qwen3)");
+  TORCH_CHECK(top.has("model_type"), source_name, " has no \"model_type\" (expected one of ", kSupportedTypes, ")");
   c.model_type = top.get_string("model_type", "");
-  TORCH_CHECK(c.model_type == "llama" || c.model_type == "mistral" || c.model_type == "qwen3", source_name,
-              ": key \"model_type\" = \"", c.model_type, "\" is not supported (supported: llama, mistral, qwen3)");
+  for (const char* moe_type : kUnsupportedMoeTypes) {
+    TORCH_CHECK(c.model_type != moe_type, source_name, ": key \"model_type\" = \"", c.model_type,
+                "\" is a mixture-of-experts architecture that is not supported (supported: ", kSupportedTypes,
+                "; the mixtures of experts among them: qwen3_moe, mixtral, gpt_oss)");
+  }
+  TORCH_CHECK(c.model_type == "llama" || c.model_type == "mistral" || c.model_type == "qwen3" ||
+                  c.model_type == "qwen3_moe" || c.model_type == "mixtral" || c.model_type == "gpt_oss",
+              source_name, ": key \"model_type\" = \"", c.model_type, "\" is not supported (supported: ",
+              kSupportedTypes, ")");
+  const bool qwen3_moe = c.model_type == "qwen3_moe";
+  const bool mixtral = c.model_type == "mixtral";
+  const bool gpt_oss = c.model_type == "gpt_oss";
   const bool qwen3 = c.model_type == "qwen3";
+  const bool qwen = qwen3 || qwen3_moe;
   const bool mistral = c.model_type == "mistral";
+  const bool mistral_like = mistral || mixtral;  // no attention biases, bos 1 / eos 2
 
-  for (const char* key : kMoeKeys) {
-    const json* v = top.find(key);
-    if (v == nullptr || (v->is_number() && v->get<double>() == 0)) continue;
-    TORCH_CHECK(false, source_name, ": key \"", key, "\" = ", v->dump(),
-                " describes a mixture-of-experts model, which is not supported (dense MLPs only)");
+  if (!c.is_moe()) {
+    for (const char* key : kMoeKeys) {
+      const json* v = top.find(key);
+      if (v == nullptr || (v->is_number() && v->get<double>() == 0)) continue;
+      TORCH_CHECK(false, source_name, ": key \"", key, "\" = ", v->dump(), " describes a mixture of experts, which ",
+                  c.model_type, " has not (the mixture-of-experts types are qwen3_moe, mixtral and gpt_oss)");
+    }
   }
   c.hidden_act = top.get_string("hidden_act", "silu");
   TORCH_CHECK(c.hidden_act == "silu", source_name, ": key \"hidden_act\" = \"", c.hidden_act,
               "\" is not supported (only \"silu\", the SwiGLU MLP of Llama/Mistral/Qwen3)");
 
   // HF's per-model defaults (LlamaConfig, MistralConfig, Qwen3Config in transformers 5).
-  c.vocab_size = top.get_int("vocab_size", qwen3 ? 151936 : 32000);
-  c.hidden_size = top.get_int("hidden_size", 4096);
-  c.intermediate_size = top.get_int("intermediate_size", qwen3 ? 22016 : mistral ? 14336 : 11008);
-  c.num_hidden_layers = top.get_int("num_hidden_layers", 32);
-  c.num_attention_heads = top.get_int("num_attention_heads", 32);
-  c.num_key_value_heads = top.get_int("num_key_value_heads", mistral ? 8 : c.num_attention_heads);
-  c.max_position_embeddings = top.get_int("max_position_embeddings", qwen3 ? 32768 : mistral ? 131072 : 2048);
-  c.rms_norm_eps = top.get_double("rms_norm_eps", 1e-6);
+  // HF's per-model defaults (LlamaConfig, MistralConfig, Qwen3Config, Qwen3MoeConfig, MixtralConfig
+  // in transformers 5).
+  c.vocab_size = top.get_int("vocab_size", qwen ? 151936 : gpt_oss ? 201088 : 32000);
+  c.hidden_size = top.get_int("hidden_size", qwen3_moe ? 2048 : gpt_oss ? 2880 : 4096);
+  c.intermediate_size = top.get_int(
+      "intermediate_size", qwen3 ? 22016 : qwen3_moe ? 6144 : gpt_oss ? 2880 : mistral_like ? 14336 : 11008);
+  c.num_hidden_layers = top.get_int("num_hidden_layers", qwen3_moe ? 24 : gpt_oss ? 36 : 32);
+  c.num_attention_heads = top.get_int("num_attention_heads", gpt_oss ? 64 : 32);
+  c.num_key_value_heads =
+      top.get_int("num_key_value_heads", mistral_like || gpt_oss ? 8 : qwen3_moe ? 4 : c.num_attention_heads);
+  c.max_position_embeddings =
+      top.get_int("max_position_embeddings", qwen ? 32768 : mistral_like || gpt_oss ? 131072 : 2048);
+  c.rms_norm_eps = top.get_double("rms_norm_eps", mixtral || gpt_oss ? 1e-5 : 1e-6);
   c.initializer_range = top.get_double("initializer_range", 0.02);
   c.attention_dropout = top.get_double("attention_dropout", 0.0);
   c.tie_word_embeddings = top.get_bool("tie_word_embeddings", false);
-  c.attention_bias = mistral ? false : top.get_bool("attention_bias", false);
+  c.attention_bias = mistral_like ? false : top.get_bool("attention_bias", gpt_oss);
   c.mlp_bias = c.model_type == "llama" ? top.get_bool("mlp_bias", false) : false;
 
   for (const auto& [key, value] : std::vector<std::pair<const char*, int64_t>>{
@@ -315,6 +441,8 @@ ModelConfig parse_model_config(const std::string& json_text, const std::string& 
     c.head_dim = top.get_int("head_dim", 0);
   } else if (qwen3) {
     c.head_dim = 128;
+  } else if (gpt_oss) {
+    c.head_dim = 64;
   } else {
     TORCH_CHECK(c.hidden_size % c.num_attention_heads == 0, source_name, ": key \"hidden_size\" = ", c.hidden_size,
                 " is not divisible by \"num_attention_heads\" = ", c.num_attention_heads,
@@ -329,6 +457,7 @@ ModelConfig parse_model_config(const std::string& json_text, const std::string& 
   TORCH_CHECK(c.attention_dropout >= 0 && c.attention_dropout < 1, source_name, ": key \"attention_dropout\" = ",
               c.attention_dropout, " must be in [0, 1)");
 
+  if (c.is_moe()) parse_experts(top, c);
   parse_rope(top, c);
   parse_sliding_window(top, c);
   if (c.sliding_window) {
@@ -347,7 +476,7 @@ ModelConfig parse_model_config(const std::string& json_text, const std::string& 
   if (dtype != nullptr) c.dtype = parse_dtype(*dtype, dtype_key, source_name);
 
   const std::optional<int64_t> default_special =
-      qwen3 ? std::nullopt : std::optional<int64_t>(1);  // Llama/Mistral: bos 1, eos 2
+      qwen || gpt_oss ? std::nullopt : std::optional<int64_t>(1);  // Llama/Mistral/Mixtral: bos 1, eos 2
   c.bos_token_id = top.contains("bos_token_id") ? top.get_optional_int("bos_token_id") : default_special;
   c.eos_token_id.clear();
   if (const json* eos = top.find("eos_token_id")) {
@@ -356,7 +485,7 @@ ModelConfig parse_model_config(const std::string& json_text, const std::string& 
     } else {
       c.eos_token_id.push_back(top.as_int(*eos, "eos_token_id"));
     }
-  } else if (!top.contains("eos_token_id") && !qwen3) {
+  } else if (!top.contains("eos_token_id") && !qwen && !gpt_oss) {
     c.eos_token_id.push_back(2);
   }
   c.pad_token_id = top.get_optional_int("pad_token_id");
@@ -381,8 +510,15 @@ std::string to_json(const ModelConfig& c) {
   TORCH_CHECK(j.is_object(), "ModelConfig::extra_json must be a JSON object, got ", c.extra_json);
   const bool qwen3 = c.model_type == "qwen3";
   const bool mistral = c.model_type == "mistral";
-  j["architectures"] = json::array(
-      {qwen3 ? "Qwen3ForCausalLM" : mistral ? "MistralForCausalLM" : "LlamaForCausalLM"});
+  const bool qwen3_moe = c.model_type == "qwen3_moe";
+  const bool mixtral = c.model_type == "mixtral";
+  const bool gpt_oss = c.model_type == "gpt_oss";
+  j["architectures"] = json::array({qwen3       ? "Qwen3ForCausalLM"
+                                    : mistral   ? "MistralForCausalLM"
+                                    : qwen3_moe ? "Qwen3MoeForCausalLM"
+                                    : mixtral   ? "MixtralForCausalLM"
+                                    : gpt_oss   ? "GptOssForCausalLM"
+                                                : "LlamaForCausalLM"});
   j["model_type"] = c.model_type;
   j["vocab_size"] = c.vocab_size;
   j["hidden_size"] = c.hidden_size;
@@ -397,7 +533,7 @@ std::string to_json(const ModelConfig& c) {
   j["rms_norm_eps"] = c.rms_norm_eps;
   j["attention_dropout"] = c.attention_dropout;
   j["tie_word_embeddings"] = c.tie_word_embeddings;
-  if (!mistral) j["attention_bias"] = c.attention_bias;
+  if (!mistral && !mixtral) j["attention_bias"] = c.attention_bias;
   if (c.model_type == "llama") j["mlp_bias"] = c.mlp_bias;
   json rope = {{"rope_type", c.rope.rope_type}, {"rope_theta", c.rope.rope_theta}};
   if (c.rope.rope_type == "linear" || c.rope.rope_type == "llama3") rope["factor"] = c.rope.factor;
@@ -410,7 +546,33 @@ std::string to_json(const ModelConfig& c) {
   j.erase("rope_scaling");
   j.erase("rope_theta");
   j.erase("torch_dtype");
-  if (mistral) j["sliding_window"] = c.sliding_window ? json(*c.sliding_window) : json(nullptr);
+  if (mistral || mixtral) j["sliding_window"] = c.sliding_window ? json(*c.sliding_window) : json(nullptr);
+  if (qwen3_moe) {
+    j["use_sliding_window"] = c.use_sliding_window;
+    j["sliding_window"] = c.sliding_window ? json(*c.sliding_window) : json(nullptr);
+  }
+  if (c.is_moe()) {
+    j.erase("num_local_experts");
+    j.erase("num_experts");
+    j[qwen3_moe ? "num_experts" : "num_local_experts"] = c.num_experts;
+    // The weights are written in the compute dtype, never quantized (docs/models.md).
+    j.erase("quantization_config");
+    j["num_experts_per_tok"] = c.num_experts_per_tok;
+    j["router_aux_loss_coef"] = c.router_aux_loss_coef;
+    if (qwen3_moe) {
+      j["moe_intermediate_size"] = c.moe_intermediate_size;
+      j["norm_topk_prob"] = c.norm_topk_prob;
+      j["decoder_sparse_step"] = c.decoder_sparse_step;
+      j["mlp_only_layers"] = c.mlp_only_layers;
+    } else if (gpt_oss) {
+      j["swiglu_alpha"] = c.swiglu_alpha;
+      j["swiglu_limit"] = c.swiglu_limit;
+      j["sliding_window"] = c.sliding_window ? json(*c.sliding_window) : json(nullptr);
+      j["layer_types"] = c.layer_types;
+    } else {
+      j["router_jitter_noise"] = 0.0;
+    }
+  }
   if (qwen3) {
     j["use_sliding_window"] = c.use_sliding_window;
     j["sliding_window"] = c.sliding_window ? json(*c.sliding_window) : json(nullptr);

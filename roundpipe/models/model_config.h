@@ -1,5 +1,5 @@
-// The configuration of a Llama-family decoder (Llama, Mistral, Qwen3), read from and written to a
-// Hugging Face `config.json`. The architecture (layers.h) and the checkpoint loader
+// The configuration of a Llama-family decoder (Llama, Mistral, Qwen3, and the mixtures of experts
+// Qwen3-MoE and Mixtral), read from and written to a Hugging Face `config.json`. The architecture (layers.h) and the checkpoint loader
 // (pretrained.h) are built from it.
 #pragma once
 
@@ -31,12 +31,13 @@ struct RopeParameters {
   bool operator!=(const RopeParameters& other) const { return !(*this == other); }
 };
 
-/// The fields of a HF Llama/Mistral/Qwen3 `config.json` that define the model, with HF's defaults
-/// for the model type applied. A plain value type (copyable, no shared state).
+/// The fields of a HF Llama/Mistral/Qwen3/Qwen3-MoE/Mixtral `config.json` that define the model,
+/// with HF's defaults for the model type applied. A plain value type (copyable, no shared state).
 ///
-/// Supported: model_type "llama", "mistral", "qwen3"; hidden_act "silu"; dense MLPs; full causal
-/// attention (a sliding window is accepted but a forward longer than the window fails); rope
-/// types "default", "linear", "llama3". Anything else fails in parse_model_config with the key.
+/// Supported: model_type "llama", "mistral", "qwen3", "qwen3_moe", "mixtral", "gpt_oss"; hidden_act "silu";
+/// causal attention, full or sliding-window; rope types "default", "linear", "llama3". Anything
+/// else fails in parse_model_config with the key (other mixture-of-experts types name the
+/// supported ones).
 struct ModelConfig {
   std::string model_type = "llama";
   int64_t vocab_size = 32000;
@@ -66,7 +67,7 @@ struct ModelConfig {
   /// Sliding-window attention: the window when some layer uses it (Mistral: `sliding_window` not
   /// null; Qwen3: `use_sliding_window` true and the layer at or past `max_window_layers`).
   std::optional<int64_t> sliding_window;
-  /// Qwen3 only: per-layer "full_attention" / "sliding_attention" (HF `layer_types`).
+  /// Qwen3 and gpt_oss: per-layer "full_attention" / "sliding_attention" (HF `layer_types`).
   std::vector<std::string> layer_types;
   /// Qwen3 only.
   bool use_sliding_window = false;
@@ -76,12 +77,39 @@ struct ModelConfig {
   std::vector<int64_t> eos_token_id;
   /// The embedding's padding row (its gradient is always zero, as in torch.nn.Embedding).
   std::optional<int64_t> pad_token_id;
+  // Mixture of experts (qwen3_moe, mixtral, gpt_oss; docs/models.md "Mixture of experts"). num_experts 0:
+  // every layer is dense.
+  /// Experts per sparse layer (HF `num_experts` or `num_local_experts`).
+  int64_t num_experts = 0;
+  /// Experts each token is routed to (HF `num_experts_per_tok`).
+  int64_t num_experts_per_tok = 0;
+  /// Width of one expert's MLP: HF `moe_intermediate_size` (qwen3_moe), `intermediate_size`
+  /// (mixtral, gpt_oss). Dense layers of qwen3_moe use intermediate_size.
+  int64_t moe_intermediate_size = 0;
+  /// qwen3_moe: renormalize the k routing weights to sum to one (mixtral always does).
+  bool norm_topk_prob = false;
+  /// qwen3_moe: layer i is sparse iff i is not in mlp_only_layers and (i + 1) % decoder_sparse_step
+  /// == 0.
+  int64_t decoder_sparse_step = 1;
+  std::vector<int64_t> mlp_only_layers;
+  /// Weight of the load-balancing loss added in training (HF `router_aux_loss_coef`).
+  double router_aux_loss_coef = 0.001;
+  /// gpt_oss: the clamped SwiGLU of its experts, (clamp(up, -limit, limit) + 1) *
+  /// g * sigmoid(alpha * g) with g = clamp(gate, max = limit).
+  double swiglu_alpha = 1.702;
+  double swiglu_limit = 7.0;
   /// Keys of the file this struct does not interpret (e.g. "use_cache", "transformers_version"),
   /// as a JSON object; to_json writes them back so a save round-trips them.
   std::string extra_json = "{}";
 
   /// True when layer `layer` attends within `sliding_window` only.
   bool layer_uses_sliding_window(int64_t layer) const;
+  /// True for a mixture-of-experts architecture (qwen3_moe, mixtral, gpt_oss), whatever its layers.
+  bool is_moe() const;
+  /// True when layer `layer` has a sparse (routed experts) MLP.
+  bool layer_is_sparse(int64_t layer) const;
+  /// How many layers are sparse.
+  int64_t num_sparse_layers() const;
   /// Equality of every field (extra_json compared as parsed JSON).
   bool operator==(const ModelConfig& other) const;
   bool operator!=(const ModelConfig& other) const { return !(*this == other); }
@@ -90,8 +118,9 @@ struct ModelConfig {
 /// Parses a HF `config.json` text. Accepts both the older form (`rope_theta`, `rope_scaling`
 /// {type|rope_type, ...}, `torch_dtype`) and the newer (`rope_parameters` {rope_theta, rope_type,
 /// ...}, `dtype`). Throws c10::Error naming `source_name`, the key and its value for an unknown
-/// model_type, an unsupported option (MoE keys, hidden_act other than silu, rope types other than
-/// default/linear/llama3, partial rotary) or inconsistent sizes.
+/// model_type, an unsupported option (MoE keys on a dense type, a mixture-of-experts type other
+/// than qwen3_moe/mixtral, hidden_act other than silu, rope types other than default/linear/llama3,
+/// partial rotary, Mixtral's router_jitter_noise) or inconsistent sizes.
 ModelConfig parse_model_config(const std::string& json_text, const std::string& source_name = "config.json");
 
 /// Reads and parses the file at `path` (a config.json, or a directory holding one).

@@ -13,6 +13,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "roundpipe/models/detail/expert_layout.h"
 #include "roundpipe/models/detail/files.h"
 #include "roundpipe/models/safetensors.h"
 #include "roundpipe/round_pipe.h"
@@ -77,9 +78,13 @@ Pretrained load_pretrained(const std::string& hf_dir, const LoadOptions& options
   torch::nn::Sequential model = make_model(config, at::TensorOptions().dtype(dtype).device(options.device()));
 
   // Every tensor of the checkpoint must be used: a leftover means the config and the weights
-  // disagree (e.g. a Qwen3 checkpoint read as Llama leaves q_norm/k_norm unused).
+  // disagree (e.g. a Qwen3 checkpoint read as Llama leaves q_norm/k_norm unused). Expert weights
+  // may be stored fused or per expert (detail/expert_layout.h).
   std::set<std::string> expected;
-  for (const auto& [name, tensor] : hf_state_dict(model, config)) expected.insert(name);
+  for (const auto& [name, tensor] : hf_state_dict(model, config)) {
+    expected.insert(name);
+    for (const std::string& part : detail::per_expert_names(name, config)) expected.insert(part);
+  }
   std::vector<std::string> unexpected;
   for (const auto& name : reader.names()) {
     if (expected.count(name) != 0 || ends_with(name, ".rotary_emb.inv_freq")) continue;
@@ -92,20 +97,34 @@ Pretrained load_pretrained(const std::string& hf_dir, const LoadOptions& options
     if (unexpected.size() > 8) list += ", ... (" + std::to_string(unexpected.size()) + " in all)";
     TORCH_CHECK(false, hf_dir, ": the checkpoint has tensors that the ", config.model_type,
                 " model of its config.json does not use: ", list,
-                " (is model_type right? MoE or other architectures are not supported)");
+                " (is model_type right? Supported: llama, mistral, qwen3, qwen3_moe, mixtral)");
   }
   // Note [Releasing mapped pages]: each tensor's mapped pages are dropped once it has been copied
   // (when the next one is asked for, and after the last), so the peak resident set is the model
   // plus about one tensor, not the model plus the whole checkpoint.
-  std::string copied;
-  load_hf_state_dict(model, config, [&](const std::string& name) {
-    if (!copied.empty()) reader.release_pages(copied);
+  std::vector<std::string> copied;
+  auto release = [&] {
+    for (const std::string& name : copied) reader.release_pages(name);
     copied.clear();
-    if (!reader.contains(name)) return at::Tensor();
-    copied = name;
-    return reader.get(name);
+  };
+  load_hf_state_dict(model, config, [&](const std::string& name) {
+    release();
+    if (reader.contains(name)) {
+      copied = {name};
+      return reader.get(name);
+    }
+    const std::vector<std::string> parts = detail::per_expert_names(name, config);
+    if (parts.empty()) return at::Tensor();
+    std::vector<at::Tensor> tensors;
+    for (const std::string& part : parts) {
+      TORCH_CHECK(reader.contains(part), hf_dir, ": the checkpoint has neither \"", name, "\" (fused experts) nor \"",
+                  part, "\" (one tensor per expert)");
+      tensors.push_back(reader.get(part));
+    }
+    copied = parts;
+    return detail::assemble_experts(name, tensors, config);
   });
-  if (!copied.empty()) reader.release_pages(copied);
+  release();
   return {model, config};
 }
 
@@ -126,7 +145,7 @@ void write_hf_dir(std::vector<std::pair<std::string, at::Tensor>> tensors, const
   make_directory(hf_dir);
   ShardOptions shard;
   shard.max_shard_bytes = options.max_shard_bytes();
-  save_checkpoint(hf_dir, tensors, shard);
+  save_checkpoint(hf_dir, detail::to_per_expert_layout(std::move(tensors), config), shard);
   write_text_atomically(hf_dir + "/config.json", to_json(saved));
 }
 

@@ -1,7 +1,8 @@
-// Llama / Mistral / Qwen3 models compatible with Hugging Face transformers: build one from a
-// ModelConfig, load and save transformers checkpoint directories (config.json + safetensors), map
-// parameters to HF names, and HF's causal-LM loss. The model is a torch::nn::Sequential
-// [Embedding, DecoderLayer x N, LmHead] (layers.h), ready for RoundPipe.
+// Llama / Mistral / Qwen3 / Qwen3-MoE / Mixtral models compatible with Hugging Face transformers:
+// build one from a ModelConfig, load and save transformers checkpoint directories (config.json +
+// safetensors), map parameters to HF names, and HF's causal-LM loss. The model is a
+// torch::nn::Sequential [Embedding, DecoderLayer x N, LmHead] (layers.h; MoeDecoderLayer for the
+// mixtures of experts, moe.h), ready for RoundPipe.
 //
 //   auto pre = roundpipe::models::load_pretrained("/models/SmolLM2-135M",
 //                                                 LoadOptions().dtype(at::kBFloat16));
@@ -72,10 +73,14 @@ Pretrained build(const ModelConfig& config);
 /// model.safetensors.index.json and its shards). Fails naming the tensor when one is missing
 /// (lm_head.weight may be absent only when tied), has the wrong shape, or is not a parameter of the
 /// model (old checkpoints' `rotary_emb.inv_freq` buffers are ignored, as transformers does).
+/// Mixture-of-experts weights may be fused (mlp.experts.gate_up_proj, as transformers keeps them
+/// in memory) or one tensor per expert (released checkpoints; Mixtral's block_sparse_moe names).
 Pretrained load_pretrained(const std::string& hf_dir, const LoadOptions& options = {});
 
 /// Writes config.json and the safetensors file(s) into `hf_dir` (created if missing; its parent
 /// must exist) so that transformers' from_pretrained loads it. Tied models omit lm_head.weight.
+/// Mixture-of-experts weights are written one tensor per expert, the layout of released
+/// checkpoints and of transformers' own save_pretrained.
 void save_pretrained(const torch::nn::Sequential& model, const ModelConfig& config, const std::string& hf_dir,
                      const SaveOptions& options = {});
 
@@ -105,6 +110,12 @@ std::vector<std::pair<std::string, at::Tensor>> hf_state_dict(const torch::nn::S
 /// as does a shape mismatch. A tied model reads only model.embed_tokens.weight.
 void load_hf_state_dict(torch::nn::Sequential& model, const ModelConfig& config,
                         const std::function<at::Tensor(const std::string&)>& get);
+
+/// Runs `model` ([Embedding, DecoderLayer or MoeDecoderLayer x N, LmHead]) on `input_ids` [B, T] as
+/// RoundPipe runs it: logits [B, T, vocab], or with `targets` the LmHead's summed loss (layers.h).
+/// The layers of a mixture-of-experts model pass two tensors on (moe.h), so its Sequential's own
+/// forward() does not apply; this works for both.
+at::Tensor forward(const torch::nn::Sequential& model, const at::Tensor& input_ids, const at::Tensor& targets = {});
 
 /// The model's parameters with shared tensors (tied embeddings) listed once, in module order.
 std::vector<at::Tensor> unique_parameters(const torch::nn::Module& model);

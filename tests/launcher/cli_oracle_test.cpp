@@ -153,6 +153,87 @@ TEST(CliOracleTest, Export_LoadsInTransformersWithTheTrainedWeights) {
   EXPECT_NE(missing.err.find("not a checkpoint directory"), std::string::npos) << missing.err;
 }
 
+// Qwen3-MoE through the launcher: `eval` prints transformers' CE, and one SGD step on a batch of
+// the file's only window (every draw starts at 0) gives transformers' step on CE + coef * aux
+// (output_router_logits, eager experts) on every parameter, read back from the export by
+// transformers itself. The aux term moves that step by more than the tolerance.
+TEST(CliOracleTest, MoeTrainStepAndEval_MatchTransformers) {
+  ROUNDPIPE_REQUIRE_PYTHON("transformers");
+  constexpr int64_t kSeq = 16;
+  ScratchDir dir;
+  const std::string hf = dir.file("hf");
+  std::vector<int64_t> tokens;
+  for (int64_t i = 0; i <= kSeq; ++i) tokens.push_back((i * 29 + i / 3) % 64);
+  write_token_file(dir.file("data.bin"), tokens, TokenWidth::kUint16);
+  const at::Tensor window = at::tensor(tokens).view({1, kSeq + 1});
+  run_python("from transformers import Qwen3MoeConfig, AutoModelForCausalLM\n"
+             "cfg = Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,"
+             " num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4,"
+             " num_experts_per_tok=2, norm_topk_prob=False, router_aux_loss_coef=0.5,"
+             " attn_implementation='eager', experts_implementation='eager')\n"
+             "x = inputs['w'][:, :-1]\n"
+             "for seed in range(100):\n"
+             "    torch.manual_seed(seed)\n"
+             "    model = AutoModelForCausalLM.from_config(cfg)\n"
+             "    with torch.no_grad():\n"
+             "        for name, p in model.named_parameters():\n"
+             "            p.normal_(0, 0.6 if name.endswith('gate.weight') else 0.2) "
+             "if not name.endswith('norm.weight') else p.uniform_(0.8, 1.2)\n"
+             "        ls = model(input_ids=x, output_router_logits=True).router_logits\n"
+             "    s = [torch.softmax(l.float(), -1).sort(-1, True)[0] for l in ls]\n"
+             "    if min((v[:, 1] - v[:, 2]).min().item() for v in s) >= 1e-4:\n"
+             "        break\n"
+             "model.save_pretrained('" + hf + "')\n",
+             {{"w", window}});
+  dir.write("run.yaml", "out_dir: run\nmodel: {pretrained: " + hf + ", dtype: float32}\n"
+                        "data: {train: " + dir.file("data.bin") + ", valid: " + dir.file("data.bin") +
+                        ", format: tokens, seq_len: " + std::to_string(kSeq) + "}\n"
+                        "train: {steps: 1, batch_size: 2, seed: 1}\n"
+                        "optimizer: {name: sgd, lr: 0.5}\n"
+                        "run: {devices: 2, num_microbatch: 1, step_mode: sync}\n");
+  CliResult evaluated = run_cli(dir, "eval run.yaml");
+  ASSERT_EQ(evaluated.code, 0) << evaluated.err;
+  const std::string line = last_line(evaluated.out);
+  ASSERT_EQ(line.rfind("eval_loss=", 0), 0u) << evaluated.out;
+  CliResult trained = run_cli(dir, "train run.yaml");
+  ASSERT_EQ(trained.code, 0) << trained.err;
+  ASSERT_EQ(run_cli(dir, "export run/checkpoints/latest exported").code, 0);
+  const std::string metrics = read_file(dir.file("run/metrics.jsonl"));
+  EXPECT_NE(metrics.find("\"aux_loss\""), std::string::npos) << metrics;
+
+  auto ref = run_python("from transformers import AutoModelForCausalLM\n"
+                        "import torch.nn.functional as F\n"
+                        "def load(d):\n"
+                        "    return AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32,"
+                        " attn_implementation='eager', experts_implementation='eager')\n"
+                        "w = inputs['w'].repeat(2, 1)\n"
+                        "x, y = w[:, :-1], w[:, 1:]\n"
+                        "def step(coef):\n"
+                        "    model = load('" + hf + "').train()\n"
+                        "    out = model(input_ids=x, output_router_logits=True)\n"
+                        "    ce = F.cross_entropy(out.logits.reshape(-1, out.logits.size(-1)), y.reshape(-1))\n"
+                        "    (ce + coef * out.aux_loss).backward()\n"
+                        "    torch.optim.SGD(model.parameters(), lr=0.5).step()\n"
+                        "    return model, ce.item(), out.aux_loss.item()\n"
+                        "model, ce, aux = step(0.5)\n"
+                        "plain, _, _ = step(0.0)\n"
+                        "ours = dict(load('" + dir.file("exported") + "').named_parameters())\n"
+                        "params = dict(model.named_parameters())\n"
+                        "outputs['ce'] = ce\n"
+                        "outputs['aux'] = aux\n"
+                        "outputs['max_diff'] = max((ours[n] - p).abs().max().item() for n, p in params.items())\n"
+                        "outputs['aux_effect'] = max((p - q).abs().max().item() for p, q in"
+                        " zip(model.parameters(), plain.parameters()))\n"
+                        "outputs['count'] = len(ours) == len(params)\n",
+                        {{"w", window}});
+  EXPECT_NEAR(std::stod(line.substr(10)), ref.at("ce").item<double>(), 1e-4);
+  EXPECT_TRUE(ref.at("count").item<bool>());
+  EXPECT_LE(ref.at("max_diff").item<double>(), 1e-5);
+  EXPECT_GT(ref.at("aux_effect").item<double>(), 1e-4) << "the aux term must matter in this test";
+  // The logged loss is the cross-entropy; aux_loss its own field.
+  EXPECT_NE(metrics.find("\"loss\":"), std::string::npos);
+}
+
 TEST(CliOracleTest, GpuConfigs_ValidateWithATransformersModel) {
   ROUNDPIPE_REQUIRE_PYTHON("transformers");
   ScratchDir dir;

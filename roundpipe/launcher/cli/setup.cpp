@@ -125,8 +125,25 @@ void warn_replaced_options(const models::LoraOptions& wanted, const models::Lora
 LauncherModel make_launcher_model(const LauncherConfig& config, bool allocate_only) {
   models::ModelConfig model_config = resolve_model_config(config);
   check_supported(config, model_config);
+  if (model_config.is_moe() && config.model.lora.has_value()) {
+    const auto& targets = config.model.lora->targets;
+    if (std::find(targets.begin(), targets.end(), "all-linear") != targets.end()) {
+      // PEFT's all-linear on these models also adapts every router and the fused experts
+      // (target_parameters); adapting less would silently differ from PEFT.
+      throw ConfigError("model.lora.targets: all-linear on a mixture-of-experts model (" + model_config.model_type +
+                        ") means, in PEFT, the attention projections plus every router and the fused experts, "
+                        "which RoundPipe cannot adapt yet; list the modules instead, e.g. "
+                        "[q_proj, k_proj, v_proj, o_proj]");
+    }
+  }
   models::Pretrained pre = make_base_model(config, model_config, allocate_only);
-  pre.model->ptr<models::LmHeadImpl>(pre.model->size() - 1)->set_loss_chunk_bytes(config.run.loss_chunk_mib << 20);
+  auto head = pre.model->ptr<models::LmHeadImpl>(pre.model->size() - 1);
+  head->set_loss_chunk_bytes(config.run.loss_chunk_mib << 20);
+  if (model_config.is_moe()) {
+    // model.config may override the checkpoint's coefficient.
+    pre.config.router_aux_loss_coef = model_config.router_aux_loss_coef;
+    head->set_router_aux_loss_coef(model_config.router_aux_loss_coef);
+  }
   LauncherModel out{pre.model, pre.config, lora_options(config)};
   if (!out.lora.has_value()) return out;
   // Note [LoRA in the launcher]

@@ -24,6 +24,8 @@
 #include "roundpipe/launcher/loss_plot.h"
 #include "roundpipe/launcher/lr_schedule.h"
 #include "roundpipe/launcher/metrics.h"
+#include "roundpipe/models/layers.h"
+#include "roundpipe/models/moe.h"
 
 namespace roundpipe::launcher {
 namespace {
@@ -130,6 +132,15 @@ void run_training(const LauncherConfig& config, const std::optional<std::string>
                 " device(s); plan ", model.plan().to_string());
 
   const int64_t step_tokens = config.train.batch_size * config.train.grad_accum * config.data.seq_len;
+  // Mixture of experts: the heads report each microbatch's load-balancing loss here.
+  std::shared_ptr<models::RouterLossLog> router_log;
+  double aux_coef = 0.0;
+  if (pre.config.is_moe()) {
+    auto head = model.module()->ptr<models::LmHeadImpl>(model.module()->size() - 1);
+    router_log = std::make_shared<models::RouterLossLog>();
+    head->set_router_loss_log(router_log);
+    aux_coef = head->router_aux_loss_coef();
+  }
   double step_loss = 0.0;  // unscaled: the sum of forward_backward's results over the step's passes
   // The LmHead returns each microbatch's summed token loss (RoundPipeOptions::label_to_last_layer:
   // chunked, no logits); the step's loss is the mean over its tokens. No host read here: on a GPU
@@ -190,6 +201,13 @@ void run_training(const LauncherConfig& config, const std::optional<std::string>
       // The scale the pass's losses were multiplied by (update() runs after the step).
       step_loss += pass_loss.item<double>() / (scaler.is_enabled() ? scaler.get_scale() : 1.0);
     }
+    // Mixture of experts: the passes' losses include coef * aux (Note [Router statistics] in
+    // models/moe.h); the logged loss is the cross-entropy alone, aux its own field.
+    std::optional<double> step_aux;
+    if (router_log) {
+      step_aux = router_log->take();
+      step_loss -= aux_coef * *step_aux;
+    }
     model.step(
         [&, lr] {
           for (auto& group : optimizer->param_groups()) group.options().set_lr(lr);
@@ -211,9 +229,11 @@ void run_training(const LauncherConfig& config, const std::optional<std::string>
     if (scaler.is_enabled()) scaler.update();
     if (group) {
       // The logged loss is the global batch's: the mean of the ranks' (equal token counts).
-      at::Tensor sum = at::full({1}, step_loss, at::kDouble);
+      at::Tensor sum = at::full({2}, step_loss, at::kDouble);
+      sum[1].fill_(step_aux.value_or(0.0));
       group->all_reduce(sum).wait();
-      step_loss = sum.item<double>() / static_cast<double>(world);
+      step_loss = sum[0].item<double>() / static_cast<double>(world);
+      if (step_aux) step_aux = sum[1].item<double>() / static_cast<double>(world);
     }
     ++step;
     tokens += step_tokens * world;
@@ -226,6 +246,7 @@ void run_training(const LauncherConfig& config, const std::optional<std::string>
       TrainRecord record;
       record.step = step;
       record.loss = step_loss;
+      record.aux_loss = step_aux;
       record.lr = lr;
       record.tokens = tokens;
       record.tokens_per_s = window_tokens / std::max(now - window_start, 1e-9);

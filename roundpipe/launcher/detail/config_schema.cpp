@@ -153,7 +153,7 @@ std::vector<KeySpec> build_schema() {
                   .field([](C& c) -> std::string& { return c.model.pretrained; }));
   t.push_back(Key("model.preset", KeyKind::kChoice, "null",
                   "Architecture of a model trained from scratch (random initial weights).")
-                  .one_of({"llama", "qwen3"})
+                  .one_of({"llama", "mistral", "qwen3", "qwen3_moe", "mixtral"})
                   .nullable()
                   .field([](C& c) -> std::string& { return c.model.preset; }));
   t.push_back(Key("model.config", KeyKind::kFreeMap, "{}",

@@ -1,0 +1,183 @@
+// One Qwen3-MoE-shaped sparse MLP on CPU, forward + backward (docs/benchmarks.md, "Mixture of
+// experts"): our SparseMoeBlock (tokens sorted by expert, one GEMM pair per expert, a custom
+// autograd function: Note [Sorted experts]) against, in the same run,
+//   - transformers' own Qwen3MoeSparseMoeBlock with experts_implementation "eager" and
+//     "grouped_mm" (bench/moe_bench.py in the venv's Python, same shapes and thread count);
+//   - a LibTorch port of transformers' eager loop (one_hot mask, where, weight[e], index_add_ under
+//     autograd): the same algorithm without Python, so the ratio isolates the method;
+//   - a dense SwiGLU MLP with the same active parameters (width top_k * expert width), the cost a
+//     perfectly balanced MoE layer cannot beat by much.
+// Usage: moe_bench [--tokens 2048] [--hidden 512] [--width 192] [--experts 64] [--top-k 8]
+//                  [--reps 5] [--threads N] [--python PATH | --no-python]
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "roundpipe/models/layers.h"
+#include "roundpipe/models/moe.h"
+
+#ifndef ROUNDPIPE_PYTHON_DEFAULT
+#define ROUNDPIPE_PYTHON_DEFAULT ""
+#endif
+#ifndef ROUNDPIPE_SOURCE_DIR_DEFAULT
+#define ROUNDPIPE_SOURCE_DIR_DEFAULT "."
+#endif
+
+namespace rm = roundpipe::models;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+struct Shape {
+  int64_t tokens = 2048, hidden = 512, width = 192, experts = 64, top_k = 8, reps = 5, threads = 0;
+};
+
+// Median milliseconds of `reps` runs of fn after one warm-up.
+template <typename Fn>
+double median_ms(int64_t reps, Fn fn) {
+  std::vector<double> ms;
+  for (int64_t r = 0; r <= reps; ++r) {
+    const auto t0 = Clock::now();
+    fn();
+    const double t = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+    if (r > 0) ms.push_back(t);
+  }
+  std::sort(ms.begin(), ms.end());
+  return ms[ms.size() / 2];
+}
+
+rm::ModelConfig config_of(const Shape& s) {
+  rm::ModelConfig c;
+  c.model_type = "qwen3_moe";
+  c.hidden_size = s.hidden;
+  c.num_experts = s.experts;
+  c.num_experts_per_tok = s.top_k;
+  c.moe_intermediate_size = s.width;
+  c.intermediate_size = s.top_k * s.width;  // the dense comparison's width
+  c.norm_topk_prob = true;
+  c.num_hidden_layers = 1;
+  return c;
+}
+
+// transformers' Qwen3MoeExperts.forward (eager) + router, in LibTorch.
+at::Tensor hf_eager_block(rm::SparseMoeBlock block, const at::Tensor& x, int64_t top_k) {
+  const int64_t e_count = block->experts->gate_up_proj.size(0);
+  const at::Tensor flat = x.reshape({-1, x.size(-1)});
+  const at::Tensor logits = block->gate(flat);
+  at::Tensor probs = torch::softmax(logits, -1, torch::kFloat);
+  auto [top_value, top_index] = torch::topk(probs, top_k, -1);
+  top_value = (top_value / top_value.sum(-1, true)).to(logits.scalar_type());
+  at::Tensor out = torch::zeros_like(flat);
+  at::Tensor mask, hit;
+  {
+    torch::NoGradGuard no_grad;
+    mask = torch::one_hot(top_index, e_count + 1).permute({2, 1, 0});
+    hit = torch::greater(mask.sum({-1, -2}), 0).nonzero();
+  }
+  const auto& gate_up = block->experts->gate_up_proj;
+  const auto& down = block->experts->down_proj;
+  for (int64_t i = 0; i < hit.size(0); ++i) {
+    const int64_t e = hit[i][0].item<int64_t>();
+    if (e == e_count) continue;
+    const auto where = torch::where(mask[e]);
+    const at::Tensor& pos = where[0];
+    const at::Tensor& tok = where[1];
+    const auto gu = torch::linear(flat.index({tok}), gate_up[e]).chunk(2, -1);
+    at::Tensor h = torch::silu(gu[0]) * gu[1];
+    h = torch::linear(h, down[e]) * top_value.index({tok, pos}).unsqueeze(-1);
+    out = out.index_add(0, tok, h);
+  }
+  return out.view(x.sizes());
+}
+
+// transformers' timings from bench/moe_bench.py: {eager ms, grouped_mm ms}, or empty.
+std::vector<std::pair<std::string, double>> python_times(const std::string& python, const Shape& s, int64_t threads) {
+  std::vector<std::pair<std::string, double>> out;
+  if (python.empty()) return out;
+  const std::string cmd = python + " " + ROUNDPIPE_SOURCE_DIR_DEFAULT + "/bench/moe_bench.py " +
+                          std::to_string(s.tokens) + " " + std::to_string(s.hidden) + " " + std::to_string(s.width) +
+                          " " + std::to_string(s.experts) + " " + std::to_string(s.top_k) + " " +
+                          std::to_string(s.reps) + " " + std::to_string(threads) + " 2>/dev/null";
+  FILE* pipe = ::popen(cmd.c_str(), "r");
+  if (pipe == nullptr) return out;
+  char name[64];
+  double ms = 0;
+  while (std::fscanf(pipe, "%63s %lf", name, &ms) == 2) out.emplace_back(name, ms);
+  ::pclose(pipe);
+  return out;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Shape s;
+  std::string python = ROUNDPIPE_PYTHON_DEFAULT;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    auto next = [&]() -> int64_t {
+      if (i + 1 >= argc) {
+        std::fprintf(stderr, "%s needs a value\n", a.c_str());
+        std::exit(2);
+      }
+      return std::atoll(argv[++i]);
+    };
+    if (a == "--tokens") s.tokens = next();
+    else if (a == "--hidden") s.hidden = next();
+    else if (a == "--width") s.width = next();
+    else if (a == "--experts") s.experts = next();
+    else if (a == "--top-k") s.top_k = next();
+    else if (a == "--reps") s.reps = next();
+    else if (a == "--threads") s.threads = next();
+    else if (a == "--python" && i + 1 < argc) python = argv[++i];
+    else if (a == "--no-python") python.clear();
+    else {
+      std::fprintf(stderr, "usage: moe_bench [--tokens N] [--hidden H] [--width I] [--experts E] [--top-k K] "
+                           "[--reps R] [--threads N] [--python PATH | --no-python]\n");
+      return 2;
+    }
+  }
+  if (s.threads > 0) at::set_num_threads(static_cast<int>(s.threads));
+  const int64_t threads = at::get_num_threads();
+  const rm::ModelConfig config = config_of(s);
+  torch::manual_seed(0);
+  rm::SparseMoeBlock block(config, 0);
+  rm::init_weights(*block, 0.05);
+  rm::Mlp dense(config);
+  rm::init_weights(*dense, 0.05);
+  const at::Tensor x = torch::randn({1, s.tokens, s.hidden}).requires_grad_(true);
+
+  auto run = [&](auto forward) {
+    return median_ms(s.reps, [&] {
+      block->zero_grad();
+      dense->zero_grad();
+      x.mutable_grad() = at::Tensor();
+      forward().sum().backward();
+    });
+  };
+  const double ours = run([&] { return block(x)[0]; });
+  const double eager_port = run([&] { return hf_eager_block(block, x, s.top_k); });
+  const double dense_ms = run([&] { return dense(x); });
+  const auto hf = python_times(python, s, threads);
+
+  std::printf("Qwen3-MoE-shaped layer, forward + backward, CPU, %lld thread(s): %lld tokens, hidden %lld, "
+              "%lld experts of width %lld, top-%lld (median of %lld)\n",
+              static_cast<long long>(threads), static_cast<long long>(s.tokens), static_cast<long long>(s.hidden),
+              static_cast<long long>(s.experts), static_cast<long long>(s.width), static_cast<long long>(s.top_k),
+              static_cast<long long>(s.reps));
+  std::printf("| implementation | ms | ours is x faster |\n|---|---|---|\n");
+  std::printf("| ours: SparseMoeBlock (sorted experts) | %.1f | 1.00 |\n", ours);
+  for (const auto& [name, ms] : hf) {
+    std::printf("| transformers 5 Qwen3MoeSparseMoeBlock, %s | %.1f | %.2f |\n", name.c_str(), ms, ms / ours);
+  }
+  if (hf.empty()) std::printf("| transformers (Python) | not run (--no-python or no venv) | |\n");
+  std::printf("| LibTorch port of transformers' eager loop | %.1f | %.2f |\n", eager_port, eager_port / ours);
+  std::printf("| dense SwiGLU MLP, same active parameters (width %lld) | %.1f | %.2f (ours / dense = %.2f) |\n",
+              static_cast<long long>(s.top_k * s.width), dense_ms, dense_ms / ours, ours / dense_ms);
+  return 0;
+}

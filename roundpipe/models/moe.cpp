@@ -1,0 +1,235 @@
+#include "roundpipe/models/moe.h"
+
+#include <ATen/core/grad_mode.h>
+#include <ATen/ops/argsort.h>
+#include <ATen/ops/bincount.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/floor_divide.h>
+#include <ATen/ops/gather.h>
+#include <ATen/ops/index_add.h>
+#include <ATen/ops/index_select.h>
+#include <ATen/ops/softmax.h>
+#include <ATen/ops/stack.h>
+#include <ATen/ops/tensor.h>
+#include <ATen/ops/topk.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/Exception.h>
+
+#include <utility>
+
+#include "roundpipe/models/detail/moe_experts.h"
+#include "roundpipe/recompute_data.h"
+
+namespace roundpipe::models {
+namespace {
+
+at::TensorOptions param_options(const at::Tensor& current, const at::TensorOptions& fallback) {
+  return current.defined() ? current.options() : fallback;
+}
+
+// The key under which a sparse block saves its routing for the recompute (Note [Recompute data]).
+constexpr const char* kRoutingKey = "moe.routing";
+
+// The top-k expert indices [N, k] of each token, and how many rows each expert gets.
+struct Routing {
+  at::Tensor indices;           // int64 [N, k], on the layer's device
+  std::vector<int64_t> counts;  // [E], host
+};
+
+Routing route(const at::Tensor& probs, int64_t k, int64_t num_experts) {
+  Routing r;
+  r.indices = std::get<1>(at::topk(probs, k, /*dim=*/-1));
+  // One device-to-host read per layer and microbatch on a GPU (replayed in recompute).
+  const at::Tensor counts = at::bincount(r.indices.reshape({-1}), /*weights=*/{}, num_experts).to(at::kCPU);
+  const auto* data = counts.data_ptr<int64_t>();
+  r.counts.assign(data, data + num_experts);
+  return r;
+}
+
+}  // namespace
+
+at::Tensor empty_router_stats(int64_t num_experts, c10::Device device) {
+  return at::zeros({2, num_experts}, at::TensorOptions().dtype(at::kFloat).device(device));
+}
+
+at::Tensor router_aux_loss(const at::Tensor& stats, int64_t tokens, int64_t sparse_layers) {
+  TORCH_CHECK(stats.dim() == 2 && stats.size(0) == 2, "router_aux_loss: stats must be [2, num_experts], got ",
+              stats.sizes());
+  if (sparse_layers == 0 || tokens == 0) return at::zeros({}, stats.options());
+  const double rows = static_cast<double>(tokens) * static_cast<double>(sparse_layers);
+  return (stats[0] / rows * (stats[1] / rows)).sum() * static_cast<double>(stats.size(1));
+}
+
+// ---- Experts -------------------------------------------------------------------------------------
+
+ExpertsImpl::ExpertsImpl(const ModelConfig& config, const at::TensorOptions& options)
+    : config_(config), options_(options) {
+  TORCH_CHECK(config.num_experts > 0 && config.moe_intermediate_size > 0, "Experts: the config has ",
+              config.num_experts, " experts of width ", config.moe_intermediate_size, "; both must be positive");
+  reset();
+}
+
+void ExpertsImpl::reset() {
+  const int64_t e = config_.num_experts;
+  const int64_t h = config_.hidden_size;
+  const int64_t i = config_.moe_intermediate_size;
+  if (config_.model_type == "gpt_oss") {
+    gate_up_proj = register_parameter("gate_up_proj", at::empty({e, h, 2 * i}, param_options(gate_up_proj, options_)));
+    gate_up_proj_bias =
+        register_parameter("gate_up_proj_bias", at::empty({e, 2 * i}, param_options(gate_up_proj_bias, options_)));
+    down_proj = register_parameter("down_proj", at::empty({e, i, h}, param_options(down_proj, options_)));
+    down_proj_bias = register_parameter("down_proj_bias", at::empty({e, h}, param_options(down_proj_bias, options_)));
+    return;
+  }
+  gate_up_proj = register_parameter("gate_up_proj", at::empty({e, 2 * i, h}, param_options(gate_up_proj, options_)));
+  down_proj = register_parameter("down_proj", at::empty({e, h, i}, param_options(down_proj, options_)));
+}
+
+at::Tensor ExpertsImpl::forward(const at::Tensor& x, const std::vector<int64_t>& counts) {
+  if (gate_up_proj_bias.defined()) {
+    return detail::sorted_clamped_glu_experts(x, gate_up_proj, gate_up_proj_bias, down_proj, down_proj_bias, counts,
+                                              config_.swiglu_alpha, config_.swiglu_limit);
+  }
+  return detail::sorted_swiglu_experts(x, gate_up_proj, down_proj, counts);
+}
+
+// ---- SparseMoeBlock ------------------------------------------------------------------------------
+
+SparseMoeBlockImpl::SparseMoeBlockImpl(const ModelConfig& config, int64_t layer_index,
+                                       const at::TensorOptions& options)
+    : config_(config), layer_index_(layer_index), options_(options) {
+  reset();
+}
+
+void SparseMoeBlockImpl::reset() {
+  const auto options = experts ? param_options(experts->gate_up_proj, options_) : options_;
+  const bool gpt_oss = config_.model_type == "gpt_oss";
+  if (gpt_oss) {  // transformers' order: GptOssMLP registers the router first, the others last
+    gate = register_module("router", Linear(config_.hidden_size, config_.num_experts, /*bias=*/true, options));
+  }
+  experts = register_module("experts", Experts(config_, options));
+  if (!gpt_oss) gate = register_module("gate", Linear(config_.hidden_size, config_.num_experts, /*bias=*/false, options));
+}
+
+std::vector<at::Tensor> SparseMoeBlockImpl::forward(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 3 && x.size(2) == config_.hidden_size, "SparseMoeBlock (layer ", layer_index_,
+              "): expected hidden states [batch, seq, ", config_.hidden_size, "], got ", x.sizes());
+  const int64_t h = config_.hidden_size;
+  const int64_t k = config_.num_experts_per_tok;
+  const int64_t num_experts = config_.num_experts;
+  const at::Tensor flat = x.reshape({-1, h});
+  const int64_t tokens = flat.size(0);
+  const at::Tensor logits = gate(flat);  // [N, E], the model's dtype
+  const bool gpt_oss = config_.model_type == "gpt_oss";
+  // gpt-oss chooses on the raw logits; the others on p = softmax in fp32 (the same order).
+  const at::Tensor probs = gpt_oss ? at::Tensor() : at::softmax(logits, -1, at::kFloat);
+
+  Routing routing;
+  if (auto saved = recompute_data(kRoutingKey)) {
+    // The recompute: exactly the forward's choice (Note [Recompute data]).
+    routing.indices = saved->at(0);
+    const at::Tensor counts = saved->at(1);
+    routing.counts.assign(counts.data_ptr<int64_t>(), counts.data_ptr<int64_t>() + num_experts);
+    TORCH_CHECK(routing.indices.size(0) == tokens, "SparseMoeBlock (layer ", layer_index_, "): the recompute has ",
+                tokens, " tokens but the forward routed ", routing.indices.size(0));
+  } else {
+    at::NoGradGuard no_grad;
+    routing = route(gpt_oss ? logits : probs, k, num_experts);
+    const at::Tensor counts = at::tensor(routing.counts, at::TensorOptions().dtype(at::kLong));
+    save_for_recompute(kRoutingKey, {routing.indices, counts});
+  }
+
+  // Routing weights, gathered (so the router gets their gradient): gpt-oss softmaxes the chosen
+  // logits in their dtype; the others renormalize the chosen p.
+  at::Tensor weights;
+  if (gpt_oss) {
+    weights = at::softmax(logits.gather(1, routing.indices), 1, logits.scalar_type());
+  } else {
+    weights = probs.gather(1, routing.indices);
+    if (config_.norm_topk_prob) weights = weights / weights.sum(-1, /*keepdim=*/true);
+  }
+  const bool fp32_products = config_.model_type == "mixtral";
+  if (!fp32_products) weights = weights.to(logits.scalar_type());
+
+  // Tokens sorted by expert (stable: within an expert, in (token, slot) order).
+  const at::Tensor flat_experts = routing.indices.reshape({-1});
+  const at::Tensor order = at::argsort(flat_experts, /*stable=*/true);
+  const at::Tensor token_of_row = at::floor_divide(order, k);
+  const at::Tensor rows = flat.index_select(0, token_of_row);
+  const at::Tensor expert_out = experts(rows, routing.counts);  // [N k, H]
+  const at::Tensor row_weights = weights.reshape({-1}).index_select(0, order).unsqueeze(1);
+  at::Tensor contributions = fp32_products ? expert_out.to(at::kFloat) * row_weights : expert_out * row_weights;
+  if (contributions.scalar_type() != x.scalar_type()) contributions = contributions.to(x.scalar_type());
+  const at::Tensor out = at::zeros({tokens, h}, x.options()).index_add(0, token_of_row, contributions);
+
+  // This layer's router statistics (Note [Router statistics]): assignment counts (no gradient)
+  // and probabilities as transformers' load_balancing_loss_func computes them.
+  at::Tensor layer_counts;
+  {
+    at::NoGradGuard no_grad;
+    layer_counts = at::tensor(routing.counts, at::TensorOptions().dtype(at::kLong)).to(x.device(), at::kFloat);
+  }
+  const at::Tensor aux_probs =
+      probs.defined() && logits.scalar_type() == at::kFloat ? probs : at::softmax(logits, -1).to(at::kFloat);
+  const at::Tensor stats = at::stack({layer_counts, aux_probs.sum(0)});
+  return {out.view(x.sizes()), stats};
+}
+
+// ---- MoeDecoderLayer -----------------------------------------------------------------------------
+
+MoeDecoderLayerImpl::MoeDecoderLayerImpl(const ModelConfig& config, int64_t layer_index,
+                                         const at::TensorOptions& options)
+    : config_(config), layer_index_(layer_index), options_(options) {
+  TORCH_CHECK(config.is_moe(), "MoeDecoderLayer: model_type ", config.model_type,
+              " is not a mixture of experts; use DecoderLayer");
+  TORCH_CHECK(layer_index >= 0 && layer_index < config.num_hidden_layers, "MoeDecoderLayer: layer_index = ",
+              layer_index, " is outside [0, num_hidden_layers = ", config.num_hidden_layers, ")");
+  reset();
+}
+
+void MoeDecoderLayerImpl::reset() {
+  const auto options = input_layernorm ? param_options(input_layernorm->weight, options_) : options_;
+  input_layernorm = register_module("input_layernorm", make_rms_norm(config_, config_.hidden_size, options));
+  self_attn = register_module("self_attn", Attention(config_, layer_index_, options));
+  post_attention_layernorm =
+      register_module("post_attention_layernorm", make_rms_norm(config_, config_.hidden_size, options));
+  if (config_.layer_is_sparse(layer_index_)) {
+    moe = register_module("mlp", SparseMoeBlock(config_, layer_index_, options));
+  } else {
+    mlp = register_module("mlp", Mlp(config_, options));
+  }
+}
+
+std::vector<at::Tensor> MoeDecoderLayerImpl::forward(const at::Tensor& hidden, const at::Tensor& stats) {
+  TORCH_CHECK(!stats.defined() || (stats.dim() == 2 && stats.size(0) == 2 && stats.size(1) == config_.num_experts),
+              "MoeDecoderLayer (layer ", layer_index_, "): router statistics must be [2, ", config_.num_experts,
+              "], got ", stats.sizes());
+  const at::Tensor h = hidden + self_attn(input_layernorm(hidden));
+  const at::Tensor before = stats.defined() ? stats : empty_router_stats(config_.num_experts, hidden.device());
+  if (!moe) return {h + mlp(post_attention_layernorm(h)), before};
+  std::vector<at::Tensor> out = moe(post_attention_layernorm(h));
+  return {h + out[0], before + out[1]};
+}
+
+// ---- RouterLossLog -------------------------------------------------------------------------------
+
+void RouterLossLog::add(const at::Tensor& tokens_times_aux, int64_t tokens) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  values_.push_back(tokens_times_aux.detach());
+  tokens_ += tokens;
+}
+
+double RouterLossLog::take() {
+  std::vector<at::Tensor> values;
+  int64_t tokens = 0;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    values.swap(values_);
+    std::swap(tokens, tokens_);
+  }
+  double sum = 0.0;
+  for (const at::Tensor& v : values) sum += v.to(at::kCPU).item<double>();
+  return tokens > 0 ? sum / static_cast<double>(tokens) : 0.0;
+}
+
+}  // namespace roundpipe::models

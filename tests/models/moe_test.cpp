@@ -1,0 +1,369 @@
+// Mixture-of-experts presets (Qwen3-MoE, Mixtral) against transformers 5 on tiny random models made
+// by transformers itself (float32, eager attention and eager experts): logits, the load-balancing
+// loss, every gradient of CE + coef * aux, both checkpoint layouts, the export, and the same
+// training step through RoundPipe on 1 and 3 CPU devices with recompute (routing replayed).
+#include <torch/torch.h>
+
+#include <gtest/gtest.h>
+
+#include <map>
+
+#include "roundpipe/models/layers.h"
+#include "roundpipe/models/moe.h"
+#include "roundpipe/models/pretrained.h"
+#include "roundpipe/recompute_data.h"
+#include "roundpipe/round_pipe.h"
+#include "tests/common/python_oracle.h"
+#include "tests/common/tensor_compare.h"
+#include "tests/models/hf_oracle.h"
+
+namespace roundpipe::testing {
+namespace {
+
+using namespace roundpipe::models;
+
+constexpr int64_t kRows = 3, kTokens = 20, kVocab = 128;
+
+struct MoeSpec {
+  std::string config_class;  // "Qwen3MoeConfig", "MixtralConfig"
+  std::string kwargs;        // Python dict literal
+};
+
+MoeSpec qwen3_moe_spec() {
+  // A dense layer in the middle (mlp_only_layers), renormalized top-2 of 6 experts, q/k norms.
+  return {"Qwen3MoeConfig",
+          "dict(vocab_size=128, hidden_size=32, intermediate_size=48, moe_intermediate_size=24, num_hidden_layers=3, "
+          "num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=6, num_experts_per_tok=2, "
+          "norm_topk_prob=True, mlp_only_layers=[1], router_aux_loss_coef=0.3)"};
+}
+
+MoeSpec mixtral_spec() {
+  // Top-2 of 4 experts in every layer, a sliding window shorter than the sequence.
+  return {"MixtralConfig",
+          "dict(vocab_size=128, hidden_size=32, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4, "
+          "num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, sliding_window=7, "
+          "router_aux_loss_coef=0.2)"};
+}
+
+MoeSpec gpt_oss_spec() {
+  // Sliding (window 5 < 20 tokens) and full layers, sinks, biases, a clamp that engages (limit 1).
+  return {"GptOssConfig",
+          "dict(vocab_size=128, hidden_size=32, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4, "
+          "num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2, sliding_window=5, "
+          "swiglu_limit=1.0, router_aux_loss_coef=0.2, "
+          "rope_parameters={'rope_type': 'default', 'rope_theta': 150000.0})"};
+}
+
+// Builds the model in transformers with random weights large enough that routing matters, saves
+// it in both expert layouts, and records for inputs x, targets y: the eval logits, CE, aux and the
+// gradient of every parameter of CE + coef * aux. Fails if a token's k-th and (k+1)-th router
+// probabilities are within 1e-4 (rounding could then pick other experts).
+std::string oracle_snippet(const MoeSpec& spec, const std::string& dir) {
+  return "import transformers\n"
+         "import torch.nn.functional as F\n"
+         "from transformers import AutoModelForCausalLM, " + spec.config_class + "\n"
+         "cfg = " + spec.config_class + "(**" + spec.kwargs + ", output_router_logits=True,\n"
+         "    attn_implementation='eager', experts_implementation='eager')\n"
+         "x, y = inputs['x'], inputs['y']\n"
+         "k = cfg.num_experts_per_tok\n"
+         "def margin(model):\n"
+         "    with torch.no_grad():\n"
+         "        logits = model(input_ids=x, output_router_logits=True).router_logits\n"
+         "    return min((lambda s: (s[:, k - 1] - s[:, k]).min().item())(torch.softmax(l.float(), -1).sort(-1, True)[0])\n"
+         "               for l in logits)\n"
+         "for seed in range(4321, 4421):\n"
+         "    torch.manual_seed(seed)\n"
+         "    model = AutoModelForCausalLM.from_config(cfg)\n"
+         "    with torch.no_grad():\n"
+         "        for name, p in model.named_parameters():\n"
+         "            if name.endswith('norm.weight'):\n"
+         "                p.copy_(1 + 0.2 * torch.randn_like(p))\n"
+         "            elif name.endswith(('gate.weight', 'router.weight')):\n"
+         "                p.normal_(0, 0.6)\n"
+         "            else:\n"
+         "                p.normal_(0, 0.15)\n"
+         "    if margin(model) >= 1e-4:\n"
+         "        break\n"
+         "assert margin(model) >= 1e-4, 'no seed gives router margins >= 1e-4'\n"
+         "model.save_pretrained('" + dir + "/orig')\n"
+         "model.save_pretrained('" + dir + "/fused', save_original_format=False)\n"
+         "model.eval()\n"
+         "with torch.no_grad():\n"
+         "    outputs['logits'] = model(input_ids=x).logits\n"
+         "model.train()\n"
+         "out = model(input_ids=x, output_router_logits=True)\n"
+         "ce = F.cross_entropy(out.logits.reshape(-1, out.logits.shape[-1]), y.reshape(-1))\n"
+         "outputs['ce'] = ce.detach()\n"
+         "outputs['aux'] = out.aux_loss.detach()\n"
+         "(ce + cfg.router_aux_loss_coef * out.aux_loss).backward()\n"
+         "for name, p in model.named_parameters():\n"
+         "    outputs['grad:' + name] = p.grad\n";
+}
+
+std::string reload_snippet(const std::string& dir) {
+  return "from transformers import AutoModelForCausalLM\n"
+         "m, info = AutoModelForCausalLM.from_pretrained('" + dir + "', output_loading_info=True,\n"
+         "    attn_implementation='eager', experts_implementation='eager')\n"
+         "outputs['missing'] = len(info['missing_keys'])\n"
+         "outputs['unexpected'] = len(info['unexpected_keys'])\n"
+         "outputs['mismatched'] = len(info['mismatched_keys'])\n"
+         "with torch.no_grad():\n"
+         "    outputs['logits'] = m.eval()(input_ids=inputs['x']).logits\n";
+}
+
+struct Batch {
+  at::Tensor x, y;
+};
+
+Batch make_batch() {
+  torch::manual_seed(11);
+  const at::Tensor ids = torch::randint(0, kVocab, {kRows, kTokens + 1}, torch::kLong);
+  return {ids.narrow(1, 0, kTokens).contiguous(), ids.narrow(1, 1, kTokens).contiguous()};
+}
+
+at::Tensor grad_of(const torch::nn::Sequential& model, const ModelConfig& config, const std::string& hf_name) {
+  for (const auto& p : model->named_parameters()) {
+    if (hf_parameter_name(p.key(), config.num_hidden_layers) == hf_name) return p.value().grad();
+  }
+  return {};
+}
+
+double max_abs(const at::Tensor& t) { return t.abs().max().item<double>(); }
+
+// Every gradient of `model` (named by HF) against the oracle's.
+void expect_grads_match(const torch::nn::Sequential& model, const ModelConfig& config, const TensorMap& ref,
+                        double tolerance) {
+  int compared = 0;
+  for (const auto& [key, expected] : ref) {
+    if (key.rfind("grad:", 0) != 0) continue;
+    const std::string name = key.substr(5);
+    const at::Tensor grad = grad_of(model, config, name);
+    ASSERT_TRUE(grad.defined()) << name << " has no gradient in our model";
+    EXPECT_LE(max_abs_diff(grad, expected), tolerance * std::max(1.0, max_abs(expected))) << name;
+    ++compared;
+  }
+  EXPECT_EQ(compared, static_cast<int>(model->parameters().size()));
+}
+
+void expect_matches_transformers(const MoeSpec& spec) {
+  ROUNDPIPE_REQUIRE_ORACLE();
+  ScratchDir scratch;
+  const std::string dir = scratch.file("hf");
+  const Batch batch = make_batch();
+  const auto ref = run_python(oracle_snippet(spec, dir), {{"x", batch.x}, {"y", batch.y}});
+
+  // Both layouts load, to the same values.
+  Pretrained pre = load_pretrained(dir + "/orig");
+  Pretrained fused = load_pretrained(dir + "/fused");
+  ASSERT_TRUE(pre.config.is_moe());
+  for (const auto& [name, tensor] : hf_state_dict(pre.model, pre.config)) {
+    bool found = false;
+    for (const auto& [other, value] : hf_state_dict(fused.model, fused.config)) {
+      if (other != name) continue;
+      found = true;
+      EXPECT_TRUE(value.equal(tensor)) << name << " differs between the per-expert and the fused checkpoint";
+    }
+    EXPECT_TRUE(found) << name;
+  }
+
+  // Eval: logits, and the head's loss is plain CE.
+  pre.model->eval();
+  {
+    torch::NoGradGuard no_grad;
+    EXPECT_LE(max_abs_diff(models::forward(pre.model, batch.x), ref.at("logits")), 1e-4);
+    const double ce = models::forward(pre.model, batch.x, batch.y).item<double>() / batch.y.numel();
+    EXPECT_NEAR(ce, ref.at("ce").item<double>(), 1e-5);
+  }
+
+  // Training: CE + coef * aux, every gradient; the aux through the log.
+  pre.model->train();
+  auto log = std::make_shared<RouterLossLog>();
+  auto head = pre.model->ptr<LmHeadImpl>(pre.model->size() - 1);
+  head->set_router_loss_log(log);
+  const at::Tensor loss = models::forward(pre.model, batch.x, batch.y) / static_cast<double>(batch.y.numel());
+  const double expected_loss = ref.at("ce").item<double>() + pre.config.router_aux_loss_coef * ref.at("aux").item<double>();
+  EXPECT_NEAR(loss.item<double>(), expected_loss, 1e-5);
+  EXPECT_NEAR(log->take(), ref.at("aux").item<double>(), 1e-6);
+  loss.backward();
+  expect_grads_match(pre.model, pre.config, ref, 1e-5);
+
+  // The export loads in transformers with no missing or unexpected keys, to the same logits.
+  save_pretrained(pre.model, pre.config, dir + "/ours");
+  const auto back = run_python(reload_snippet(dir + "/ours"), {{"x", batch.x}});
+  EXPECT_EQ(back.at("missing").item<double>(), 0);
+  EXPECT_EQ(back.at("unexpected").item<double>(), 0);
+  EXPECT_EQ(back.at("mismatched").item<double>(), 0);
+  EXPECT_LE(max_abs_diff(back.at("logits"), ref.at("logits")), 1e-5);
+}
+
+TEST(Qwen3MoeTest, MatchesTransformers_LogitsAuxAndEveryGradient) { expect_matches_transformers(qwen3_moe_spec()); }
+
+TEST(MixtralTest, MatchesTransformers_LogitsAuxAndEveryGradient) { expect_matches_transformers(mixtral_spec()); }
+
+TEST(GptOssTest, MatchesTransformers_LogitsAuxAndEveryGradient) { expect_matches_transformers(gpt_oss_spec()); }
+
+// The gpt-oss test can tell: sinks, the sliding window and the SwiGLU clamp each change the logits.
+TEST(GptOssTest, Ablations_SinksWindowAndClampChangeTheResult) {
+  const std::string base = R"("model_type": "gpt_oss", "vocab_size": 128, "hidden_size": 32, "intermediate_size": 24,
+      "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+      "num_local_experts": 4, "num_experts_per_tok": 2, "rope_parameters": {"rope_type": "default", "rope_theta": 150000.0})";
+  auto logits_of = [&](const std::string& extra, bool zero_sinks) {
+    ModelConfig config = parse_model_config("{" + base + extra + "}");
+    torch::manual_seed(8);
+    Pretrained pre = build(config);
+    torch::NoGradGuard no_grad;
+    for (auto& p : pre.model->parameters()) p.normal_(0, 0.5);
+    if (zero_sinks) {
+      for (const auto& p : pre.model->named_parameters()) {
+        if (p.key().find("sinks") != std::string::npos) p.value().fill_(-1e4);
+      }
+    }
+    pre.model->eval();
+    return models::forward(pre.model, make_batch().x);
+  };
+  const at::Tensor reference = logits_of(R"(, "sliding_window": 5, "swiglu_limit": 1.0)", false);
+  EXPECT_GT(max_abs_diff(reference, logits_of(R"(, "sliding_window": 5, "swiglu_limit": 1.0)", true)), 1e-3)
+      << "sinks";
+  EXPECT_GT(max_abs_diff(reference, logits_of(R"(, "sliding_window": 64, "swiglu_limit": 1.0)", false)), 1e-3)
+      << "window";
+  EXPECT_GT(max_abs_diff(reference, logits_of(R"(, "sliding_window": 5, "swiglu_limit": 100.0)", false)), 1e-3)
+      << "clamp";
+}
+
+// The tests above can tell: renormalizing or not, and the aux coefficient, change the result.
+TEST(Qwen3MoeTest, Ablations_NormTopkAndAuxChangeTheResult) {
+  ModelConfig config = parse_model_config(
+      R"({"model_type": "qwen3_moe", "vocab_size": 128, "hidden_size": 32, "intermediate_size": 48,
+          "moe_intermediate_size": 24, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+          "head_dim": 8, "num_experts": 6, "num_experts_per_tok": 2, "norm_topk_prob": true,
+          "router_aux_loss_coef": 0.3})");
+  torch::manual_seed(3);
+  Pretrained a = build(config);
+  for (auto& p : a.model->parameters()) {
+    torch::NoGradGuard no_grad;
+    p.normal_(0, 0.3);
+  }
+  ModelConfig unnormalized = config;
+  unnormalized.norm_topk_prob = false;
+  torch::nn::Sequential b = make_model(unnormalized);
+  load_hf_state_dict(b, unnormalized, [&](const std::string& name) {
+    for (const auto& [n, t] : hf_state_dict(a.model, config)) {
+      if (n == name) return t;
+    }
+    return at::Tensor();
+  });
+  const Batch batch = make_batch();
+  torch::NoGradGuard no_grad;
+  a.model->eval();
+  b->eval();
+  EXPECT_GT(max_abs_diff(models::forward(a.model, batch.x), models::forward(b, batch.x)), 1e-3);
+
+  a.model->train();
+  auto head = a.model->ptr<LmHeadImpl>(a.model->size() - 1);
+  const double with_aux = models::forward(a.model, batch.x, batch.y).item<double>();
+  head->set_router_aux_loss_coef(0.0);
+  const double without_aux = models::forward(a.model, batch.x, batch.y).item<double>();
+  EXPECT_GT(std::abs(with_aux - without_aux) / batch.y.numel(), 1e-4);
+}
+
+// Note [Recompute data]: a recompute uses the forward's routing even where the input changed so
+// that routing anew would choose other experts.
+TEST(SparseMoeBlockTest, RecomputeReplaysTheForwardsRouting) {
+  ModelConfig config = parse_model_config(
+      R"({"model_type": "mixtral", "vocab_size": 16, "hidden_size": 16, "intermediate_size": 8,
+          "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 2, "num_local_experts": 4,
+          "num_experts_per_tok": 1})");
+  torch::manual_seed(5);
+  SparseMoeBlock block(config, 0);
+  init_weights(*block, 0.5);
+  const at::Tensor x = torch::randn({1, 12, 16});
+  const at::Tensor other = torch::randn({1, 12, 16});
+  roundpipe::detail::RecomputeSlot slot;
+  at::Tensor first_counts, replay_counts, fresh_counts;
+  {
+    roundpipe::detail::RecomputePassScope pass(&slot, roundpipe::detail::PassKind::kSaves, c10::kCPU);
+    first_counts = block(x)[1][0];
+  }
+  ASSERT_FALSE(slot.entries.empty()) << "the forward saved no routing";
+  {
+    roundpipe::detail::RecomputePassScope pass(&slot, roundpipe::detail::PassKind::kReplays, c10::kCPU);
+    EXPECT_TRUE(roundpipe::in_recompute());
+    replay_counts = block(other)[1][0];
+  }
+  fresh_counts = block(other)[1][0];
+  EXPECT_TRUE(replay_counts.equal(first_counts));
+  EXPECT_FALSE(fresh_counts.equal(first_counts)) << "the test inputs route alike; pick others";
+  // Outside a pass nothing is saved or replayed.
+  EXPECT_FALSE(roundpipe::recompute_data("moe.routing").has_value());
+  EXPECT_FALSE(roundpipe::in_recompute());
+}
+
+// An expert that no token chose gets a zero gradient (not stale, not NaN).
+TEST(SparseMoeBlockTest, ExpertWithoutTokensGetsZeroGradient) {
+  ModelConfig config = parse_model_config(
+      R"({"model_type": "mixtral", "vocab_size": 16, "hidden_size": 8, "intermediate_size": 8,
+          "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 2, "num_local_experts": 4,
+          "num_experts_per_tok": 1})");
+  torch::manual_seed(6);
+  SparseMoeBlock block(config, 0);
+  init_weights(*block, 0.5);
+  {
+    torch::NoGradGuard no_grad;
+    block->gate->weight[3].fill_(-100.0);  // expert 3 never wins against the others
+  }
+  const at::Tensor x = torch::rand({2, 5, 8}) + 0.1;
+  const auto out = block(x);
+  ASSERT_EQ(out[1][0][3].item<double>(), 0.0);
+  out[0].sum().backward();
+  const at::Tensor g = block->experts->gate_up_proj.grad();
+  ASSERT_TRUE(g.defined());
+  EXPECT_TRUE(g[3].eq(0).all().item<bool>());
+  EXPECT_GT(g[0].abs().sum().item<double>() + g[1].abs().sum().item<double>() + g[2].abs().sum().item<double>(), 0);
+  EXPECT_TRUE(torch::isfinite(g).all().item<bool>());
+}
+
+// RoundPipe: the oracle's gradients through 3 CPU devices with the sparse layers in forward stages
+// (their recompute replays the routing), and 1 device (stage grain) vs 3 (layer grain) bitwise
+// with 2 microbatches.
+TEST(Qwen3MoeTest, RoundPipeMatchesTransformersAndIsDeviceCountInvariant) {
+  ROUNDPIPE_REQUIRE_ORACLE();
+  ScratchDir scratch;
+  const std::string dir = scratch.file("hf");
+  const MoeSpec spec = qwen3_moe_spec();
+  const Batch batch = make_batch();
+  const auto ref = run_python(oracle_snippet(spec, dir), {{"x", batch.x}, {"y", batch.y}});
+
+  // Both sparse layers (1 and 3) in forward stages, so their backward recomputes them.
+  const scheduler::ExecutePlan plan({{0, 2}, {2, 4}}, {{4, 5}, {3, 4}, {1, 3}, {0, 1}});
+  auto run = [&](int64_t devices, int64_t microbatches, RecomputeGrain grain) {
+    Pretrained pre = load_pretrained(dir + "/orig");
+    RoundPipe model(pre.model, RoundPipeOptions()
+                                   .devices(std::vector<c10::Device>(static_cast<size_t>(devices), c10::kCPU))
+                                   .seed(1)
+                                   .label_to_last_layer(true));
+    RunConfig cfg;
+    cfg.num_microbatch = microbatches;
+    cfg.execute_plan = plan;
+    cfg.recompute_grain = grain;
+    const double n = static_cast<double>(batch.y.numel());
+    model.forward_backward({batch.x}, batch.y, [n](const at::Tensor& out, const at::Tensor&) { return out / n; }, cfg);
+    model.synchronize();
+    std::map<std::string, at::Tensor> grads;
+    for (const auto& p : model.module()->named_parameters()) {
+      grads[hf_parameter_name(p.key(), pre.config.num_hidden_layers)] = p.value().grad().clone();
+    }
+    return grads;
+  };
+  const auto three = run(3, 1, RecomputeGrain::kStage);
+  for (const auto& [key, expected] : ref) {
+    if (key.rfind("grad:", 0) != 0) continue;
+    ASSERT_TRUE(three.count(key.substr(5))) << key;
+    EXPECT_LE(max_abs_diff(three.at(key.substr(5)), expected), 1e-5 * std::max(1.0, max_abs(expected))) << key;
+  }
+  const auto one_split = run(1, 2, RecomputeGrain::kStage);
+  const auto three_split = run(3, 2, RecomputeGrain::kLayer);
+  for (const auto& [name, grad] : one_split) EXPECT_TRUE(grad.equal(three_split.at(name))) << name;
+}
+
+}  // namespace
+}  // namespace roundpipe::testing

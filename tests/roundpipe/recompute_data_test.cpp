@@ -1,0 +1,94 @@
+// Note [Recompute data] (roundpipe/recompute_data.h): a layer's forward-stage pass saves data that
+// its recompute in backward gets back, so a decision made in the forward (here: a value drawn from
+// a call counter, which a fresh decision would change) is replayed, with either recompute grain
+// and any device count; the fused tail and inference neither save nor replay.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <atomic>
+#include <vector>
+
+#include "roundpipe/recompute_data.h"
+#include "roundpipe/round_pipe.h"
+#include "tests/roundpipe/test_models.h"
+
+namespace roundpipe {
+namespace {
+
+std::atomic<int64_t> g_calls{0};
+std::atomic<int64_t> g_replays{0};
+std::atomic<int64_t> g_recomputes_without_data{0};
+
+// y = w * x * c, where c is the number of this layer's first passes so far (a "decision" that
+// differs on every call) unless the pass is a recompute, which must get the forward's c back.
+class DecidingImpl : public torch::nn::Cloneable<DecidingImpl> {
+ public:
+  DecidingImpl() { reset(); }
+  void reset() override { w = register_parameter("w", torch::ones({1})); }
+  torch::Tensor forward(const torch::Tensor& x) {
+    double c = 0;
+    if (auto saved = recompute_data("c")) {
+      c = saved->at(0).item<double>();
+      ++g_replays;
+    } else {
+      if (in_recompute()) ++g_recomputes_without_data;
+      c = static_cast<double>(++g_calls);
+      save_for_recompute("c", {torch::full({1}, c)});
+    }
+    return w * x * c;
+  }
+  torch::Tensor w;
+};
+TORCH_MODULE(Deciding);
+
+torch::nn::Sequential make_model() {
+  torch::nn::Sequential model;
+  for (int i = 0; i < 4; ++i) model->push_back(Deciding());
+  return model;
+}
+
+TEST(RecomputeDataTest, RecomputeGetsTheForwardsData) {
+  for (const RecomputeGrain grain : {RecomputeGrain::kStage, RecomputeGrain::kLayer}) {
+    for (const int devices : {1, 3}) {
+      g_calls = 0;
+      g_replays = 0;
+      g_recomputes_without_data = 0;
+      RoundPipe rp(make_model(), RoundPipeOptions().devices(testing::cpu_devices(devices)));
+      RunConfig cfg;
+      cfg.num_microbatch = 2;
+      cfg.recompute_grain = grain;
+      // Layers 0-2 in forward stages (recomputed), layer 3 in the fused tail.
+      cfg.execute_plan = scheduler::ExecutePlan({{0, 2}, {2, 3}}, {{3, 4}, {2, 3}, {0, 2}});
+      const auto x = torch::rand({4, 3}) + 0.5;
+      rp.forward_backward({x}, torch::Tensor(), [](const torch::Tensor& y, const torch::Tensor&) { return y.sum(); },
+                          cfg);
+      rp.synchronize();
+      // First passes: 2 microbatches x 4 layers; replays: 2 x 3 recomputed layers.
+      EXPECT_EQ(g_calls.load(), 8);
+      EXPECT_EQ(g_replays.load(), 6);
+      EXPECT_EQ(g_recomputes_without_data.load(), 0);
+      // d(sum y)/d w_l = sum(y) / w_l with w = 1: the product of the first passes' c per
+      // microbatch, summed. Microbatch j's c for layer l is its first-pass count; with the
+      // forward's c replayed the gradient of every layer is the same sum.
+      const auto params = rp.module()->parameters();
+      const double g0 = params[0].grad().item<double>();
+      for (const auto& p : params) EXPECT_DOUBLE_EQ(p.grad().item<double>(), g0);
+      // Inference neither saves nor replays.
+      g_replays = 0;
+      rp.forward({x});
+      EXPECT_EQ(g_replays.load(), 0);
+    }
+  }
+}
+
+TEST(RecomputeDataTest, OutsideRoundPipeNothingIsKept) {
+  auto layer = Deciding();
+  g_replays = 0;
+  layer->forward(torch::ones({1}));
+  EXPECT_FALSE(recompute_data("c").has_value());
+  EXPECT_FALSE(in_recompute());
+  EXPECT_EQ(g_replays.load(), 0);
+}
+
+}  // namespace
+}  // namespace roundpipe
