@@ -91,18 +91,25 @@ TEST(Mxfp4Test, ExtremeScales_DenormalsAndOverflow) {
 }
 
 // Random blocks and every scale byte against transformers' convert_moe_packed_tensors, bitwise, in
-// float32, bfloat16 and float16: several experts, and one expert of R * G > 2^18 groups, which the
-// dequantization splits into two row chunks.
+// float32, bfloat16 and float16: several experts, partial and whole tiles of 128 rows, gpt-oss's 90
+// groups (every scale byte meets every FP4 code).
 void random_matches_transformers(c10::Device device) {
   ROUNDPIPE_REQUIRE_TRANSFORMERS();
   at::manual_seed(7);
-  const std::vector<std::vector<int64_t>> shapes = {{3, 5, 4}, {1, 270, 1000}};  // [E, R, G]
+  const std::vector<std::vector<int64_t>> shapes = {{3, 5, 4}, {2, 300, 90}};  // [E, R, G]
   TensorMap inputs;
   for (size_t i = 0; i < shapes.size(); ++i) {
     std::vector<int64_t> block_shape = shapes[i];
     block_shape.push_back(16);
     inputs["blocks" + std::to_string(i)] = at::randint(0, 256, block_shape, at::kByte);
     inputs["scales" + std::to_string(i)] = at::randint(0, 256, shapes[i], at::kByte);
+  }
+  {  // the claim above, on the larger case: all 256 x 16 (scale, code) pairs occur
+    const at::Tensor scale16 = inputs.at("scales1").to(at::kLong).unsqueeze(-1) * 16;
+    const at::Tensor bytes = inputs.at("blocks1").to(at::kLong);
+    const at::Tensor pairs =
+        at::cat({(scale16 + bytes.bitwise_and(15)).reshape(-1), (scale16 + bytes.div(16, "floor")).reshape(-1)});
+    ASSERT_GT(pairs.bincount({}, 4096).min().item<int64_t>(), 0);
   }
   const TensorMap hf = run_python(
       "from transformers.integrations.mxfp4 import convert_moe_packed_tensors\n"
