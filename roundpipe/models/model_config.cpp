@@ -110,10 +110,41 @@ std::optional<c10::ScalarType> parse_dtype(const json& v, const std::string& key
               "\" is not a supported dtype (use float32, bfloat16 or float16)");
 }
 
+// The "yarn" keys of `rope` (named `params_key` in messages) into `config.rope`, with the defaults
+// and null/0 meanings of HF's _compute_yarn_parameters. original_max_position_embeddings is read.
+void parse_yarn(KeyReader& rope, const std::string& params_key, ModelConfig& config) {
+  const std::string& source = rope.source();
+  RopeParameters& out = config.rope;
+  TORCH_CHECK(rope.contains("factor"), source, ": key \"", params_key, ".factor\" is required for rope type yarn");
+  if (rope.has("factor")) {
+    out.factor = rope.get_double("factor", 1.0);
+  } else {  // null: the context extension ratio (DeepSeek-V3 configs), a true division as in Python
+    out.factor = static_cast<double>(config.max_position_embeddings) /
+                 static_cast<double>(out.original_max_position_embeddings);
+  }
+  TORCH_CHECK(out.factor > 0, source, ": key \"", params_key, ".factor\" = ", out.factor, " must be positive");
+  // HF reads `beta_fast or 32` and `beta_slow or 1`: null and 0 both mean the default.
+  out.beta_fast = rope.get_double("beta_fast", 0.0);
+  if (out.beta_fast == 0.0) out.beta_fast = 32.0;
+  out.beta_slow = rope.get_double("beta_slow", 0.0);
+  if (out.beta_slow == 0.0) out.beta_slow = 1.0;
+  // HF reads `rope_parameters.get("truncate", True)`: absent is true, null is false.
+  const bool truncate_null = rope.contains("truncate") && !rope.has("truncate");
+  out.truncate = truncate_null ? false : rope.get_bool("truncate", true);
+  if (rope.has("attention_factor")) {
+    out.attention_factor = rope.get_double("attention_factor", 1.0);
+    TORCH_CHECK(*out.attention_factor > 0, source, ": key \"", params_key, ".attention_factor\" = ",
+                *out.attention_factor, " must be positive (it multiplies cos and sin)");
+  }
+  if (rope.has("mscale")) out.mscale = rope.get_double("mscale", 0.0);
+  if (rope.has("mscale_all_dim")) out.mscale_all_dim = rope.get_double("mscale_all_dim", 0.0);
+}
+
 // Reads the rotary parameters from either form into `config.rope`.
 void parse_rope(KeyReader& top, ModelConfig& config) {
   const std::string& source = top.source();
-  const double top_theta = top.get_double("rope_theta", 10000.0);
+  // HF's default_theta: 10000, except GptOssConfig's 150000.
+  const double top_theta = top.get_double("rope_theta", config.model_type == "gpt_oss" ? 150000.0 : 10000.0);
   const json* params = top.find("rope_parameters");
   const char* params_key = "rope_parameters";
   if (params == nullptr) {
@@ -129,7 +160,18 @@ void parse_rope(KeyReader& top, ModelConfig& config) {
     TORCH_CHECK(partial->is_number() && partial->get<double>() == 1.0, source, ": key \"partial_rotary_factor\" = ",
                 partial->dump(), " is not supported (only 1.0: rotary embedding over the whole head)");
   }
-  if (params == nullptr) return;
+  if (params == nullptr) {
+    if (config.model_type == "gpt_oss") {
+      // GptOssConfig's default rope_parameters: YaRN, factor 32 over 4096 positions.
+      config.rope.rope_type = "yarn";
+      config.rope.factor = 32.0;
+      config.rope.beta_fast = 32.0;
+      config.rope.beta_slow = 1.0;
+      config.rope.truncate = false;
+      config.rope.original_max_position_embeddings = 4096;
+    }
+    return;
+  }
   TORCH_CHECK(params->is_object(), source, ": key \"", params_key, "\" = ", params->dump(), " must be an object");
   for (auto it = params->begin(); it != params->end(); ++it) {
     TORCH_CHECK(!it.value().is_object(), source, ": key \"", params_key, ".", it.key(),
@@ -140,11 +182,24 @@ void parse_rope(KeyReader& top, ModelConfig& config) {
   config.rope.rope_type = rope.get_string(type_key, "default");
   config.rope.rope_theta = rope.get_double("rope_theta", top_theta);
   const std::string& type = config.rope.rope_type;
-  TORCH_CHECK(type == "default" || type == "linear" || type == "llama3", source, ": key \"", params_key, ".",
-              type_key, "\" = \"", type, "\" is not supported (supported: default, linear, llama3)");
+  TORCH_CHECK(type == "default" || type == "linear" || type == "llama3" || type == "yarn", source, ": key \"",
+              params_key, ".", type_key, "\" = \"", type,
+              "\" is not supported (supported: default, linear, llama3, yarn)");
   if (const json* partial = rope.find("partial_rotary_factor")) {
     TORCH_CHECK(partial->is_number() && partial->get<double>() == 1.0, source, ": key \"", params_key,
                 ".partial_rotary_factor\" = ", partial->dump(), " is not supported (only 1.0)");
+  }
+  if (type == "llama3" || type == "yarn") {
+    // HF (standardize_rope_params) lets a top-level original_max_position_embeddings (Phi-3 style)
+    // win over the one in the rotary parameters.
+    const std::string top_key = "original_max_position_embeddings";
+    config.rope.original_max_position_embeddings =
+        top.has(top_key) ? top.get_int(top_key, 0)
+                         : rope.get_int("original_max_position_embeddings", config.max_position_embeddings);
+    rope.find("original_max_position_embeddings");
+    TORCH_CHECK(config.rope.original_max_position_embeddings > 0, source, ": key \"", params_key,
+                ".original_max_position_embeddings\" = ", config.rope.original_max_position_embeddings,
+                " must be positive");
   }
   if (type == "linear" || type == "llama3") {
     TORCH_CHECK(rope.has("factor"), source, ": key \"", params_key, ".factor\" is required for rope type ", type);
@@ -161,9 +216,8 @@ void parse_rope(KeyReader& top, ModelConfig& config) {
     TORCH_CHECK(config.rope.high_freq_factor != config.rope.low_freq_factor, source, ": keys \"", params_key,
                 ".low_freq_factor\" and \"high_freq_factor\" are both ", config.rope.low_freq_factor,
                 "; they must differ");
-    config.rope.original_max_position_embeddings =
-        rope.get_int("original_max_position_embeddings", config.max_position_embeddings);
   }
+  if (type == "yarn") parse_yarn(rope, params_key, config);
   TORCH_CHECK(config.rope.rope_theta > 0, source, ": key \"rope_theta\" = ", config.rope.rope_theta,
               " must be positive");
 }
@@ -306,7 +360,9 @@ json eos_to_json(const std::vector<int64_t>& ids) {
 bool RopeParameters::operator==(const RopeParameters& o) const {
   return rope_type == o.rope_type && rope_theta == o.rope_theta && factor == o.factor &&
          low_freq_factor == o.low_freq_factor && high_freq_factor == o.high_freq_factor &&
-         original_max_position_embeddings == o.original_max_position_embeddings;
+         original_max_position_embeddings == o.original_max_position_embeddings && beta_fast == o.beta_fast &&
+         beta_slow == o.beta_slow && truncate == o.truncate && attention_factor == o.attention_factor &&
+         mscale == o.mscale && mscale_all_dim == o.mscale_all_dim;
 }
 
 bool ModelConfig::is_moe() const {
@@ -536,11 +592,22 @@ std::string to_json(const ModelConfig& c) {
   if (!mistral && !mixtral) j["attention_bias"] = c.attention_bias;
   if (c.model_type == "llama") j["mlp_bias"] = c.mlp_bias;
   json rope = {{"rope_type", c.rope.rope_type}, {"rope_theta", c.rope.rope_theta}};
-  if (c.rope.rope_type == "linear" || c.rope.rope_type == "llama3") rope["factor"] = c.rope.factor;
-  if (c.rope.rope_type == "llama3") {
+  const std::string& rope_type = c.rope.rope_type;
+  if (rope_type == "linear" || rope_type == "llama3" || rope_type == "yarn") rope["factor"] = c.rope.factor;
+  if (rope_type == "llama3" || rope_type == "yarn") {
+    rope["original_max_position_embeddings"] = c.rope.original_max_position_embeddings;
+  }
+  if (rope_type == "llama3") {
     rope["low_freq_factor"] = c.rope.low_freq_factor;
     rope["high_freq_factor"] = c.rope.high_freq_factor;
-    rope["original_max_position_embeddings"] = c.rope.original_max_position_embeddings;
+  }
+  if (rope_type == "yarn") {
+    rope["beta_fast"] = c.rope.beta_fast;
+    rope["beta_slow"] = c.rope.beta_slow;
+    rope["truncate"] = c.rope.truncate;
+    if (c.rope.attention_factor) rope["attention_factor"] = *c.rope.attention_factor;
+    if (c.rope.mscale) rope["mscale"] = *c.rope.mscale;
+    if (c.rope.mscale_all_dim) rope["mscale_all_dim"] = *c.rope.mscale_all_dim;
   }
   j["rope_parameters"] = rope;
   j.erase("rope_scaling");

@@ -15,17 +15,34 @@ namespace roundpipe::models {
 /// Rotary position embedding parameters (HF `rope_parameters`, formerly `rope_theta` +
 /// `rope_scaling`).
 struct RopeParameters {
-  /// "default", "linear" or "llama3" (HF `rope_type`, formerly `type`). Others are rejected.
+  /// "default", "linear", "llama3" or "yarn" (HF `rope_type`, formerly `type`). Others are rejected.
   std::string rope_type = "default";
   /// Base wavelength (HF `rope_theta`).
   double rope_theta = 10000.0;
-  /// "linear" and "llama3": positions (inverse frequencies) are divided by this.
+  /// "linear", "llama3" and "yarn": positions (inverse frequencies) are divided by this. "yarn" with
+  /// `factor: null` takes max_position_embeddings / original_max_position_embeddings, as HF does.
   double factor = 1.0;
   /// "llama3" only.
   double low_freq_factor = 1.0;
   double high_freq_factor = 4.0;
-  /// "llama3" only; defaults to max_position_embeddings when the file omits it.
+  /// "llama3" and "yarn"; defaults to max_position_embeddings when the file omits it. A top-level
+  /// `original_max_position_embeddings` key wins over the one in rope_parameters, as in HF.
   int64_t original_max_position_embeddings = 8192;
+  /// "yarn" only: the rotation counts bounding the linear ramp between extrapolated (fast) and
+  /// interpolated (slow) frequencies. HF reads `beta_fast or 32`, `beta_slow or 1`: null and 0 give
+  /// the default, and are stored as it.
+  double beta_fast = 32.0;
+  double beta_slow = 1.0;
+  /// "yarn" only: floor/ceil the correction range (HF default true; gpt-oss writes false). A null
+  /// value in the file means false, as HF's `rope_parameters.get("truncate", True)` does.
+  bool truncate = true;
+  /// "yarn" only: the factor multiplying both cos and sin. nullopt: derived from factor, mscale and
+  /// mscale_all_dim (detail::rotary_attention_factor).
+  std::optional<double> attention_factor;
+  /// "yarn" only (DeepSeek-style): used for the derived attention_factor only when both are set and
+  /// non-zero (HF's `if mscale and mscale_all_dim`); kept as in the file so a save round-trips them.
+  std::optional<double> mscale;
+  std::optional<double> mscale_all_dim;
 
   bool operator==(const RopeParameters& other) const;
   bool operator!=(const RopeParameters& other) const { return !(*this == other); }
@@ -35,7 +52,7 @@ struct RopeParameters {
 /// with HF's defaults for the model type applied. A plain value type (copyable, no shared state).
 ///
 /// Supported: model_type "llama", "mistral", "qwen3", "qwen3_moe", "mixtral", "gpt_oss"; hidden_act "silu";
-/// causal attention, full or sliding-window; rope types "default", "linear", "llama3". Anything
+/// causal attention, full or sliding-window; rope types "default", "linear", "llama3", "yarn". Anything
 /// else fails in parse_model_config with the key (other mixture-of-experts types name the
 /// supported ones).
 struct ModelConfig {
@@ -119,7 +136,7 @@ struct ModelConfig {
 /// {type|rope_type, ...}, `torch_dtype`) and the newer (`rope_parameters` {rope_theta, rope_type,
 /// ...}, `dtype`). Throws c10::Error naming `source_name`, the key and its value for an unknown
 /// model_type, an unsupported option (MoE keys on a dense type, a mixture-of-experts type other
-/// than qwen3_moe/mixtral, hidden_act other than silu, rope types other than default/linear/llama3,
+/// than qwen3_moe/mixtral/gpt_oss, hidden_act other than silu, rope types other than default/linear/llama3/yarn,
 /// partial rotary, Mixtral's router_jitter_noise) or inconsistent sizes.
 ModelConfig parse_model_config(const std::string& json_text, const std::string& source_name = "config.json");
 

@@ -52,12 +52,97 @@ TEST(ModelConfigTest, Parse_OldAndNewRopeFormsAgree) {
   EXPECT_TRUE(old_form.tie_word_embeddings);
 }
 
+// gpt-oss's released rotary parameters (older form), on a Llama config.
+constexpr const char* kYarnGptOssForm = R"({
+  "model_type": "llama", "hidden_size": 2880, "num_attention_heads": 64, "head_dim": 64,
+  "max_position_embeddings": 131072, "rope_theta": 150000,
+  "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0, "original_max_position_embeddings": 4096,
+                   "rope_type": "yarn", "truncate": false}})";
+
+TEST(ModelConfigTest, Parse_YarnGptOssForm) {
+  const ModelConfig c = parse_model_config(kYarnGptOssForm);
+  EXPECT_EQ(c.rope.rope_type, "yarn");
+  EXPECT_EQ(c.rope.rope_theta, 150000.0);
+  EXPECT_EQ(c.rope.factor, 32.0);
+  EXPECT_EQ(c.rope.beta_fast, 32.0);
+  EXPECT_EQ(c.rope.beta_slow, 1.0);
+  EXPECT_FALSE(c.rope.truncate);
+  EXPECT_EQ(c.rope.original_max_position_embeddings, 4096);
+  EXPECT_FALSE(c.rope.attention_factor.has_value());
+  EXPECT_FALSE(c.rope.mscale.has_value());
+  EXPECT_FALSE(c.rope.mscale_all_dim.has_value());
+  // The newer form of the same parameters is the same config.
+  const ModelConfig new_form = parse_model_config(R"({
+      "model_type": "llama", "hidden_size": 2880, "num_attention_heads": 64, "head_dim": 64,
+      "max_position_embeddings": 131072, "rope_parameters": {"rope_theta": 150000.0, "rope_type": "yarn",
+      "factor": 32, "beta_fast": 32, "beta_slow": 1, "truncate": false, "original_max_position_embeddings": 4096}})");
+  EXPECT_TRUE(c == new_form) << models::to_json(c) << "\nvs\n" << models::to_json(new_form);
+}
+
+// HF's defaults and null/0 meanings: `beta_fast or 32`, `beta_slow or 1`, truncate absent -> true
+// and null -> false, factor null -> max_position_embeddings / original, original absent ->
+// max_position_embeddings, and a top-level original_max_position_embeddings wins.
+TEST(ModelConfigTest, Parse_YarnDefaultsAndNulls) {
+  const ModelConfig d = parse_model_config(
+      R"({"model_type": "llama", "max_position_embeddings": 8192, "rope_scaling": {"type": "yarn", "factor": 4}})");
+  EXPECT_EQ(d.rope.rope_type, "yarn");
+  EXPECT_EQ(d.rope.factor, 4.0);
+  EXPECT_EQ(d.rope.beta_fast, 32.0);
+  EXPECT_EQ(d.rope.beta_slow, 1.0);
+  EXPECT_TRUE(d.rope.truncate);
+  EXPECT_EQ(d.rope.original_max_position_embeddings, 8192);
+  EXPECT_FALSE(d.rope.attention_factor.has_value());
+
+  const ModelConfig n = parse_model_config(R"({"model_type": "llama", "max_position_embeddings": 8192,
+      "rope_parameters": {"rope_type": "yarn", "factor": null, "beta_fast": 0, "beta_slow": null, "truncate": null,
+      "original_max_position_embeddings": 3000, "mscale": 0, "mscale_all_dim": 1.5, "attention_factor": null}})");
+  EXPECT_EQ(n.rope.factor, 8192.0 / 3000.0);
+  EXPECT_EQ(n.rope.beta_fast, 32.0);
+  EXPECT_EQ(n.rope.beta_slow, 1.0);
+  EXPECT_FALSE(n.rope.truncate);
+  EXPECT_EQ(n.rope.mscale, 0.0);  // kept (HF then ignores the pair: `if mscale and mscale_all_dim`)
+  EXPECT_EQ(n.rope.mscale_all_dim, 1.5);
+  EXPECT_FALSE(n.rope.attention_factor.has_value());
+
+  const ModelConfig top = parse_model_config(R"({"model_type": "qwen3", "max_position_embeddings": 8192,
+      "original_max_position_embeddings": 1024,
+      "rope_parameters": {"rope_type": "yarn", "factor": null, "original_max_position_embeddings": 4096}})");
+  EXPECT_EQ(top.rope.original_max_position_embeddings, 1024);
+  EXPECT_EQ(top.rope.factor, 8.0);
+  EXPECT_EQ(top.extra_json, "{}");  // read into rope, written back inside rope_parameters
+}
+
+TEST(ModelConfigTest, Parse_YarnErrorsNameKey) {
+  EXPECT_THROW_WITH(parse_model_config(R"({"model_type": "llama", "rope_scaling": {"rope_type": "yarn"}})"),
+                    "key \"rope_scaling.factor\" is required for rope type yarn");
+  EXPECT_THROW_WITH(
+      parse_model_config(R"({"model_type": "llama", "rope_parameters": {"rope_type": "yarn", "factor": -2}})"),
+      "key \"rope_parameters.factor\" = -2 must be positive");
+  EXPECT_THROW_WITH(parse_model_config(R"({"model_type": "llama", "rope_parameters": {"rope_type": "yarn",
+                        "factor": 4, "attention_factor": 0}})"),
+                    "key \"rope_parameters.attention_factor\" = 0 must be positive (it multiplies cos and sin)");
+  EXPECT_THROW_WITH(parse_model_config(R"({"model_type": "llama", "rope_parameters": {"rope_type": "yarn",
+                        "factor": 4, "truncate": "no"}})"),
+                    "key \"truncate\" = \"no\" must be true or false");
+  EXPECT_THROW_WITH(parse_model_config(R"({"model_type": "llama", "rope_parameters": {"rope_type": "yarn",
+                        "factor": 4, "beta_fast": "fast"}})"),
+                    "key \"beta_fast\" = \"fast\" must be a number");
+  EXPECT_THROW_WITH(parse_model_config(R"({"model_type": "llama", "rope_parameters": {"rope_type": "yarn",
+                        "factor": 4, "original_max_position_embeddings": 0}})"),
+                    "key \"rope_parameters.original_max_position_embeddings\" = 0 must be positive");
+}
+
 TEST(ModelConfigTest, ToJson_RoundTrips) {
   for (const char* text : {kOldForm, kNewForm,
                            R"({"model_type": "qwen3", "num_hidden_layers": 4, "use_sliding_window": true,
                                "sliding_window": 64, "max_window_layers": 2, "pad_token_id": 3})",
                            R"({"model_type": "mistral", "sliding_window": null, "head_dim": 96})",
-                           R"({"model_type": "llama", "rope_scaling": {"type": "linear", "factor": 4}})"}) {
+                           R"({"model_type": "llama", "rope_scaling": {"type": "linear", "factor": 4}})",
+                           kYarnGptOssForm,
+                           R"({"model_type": "llama", "rope_parameters": {"rope_type": "yarn", "factor": 8,
+                               "attention_factor": 1.5, "mscale": 0.5, "mscale_all_dim": 0}})",
+                           R"({"model_type": "qwen3", "max_position_embeddings": 131072, "rope_parameters":
+                               {"rope_type": "yarn", "factor": null, "original_max_position_embeddings": 32768}})"}) {
     const ModelConfig config = parse_model_config(text);
     const ModelConfig again = parse_model_config(models::to_json(config));
     EXPECT_TRUE(config == again) << text << "\n->\n" << models::to_json(config);
@@ -104,8 +189,9 @@ TEST(ModelConfigTest, Parse_BadHiddenActNamesKey) {
 }
 
 TEST(ModelConfigTest, Parse_UnsupportedRopeNamesKey) {
-  EXPECT_THROW_WITH(parse_model_config(R"({"model_type": "llama", "rope_scaling": {"type": "yarn", "factor": 4}})"),
-                    "key \"rope_scaling.type\" = \"yarn\"");
+  EXPECT_THROW_WITH(
+      parse_model_config(R"({"model_type": "llama", "rope_scaling": {"type": "longrope", "factor": 4}})"),
+      "key \"rope_scaling.type\" = \"longrope\" is not supported (supported: default, linear, llama3, yarn)");
   EXPECT_THROW_WITH(
       parse_model_config(R"({"model_type": "llama", "rope_parameters": {"rope_type": "dynamic", "factor": 2}})"),
       "key \"rope_parameters.rope_type\" = \"dynamic\"");

@@ -43,6 +43,19 @@ TEST(Qwen3Test, MatchesTransformers_TiedQkNorm) {
        /*tied=*/true});
 }
 
+TEST(Qwen3Test, MatchesTransformers_YarnRope) {
+  // 48 positions past original_max_position_embeddings = 16; attention_factor 0.1 ln 4 + 1 on cos
+  // and sin; truncate off as in gpt-oss.
+  ROUNDPIPE_REQUIRE_TRANSFORMERS();
+  expect_matches_transformers(
+      {"Qwen3Config",
+       "dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,"
+       " num_key_value_heads=2, head_dim=32, max_position_embeddings=64, tie_word_embeddings=False,"
+       " rope_parameters=dict(rope_type='yarn', rope_theta=10000.0, factor=4.0, beta_fast=8, beta_slow=1,"
+       " truncate=False, original_max_position_embeddings=16))",
+       /*tied=*/false, /*seq=*/48});
+}
+
 TEST(MistralTest, MatchesTransformers_WindowLongerThanSequence) {
   ROUNDPIPE_REQUIRE_TRANSFORMERS();
   expect_matches_transformers(

@@ -13,12 +13,19 @@
 
 namespace roundpipe::models::detail {
 
-/// Inverse frequencies [head_dim / 2] in fp32 on `device`: HF's default, linear or llama3 rule,
-/// written with the same fp32 operations in the same order.
+/// Inverse frequencies [head_dim / 2] in fp32 on `device`: HF's default, linear, llama3 or yarn
+/// rule, written with the same fp32 operations in the same order.
 at::Tensor rotary_inv_freq(const RopeParameters& rope, int64_t head_dim, c10::Device device);
 
+/// The factor HF's rotary embedding multiplies cos and sin by (its `attention_scaling`): 1 except
+/// for "yarn", where it is rope.attention_factor or, when unset, derived from factor, mscale and
+/// mscale_all_dim as _compute_yarn_parameters does (gpt-oss: 0.1 ln 32 + 1 = 1.3466).
+double rotary_attention_factor(const RopeParameters& rope);
+
 /// (cos, sin), each [seq_len, head_dim] in `dtype` on `device`, for positions 0..seq_len-1:
-/// computed in fp32 and cast, as LlamaRotaryEmbedding.forward does.
+/// computed in fp32, multiplied by rotary_attention_factor(rope) in fp32 and cast, as
+/// LlamaRotaryEmbedding.forward (and GptOssRotaryEmbedding, whose [seq_len, head_dim / 2] halves
+/// these repeat) does.
 std::pair<at::Tensor, at::Tensor> rotary_cos_sin(const RopeParameters& rope, int64_t head_dim, int64_t seq_len,
                                                  c10::Device device, c10::ScalarType dtype);
 
