@@ -84,6 +84,7 @@ struct Stmt {
   std::vector<std::string> targets;  // kFor, kSet, kSetBlock; kSet on a namespace: {namespace name}
   bool target_is_tuple = false;      // `for a, b in` / `set a, b =`
   bool namespace_attr = false;       // `set ns.attr =`
+  bool uses_loop = false;            // kFor: the body or condition names `loop` (else none is built)
   std::vector<MacroParam> params;
 };
 

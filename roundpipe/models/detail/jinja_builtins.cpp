@@ -113,6 +113,11 @@ constexpr std::string_view kStringMethods[] = {
     "startswith", "endswith", "strip",  "lstrip",     "rstrip",  "split",   "rsplit",  "replace", "upper",
     "lower",      "title",    "capitalize", "find",   "rfind",   "count",   "join",    "isdigit", "isalpha",
     "isalnum",    "isspace",  "islower", "isupper",   "splitlines", "removeprefix", "removesuffix", "index"};
+// Python str methods this engine does not implement: named in the error instead of "undefined".
+constexpr std::string_view kUnsupportedStringMethods[] = {
+    "format", "format_map", "encode", "center", "ljust", "rjust", "zfill", "expandtabs", "partition",
+    "rpartition", "casefold", "swapcase", "translate", "maketrans", "isnumeric", "isdecimal", "isidentifier",
+    "isprintable", "istitle", "isascii", "rindex", "rjust"};
 constexpr std::string_view kDictMethods[] = {"items", "keys", "values", "get"};
 constexpr std::string_view kListMethods[] = {"index", "count"};
 constexpr std::string_view kMutatingMethods[] = {"append", "extend", "insert", "pop",    "remove", "sort",
@@ -319,7 +324,7 @@ size_t length(const Value& v) {
 bool has_method(const Value& obj, std::string_view name) {
   if (obj.generator) return false;
   switch (obj.kind) {
-    case Value::Kind::kString: return in_table(kStringMethods, name);
+    case Value::Kind::kString: return in_table(kStringMethods, name) || in_table(kUnsupportedStringMethods, name);
     case Value::Kind::kDict: return in_table(kDictMethods, name) || in_table(kMutatingMethods, name);
     case Value::Kind::kList:
     case Value::Kind::kTuple: return in_table(kListMethods, name) || in_table(kMutatingMethods, name);
@@ -331,6 +336,9 @@ Value call_method(const Value& obj, std::string_view name, CallArgs& args) {
   if (in_table(kMutatingMethods, name)) {
     throw JinjaError("unsupported: " + type_name(obj) + "." + std::string(name) +
                      "() modifies a value (the sandbox transformers uses is immutable)");
+  }
+  if (obj.is_string() && in_table(kUnsupportedStringMethods, name)) {
+    throw JinjaError("unsupported method str." + std::string(name) + "()");
   }
   if (obj.is_string()) return call_string_method(obj.string, name, args);
   if (obj.is_mapping()) return call_dict_method(*obj.dict, name, args);
@@ -404,7 +412,9 @@ Value get_slice(const Value& obj, const Value* start, const Value* stop, const V
   if (obj.is_sequence()) {
     ValueList out;
     for (size_t i : slice_positions(obj.list->size(), start, stop, step)) out.push_back((*obj.list)[i]);
-    return Value::from_list(std::move(out), obj.kind == Value::Kind::kTuple);
+    Value sliced = Value::from_list(std::move(out), obj.kind == Value::Kind::kTuple);
+    sliced.range_object = obj.range_object;  // a slice of a range is a range
+    return sliced;
   }
   return Value::undefined(object_name(obj) + " is not subscriptable with a slice");
 }
@@ -417,6 +427,9 @@ Value binary_op(std::string_view op, const Value& a, const Value& b) {
   }
   if (a.is_undefined()) undefined_error(a);
   if (b.is_undefined()) undefined_error(b);
+  if (a.generator || b.generator || a.range_object || b.range_object) {
+    throw JinjaError("unsupported operand type(s) for " + std::string(op) + ": generator or range");
+  }
   const bool ints = a.is_integral() && b.is_integral();
   const bool numbers = a.is_number() && b.is_number();
   if (op == "+") {
@@ -534,7 +547,9 @@ Value global_range(CallArgs& args) {
     out.push_back(Value::from_int(i));
     if (__builtin_add_overflow(i, step, &i)) break;
   }
-  return Value::from_list(std::move(out));
+  Value range = Value::from_list(std::move(out));
+  range.range_object = true;
+  return range;
 }
 
 Value global_dict(CallArgs& args) {

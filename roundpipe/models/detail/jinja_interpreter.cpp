@@ -209,7 +209,7 @@ class Interpreter {
       auto iteration = std::make_shared<Frame>();
       iteration->parent = frame;
       assign_targets(s, *iteration, items[static_cast<size_t>(i)]);
-      iteration->vars["loop"] = loop_object(items, i);
+      if (s.uses_loop) iteration->vars["loop"] = loop_object(items, i);
       const Flow flow = exec_body(s.body, iteration);
       if (flow == Flow::kBreak) break;
     }

@@ -34,7 +34,7 @@ RenderOutput render_template(const Template& tmpl, const RenderInput& input);
 /// Caps that keep any template finite: output bytes, executed statements and loop iterations,
 /// and nested macro calls.
 inline constexpr size_t kMaxOutputBytes = size_t{64} << 20;
-inline constexpr size_t kMaxSteps = 20'000'000;
+inline constexpr size_t kMaxSteps = 5'000'000;
 inline constexpr int kMaxCallDepth = 64;
 
 }  // namespace roundpipe::models::detail

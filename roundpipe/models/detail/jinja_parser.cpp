@@ -182,6 +182,7 @@ class Parser {
     parse_targets(*s, "in");
     next();  // in
     s->expr = parse_tuple(false);
+    const size_t loop_references = loop_references_;
     if (at_name("if")) {
       next();
       s->condition = parse_expression(true);
@@ -191,6 +192,7 @@ class Parser {
     ++loop_depth_;
     s->body = parse_body({"endfor", "else"});
     --loop_depth_;
+    s->uses_loop = loop_references_ != loop_references;
     if (next().text == "else") {
       expect_block_end();
       const int saved = loop_depth_;
@@ -215,7 +217,7 @@ class Parser {
       s.targets.push_back(expect_name());
     }
     if (paren) expect_op(")");
-    const bool ok = until == "in" ? at_name("in") : at_op("=") || peek().type == TokenType::kBlockEnd;
+    const bool ok = until == "in" ? at_name("in") : at_op("=") || at_op("|") || peek().type == TokenType::kBlockEnd;
     if (!ok) fail(peek().line, "expected '" + std::string(until) + "', got " + describe(peek()));
   }
 
@@ -466,6 +468,7 @@ class Parser {
         }
         auto e = make_expr(Expr::Kind::kName, t.line);
         e->name = t.text;
+        loop_references_ += t.text == "loop";
         return e;
       }
       case TokenType::kString: {
@@ -670,6 +673,7 @@ class Parser {
   size_t pos_ = 0;
   int depth_ = 0;
   int loop_depth_ = 0;
+  size_t loop_references_ = 0;  // names `loop` parsed so far (a for loop builds its object only if used)
 };
 
 }  // namespace

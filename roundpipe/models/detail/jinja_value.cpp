@@ -96,6 +96,7 @@ std::string dict_repr(const ValueDict& d, int depth) {
 std::string repr_at(const Value& v, int depth) {
   check_depth(depth);
   if (v.generator) throw JinjaError("printing a generator (the result of map, select, reverse, ...) is not supported");
+  if (v.range_object) throw JinjaError("printing a range object is not supported (add |list)");
   switch (v.kind) {
     case Value::Kind::kUndefined: return "";
     case Value::Kind::kNone: return "None";
@@ -117,6 +118,7 @@ bool equals_at(const Value& a, const Value& b, int depth) {
   check_depth(depth);
   using K = Value::Kind;
   if (a.generator || b.generator) return a.list == b.list;
+  if (a.range_object != b.range_object) return false;
   if (a.is_number() && b.is_number()) {
     if (a.is_integral() && b.is_integral()) return a.as_int() == b.as_int();
     return a.as_float() == b.as_float();
@@ -197,6 +199,7 @@ std::string json_key(const Value& key) {
 void dump_at(std::string& out, const Value& v, const DumpOptions& o, int depth) {
   check_depth(depth);
   if (v.generator) throw JinjaError("tojson: Object of type generator is not JSON serializable");
+  if (v.range_object) throw JinjaError("tojson: Object of type range is not JSON serializable");
   const auto newline = [&](int level) {
     out += '\n';
     for (int i = 0; i < level; ++i) out += *o.indent;

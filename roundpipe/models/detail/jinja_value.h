@@ -59,6 +59,9 @@ struct Value {
   // Python generators, truthy even when empty, without len(), not printable, consumed by the first
   // iteration (see iterate()). 0: fresh, 1: consumed, 2: partly consumed (first, `in`).
   std::shared_ptr<int> generator;
+  // Set on the kList result of range(): Python's range object, re-iterable and with len(), but
+  // printed as "range(0, 3)" and not JSON-serializable; printing or dumping it is refused.
+  bool range_object = false;
 
   static Value undefined(std::string hint = {});
   static Value none();
