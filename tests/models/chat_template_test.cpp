@@ -197,6 +197,14 @@ const std::vector<std::string>& snippets() {
       "\t{% if true %}tab-indented{% endif %}\n\t {% for x in l %}{{ x }}{% endfor %}",
       "{%- for m in messages -%}\n    {{- m.role }}:{{ m.content -}}\n{% endfor -%}\n",
       "{{ messages|length }} {{ messages[0] }} {{ messages[-1].role }} {{ add_generation_prompt }} {{ tools }} {{ documents }} {{ bos_token }} {{ eos_token }}",
+      // found by differential fuzzing against jinja2
+      "{{ -2 is upper }} {{ 'A1' is upper }} {{ '1' is lower }} {{ nothing|map('string')|list }} {{ 0|select|list }} {{ l|wordcount }} {{ messages|wordcount }}",
+      "{{ n|indent }}",
+      "{{ d in d }}",
+      "{{ people|unique|list }}",
+      "{{ {[1]: 2} }}",
+      "{{ n is defined is number }}",
+      "{{ s|abs }}",
       // syntax errors: both sides refuse
       "{% if true %}unclosed",
       "{{ 1 + }}",

@@ -373,6 +373,7 @@ Value get_item(const Value& obj, const Value& key) {
     case Value::Kind::kUndefined: undefined_error(obj);
     case Value::Kind::kDict:
     case Value::Kind::kNamespace:
+      check_hashable(key);
       if (const Value* v = obj.dict->find(key)) return *v;
       if (key.is_string()) return get_attr(obj, key.string);
       return Value::undefined(object_name(obj) + " has no element " + repr(key));
@@ -523,8 +524,19 @@ bool contains(const Value& container, const Value& item) {
     case Value::Kind::kTuple:
       return std::any_of(container.list->begin(), container.list->end(),
                          [&](const Value& v) { return equals(v, item); });
-    case Value::Kind::kDict: return container.dict->find(item) != nullptr;
+    case Value::Kind::kDict:
+      check_hashable(item);
+      return container.dict->find(item) != nullptr;
     default: throw JinjaError("argument of type '" + type_name(container) + "' is not iterable");
+  }
+}
+
+void check_hashable(const Value& v) {
+  if (v.kind == Value::Kind::kList || v.kind == Value::Kind::kDict || v.is_undefined()) {
+    throw JinjaError("unhashable type: '" + type_name(v) + "'");
+  }
+  if (v.kind == Value::Kind::kTuple) {
+    for (const Value& item : *v.list) check_hashable(item);
   }
 }
 

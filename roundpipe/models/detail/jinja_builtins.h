@@ -32,6 +32,13 @@ Value get_slice(const Value& obj, const Value* start, const Value* stop, const V
 bool has_method(const Value& obj, std::string_view name);
 Value call_method(const Value& obj, std::string_view name, CallArgs& args);
 
+/// True when a filter / test of that name is implemented (the parser refuses the others, as
+/// jinja2 refuses unknown ones when it compiles).
+bool has_filter(std::string_view name);
+bool has_test(std::string_view name);
+/// Throws "unhashable type" for values Python cannot use as a dict key or set member.
+void check_hashable(const Value& v);
+
 /// Hooks the filters that call other filters or tests (map, select, ...) use.
 Value apply_filter(std::string_view name, const Value& value, CallArgs& args);
 bool apply_test(std::string_view name, const Value& value, CallArgs& args);

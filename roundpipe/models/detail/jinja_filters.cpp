@@ -193,6 +193,7 @@ Value select_common(const Value& v, CallArgs& args, bool by_attribute, bool keep
   }
   test_args.keyword = args.keyword;
   ValueList out;
+  if (!truthy(v)) return Value::make_generator({});  // jinja2: `if value:` before iterating
   for (const Value& item : iterate(v)) {
     const Value subject = attribute ? attribute_path(item, *attribute) : item;
     CallArgs per_item = test_args;
@@ -209,10 +210,13 @@ Value filter_rejectattr(const Value& v, CallArgs& args) { return select_common(v
 
 Value filter_map(const Value& v, CallArgs& args) {
   ValueList out;
+  const bool empty = !truthy(v);  // jinja2: `if value:` before iterating
+  const Value none_list = Value::from_list({});
+  const Value& items = empty ? none_list : v;
   if (const Value* attribute = args.get_keyword("attribute")) {
     const Value* fallback = args.get_keyword("default");
     args.check_all_used("map");
-    for (const Value& item : iterate(v)) {
+    for (const Value& item : iterate(items)) {
       Value x = attribute_path(item, *attribute);
       out.push_back(x.is_undefined() && fallback ? *fallback : x);
     }
@@ -223,7 +227,7 @@ Value filter_map(const Value& v, CallArgs& args) {
   CallArgs rest;
   rest.positional.assign(args.positional.begin() + 1, args.positional.end());
   rest.keyword = args.keyword;
-  for (const Value& item : iterate(v)) {
+  for (const Value& item : iterate(items)) {
     CallArgs per_item = rest;
     out.push_back(apply_filter(filter, item, per_item));
   }
@@ -274,6 +278,7 @@ Value filter_float(const Value& v, CallArgs& args) {
 
 Value filter_abs(const Value& v, CallArgs& args) {
   args.check_all_used("abs");
+  if (!v.is_number()) throw JinjaError("bad operand type for abs(): '" + type_name(v) + "'");
   if (v.kind == Value::Kind::kFloat) return Value::from_float(std::fabs(v.number));
   return v.as_int() < 0 ? unary_op("-", v) : Value::from_int(v.as_int());
 }
@@ -309,6 +314,7 @@ Value filter_unique(const Value& v, CallArgs& args) {
   ValueList seen;
   for (const Value& item : iterate(v)) {
     const Value key = sort_key(item, case_sensitive, attribute);
+    check_hashable(key);  // jinja2 keeps the seen keys in a set
     if (std::none_of(seen.begin(), seen.end(), [&](const Value& s) { return equals(s, key); })) {
       seen.push_back(key);
       out.push_back(item);
@@ -397,7 +403,9 @@ Value filter_indent(const Value& v, CallArgs& args) {
   const std::string indention = width == nullptr ? "    "
                                 : width->is_string() ? width->string
                                                      : std::string(static_cast<size_t>(std::clamp<int64_t>(width->as_int(), 0, 1000)), ' ');
-  const std::vector<std::string> lines = py_splitlines(to_str(v) + "\n");
+  // jinja2 appends "\n" to the value first: anything but a string fails there.
+  if (!v.is_string()) throw JinjaError("indent: a str is required, not " + type_name(v));
+  const std::vector<std::string> lines = py_splitlines(v.string + "\n");
   std::string rv;
   if (blank) {
     for (size_t i = 0; i < lines.size(); ++i) rv += (i ? "\n" + indention : std::string()) + lines[i];
@@ -425,9 +433,19 @@ Value filter_escape(const Value& v, CallArgs& args) {
   return Value::from_string(std::move(out));
 }
 
+// jinja2: len(re.findall(r"\w+", str(value))); \w is a letter, digit or underscore (Unicode).
 Value filter_wordcount(const Value& v, CallArgs& args) {
   args.check_all_used("wordcount");
-  return Value::from_int(static_cast<int64_t>(py_split(to_str(v), nullptr, -1, false).size()));
+  int64_t words = 0;
+  bool in_word = false;
+  for (char32_t c : decode_utf8(to_str(v))) {
+    std::string one;
+    append_utf8(one, c);
+    const bool word_char = c == U'_' || py_is(one, "isalnum");
+    words += word_char && !in_word;
+    in_word = word_char;
+  }
+  return Value::from_int(words);
 }
 
 const std::map<std::string, FilterFn, std::less<>>& filters() {
@@ -518,8 +536,8 @@ const std::map<std::string, TestFn, std::less<>>& tests() {
       {"even", [](const Value& v, CallArgs& a) { return no_args(a, "even") && binary_op("%", v, Value::from_int(2)).as_int() == 0; }},
       {"divisibleby",
        [](const Value& v, CallArgs& a) { return binary_op("%", v, test_arg(a, "divisibleby")).as_float() == 0; }},
-      {"lower", [](const Value& v, CallArgs& a) { return no_args(a, "lower") && py_case(to_str(v), false) == to_str(v); }},
-      {"upper", [](const Value& v, CallArgs& a) { return no_args(a, "upper") && py_case(to_str(v), true) == to_str(v); }},
+      {"lower", [](const Value& v, CallArgs& a) { return no_args(a, "lower") && py_is(to_str(v), "islower"); }},
+      {"upper", [](const Value& v, CallArgs& a) { return no_args(a, "upper") && py_is(to_str(v), "isupper"); }},
       {"escaped", [](const Value&, CallArgs& a) { return !no_args(a, "escaped"); }},
       {"filter", [](const Value& v, CallArgs& a) { return no_args(a, "filter") && filters().count(to_str(v)) != 0; }},
       {"test", [](const Value& v, CallArgs& a) { return no_args(a, "test") && tests().count(to_str(v)) != 0; }},
@@ -528,6 +546,9 @@ const std::map<std::string, TestFn, std::less<>>& tests() {
 }
 
 }  // namespace
+
+bool has_filter(std::string_view name) { return filters().count(name) != 0; }
+bool has_test(std::string_view name) { return tests().count(name) != 0; }
 
 Value apply_filter(std::string_view name, const Value& value, CallArgs& args) {
   const auto& table = filters();

@@ -320,8 +320,7 @@ class Interpreter {
         ValueDict d;
         for (size_t i = 0; i + 1 < e.items.size(); i += 2) {
           Value key = eval(*e.items[i], frame);
-          if (key.is_sequence() && key.kind == Value::Kind::kList) throw JinjaError("unhashable type: 'list'");
-          if (key.is_mapping() || key.is_undefined()) throw JinjaError("unhashable type: '" + type_name(key) + "'");
+          check_hashable(key);
           d.set(std::move(key), eval(*e.items[i + 1], frame));
         }
         return Value::from_dict(std::move(d));

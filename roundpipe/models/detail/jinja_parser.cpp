@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <initializer_list>
 
+#include "roundpipe/models/detail/jinja_builtins.h"
 #include "roundpipe/models/detail/jinja_lexer.h"
 
 namespace roundpipe::models::detail {
@@ -627,6 +628,7 @@ class Parser {
           next();
           f->name += "." + expect_name();
         }
+        if (!has_filter(f->name)) fail(line, "unsupported filter '" + f->name + "'");
         if (at_op("(")) parse_arguments(f->args);
         node = std::move(f);
       } else if (at_name("is")) {
@@ -642,6 +644,7 @@ class Parser {
           next();
           t->name += "." + expect_name();
         }
+        if (!has_test(t->name)) fail(line, "unsupported test '" + t->name + "'");
         if (at_op("(")) {
           parse_arguments(t->args);
         } else if (test_argument_follows()) {
@@ -657,14 +660,15 @@ class Parser {
     }
   }
 
-  // jinja2: `x is divisibleby 3` takes one argument without parentheses.
+  // jinja2: `x is divisibleby 3` takes one argument without parentheses: any name but
+  // else/or/and, a literal, or a bracket starts it.
   bool test_argument_follows() const {
     const Token& t = peek();
     if (t.type == TokenType::kString || t.type == TokenType::kInt || t.type == TokenType::kFloat) return true;
-    if (t.type == TokenType::kOperator) return t.text == "[" || t.text == "{";
+    if (t.type == TokenType::kOperator) return t.text == "(" || t.text == "[" || t.text == "{";
     if (t.type == TokenType::kName) {
-      return t.text != "else" && t.text != "or" && t.text != "and" && t.text != "if" && t.text != "in" &&
-             t.text != "is" && t.text != "not";
+      if (t.text == "is") fail(t.line, "You cannot chain multiple tests with is");
+      return t.text != "else" && t.text != "or" && t.text != "and";
     }
     return false;
   }
