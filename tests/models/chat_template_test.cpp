@@ -205,6 +205,8 @@ const std::vector<std::string>& snippets() {
       "{{ {[1]: 2} }}",
       "{{ n is defined is number }}",
       "{{ s|abs }}",
+      "{{ undefined_name|int }}",
+      "{{ undefined_name in {} }} {{ undefined_name in l }}",
       // syntax errors: both sides refuse
       "{% if true %}unclosed",
       "{{ 1 + }}",

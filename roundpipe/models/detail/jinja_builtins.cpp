@@ -532,7 +532,7 @@ bool contains(const Value& container, const Value& item) {
 }
 
 void check_hashable(const Value& v) {
-  if (v.kind == Value::Kind::kList || v.kind == Value::Kind::kDict || v.is_undefined()) {
+  if (v.kind == Value::Kind::kList || v.kind == Value::Kind::kDict) {
     throw JinjaError("unhashable type: '" + type_name(v) + "'");
   }
   if (v.kind == Value::Kind::kTuple) {

@@ -239,6 +239,7 @@ Value filter_int(const Value& v, CallArgs& args) {
   const Value* base = arg(args, 1, "base");
   args.check_all_used("int");
   if (base && !(base->is_integral() && base->as_int() == 10)) throw JinjaError("int: only base 10 is supported");
+  if (v.is_undefined()) throw JinjaError(v.string.empty() ? "undefined value" : v.string);  // int(Undefined) raises
   const Value def = fallback ? *fallback : Value::from_int(0);
   if (v.is_integral()) return Value::from_int(v.as_int());
   if (v.kind == Value::Kind::kFloat) {
@@ -262,6 +263,7 @@ Value filter_int(const Value& v, CallArgs& args) {
 Value filter_float(const Value& v, CallArgs& args) {
   const Value* fallback = arg(args, 0, "default");
   args.check_all_used("float");
+  if (v.is_undefined()) throw JinjaError(v.string.empty() ? "undefined value" : v.string);  // float(Undefined) raises
   const Value def = fallback ? *fallback : Value::from_float(0.0);
   if (v.is_number()) return Value::from_float(v.as_float());
   if (v.is_string()) {
