@@ -1,5 +1,6 @@
 #include "roundpipe/models/detail/jinja_interpreter.h"
 
+#include <algorithm>
 #include <memory>
 #include <unordered_map>
 
@@ -269,7 +270,8 @@ class Interpreter {
         frame->vars[p.name] = Value::undefined("parameter '" + p.name + "' was not provided");
       }
     }
-    for (const auto& [name, value] : args.keyword) {
+    for (const auto& keyword : args.keyword) {
+      const std::string& name = keyword.first;
       const bool known = std::any_of(m.params.begin(), m.params.end(), [&](const MacroParam& p) { return p.name == name; });
       if (!known) throw JinjaError("macro '" + m.text + "' takes no keyword argument '" + name + "'");
     }
