@@ -450,9 +450,34 @@ Value filter_wordcount(const Value& v, CallArgs& args) {
   return Value::from_int(words);
 }
 
+// jinja2's do_batch: lists of `linecount` items, the last padded with fill_with when given.
+Value filter_batch(const Value& v, CallArgs& args) {
+  const Value* count = arg(args, 0, "linecount");
+  const Value* fill = arg(args, 1, "fill_with");
+  args.check_all_used("batch");
+  if (count == nullptr || !count->is_integral()) throw JinjaError("batch: linecount must be an integer");
+  const int64_t n = count->as_int();
+  ValueList out;
+  ValueList current;
+  for (const Value& item : iterate(v)) {
+    if (static_cast<int64_t>(current.size()) == n) {
+      out.push_back(Value::from_list(std::move(current)));
+      current.clear();
+    }
+    current.push_back(item);
+  }
+  if (!current.empty()) {
+    if (fill && !fill->is_none()) {
+      while (static_cast<int64_t>(current.size()) < n) current.push_back(*fill);
+    }
+    out.push_back(Value::from_list(std::move(current)));
+  }
+  return Value::make_generator(std::move(out));
+}
+
 const std::map<std::string, FilterFn, std::less<>>& filters() {
   static const std::map<std::string, FilterFn, std::less<>> table = {
-      {"abs", filter_abs},         {"capitalize", filter_capitalize}, {"count", filter_length},
+      {"abs", filter_abs},         {"batch", filter_batch},           {"capitalize", filter_capitalize}, {"count", filter_length},
       {"d", filter_default},       {"default", filter_default},       {"dictsort", filter_dictsort},
       {"e", filter_escape},        {"escape", filter_escape},         {"first", filter_first},
       {"float", filter_float},     {"indent", filter_indent},         {"int", filter_int},
