@@ -101,21 +101,48 @@ def random_templates(seed, count):
     import random
     rng = random.Random(seed)
 
+    numbers = ["n", "f", "1", "0", "-2", "2.5", "l[0]", "d.a", "(s|length)", "(l|sum)", "(messages|length)"]
+    strings = ["s", "e", "ws", "u", "'a'", "\"b c\"", "d['b']", "messages[-1].content", "s[1:3]", "(l|join('-'))"]
+
+    def number(depth):  # expressions that are numbers, so that arithmetic mostly succeeds
+        if depth > 2 or rng.random() < 0.5:
+            return rng.choice(numbers)
+        return f"({number(depth + 1)} {rng.choice(['+', '-', '*', '//', '/', '**'])} {rng.choice(['1', '2', '3', 'n'])})"
+
+    def string(depth):
+        r = rng.random()
+        if depth > 2 or r < 0.4:
+            return rng.choice(strings)
+        if r < 0.6:
+            return f"({string(depth + 1)} ~ {expr(depth + 1)})"
+        if r < 0.8:
+            return f"{rng.choice(strings)}.{rng.choice([m for m in METHODS if '()|list' not in m and 'get(' not in m])}"
+        return f"({string(depth + 1)} + {string(depth + 1)})"
+
     def expr(depth=0):
         r = rng.random()
-        if depth > 2 or r < 0.3:
+        if depth > 2 or r < 0.2:
             return rng.choice(ATOMS)
+        if r < 0.3:
+            return number(depth + 1)
+        if r < 0.4:
+            return string(depth + 1)
         if r < 0.5:
+            op = rng.choice(["==", "!=", "and", "or", "~", "in", "not in", "<", "+"])
+            return f"{expr(depth + 1)} {op} {expr(depth + 1)}"
+        if r < 0.55:
             return f"{expr(depth + 1)} {rng.choice(BINOPS)} {expr(depth + 1)}"
-        if r < 0.65:
+        if r < 0.7:
             return f"{expr(depth + 1)}|{rng.choice(FILTERS)}"
-        if r < 0.75:
-            return f"{expr(depth + 1)} is {'not ' if rng.random() < 0.3 else ''}{rng.choice(TESTS)}"
-        if r < 0.85:
-            return f"{rng.choice(ATOMS)}.{rng.choice(METHODS)}"
-        if r < 0.92:
+        if r < 0.8:
+            return f"({expr(depth + 1)} is {'not ' if rng.random() < 0.3 else ''}{rng.choice(TESTS)})"
+        if r < 0.87:
+            if rng.random() < 0.3:
+                return f"d.{rng.choice(['items()|list', 'keys()|list', 'values()|list', 'get(' + repr(rng.choice('abz')) + ')'])}"
+            return f"{rng.choice(strings)}.{rng.choice(METHODS)}"
+        if r < 0.94:
             return f"({expr(depth + 1)} if {expr(depth + 1)} else {expr(depth + 1)})"
-        return f"not {expr(depth + 1)}"
+        return f"(not {expr(depth + 1)})"
 
     def stmt(depth):
         r = rng.random()
@@ -171,7 +198,8 @@ def main():
     plain = make_tokenizer({})
     messages = [{"role": "system", "content": "sys"}, {"role": "user", "content": "hello  "},
                 {"role": "assistant", "content": " ok"}]
-    for template in random_templates(seed=2026, count=int(os.environ.get("CHAT_TEMPLATE_RANDOM_CASES", "1500"))):
+    seed = int(os.environ.get("CHAT_TEMPLATE_RANDOM_SEED", "2026"))  # other seeds: exploratory runs
+    for template in random_templates(seed=seed, count=int(os.environ.get("CHAT_TEMPLATE_RANDOM_CASES", "1500"))):
         case = {"template": template, "messages": messages, "variables": RANDOM_VARIABLES}
         random_cases.append(dict(case, **render(plain, case)))
     with open(os.path.join(out_dir, "result.json"), "w", encoding="utf-8") as f:

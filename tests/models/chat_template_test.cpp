@@ -205,6 +205,8 @@ const std::vector<std::string>& snippets() {
       "{{ {[1]: 2} }}",
       "{{ n is defined is number }}",
       "{{ s|abs }}",
+      "{{ (-1) ** 3 }} {{ (-2) ** 5 }} {{ 0 ** 0 }} {{ 2 ** 62 }} {{ 2.0 ** 0.5 }} {{ 2.5 is even }} {{ 3.0 is odd }} {{ 4.5 is divisibleby 1.5 }}",
+      "{{ 0 ** -1 }}",
       "{{ undefined_name|int }}",
       "{{ undefined_name in {} }} {{ undefined_name in l }}",
       // syntax errors: both sides refuse

@@ -483,16 +483,20 @@ Value binary_op(std::string_view op, const Value& a, const Value& b) {
     return Value::from_float(m);
   }
   if (op == "**") {
-    if (ints && b.as_int() >= 0) {
+    if (ints && b.as_int() >= 0) {  // exponentiation by squaring; int64 overflow is an error
       int64_t result = 1;
       int64_t base = a.as_int();
-      for (int64_t e = b.as_int(); e > 0; --e) {
-        result = checked(mul_overflow, result, base);
-        if (result == 0 || result == 1) break;
+      for (int64_t e = b.as_int(); e > 0; e >>= 1) {
+        if (e & 1) result = checked(mul_overflow, result, base);
+        if (e > 1) base = checked(mul_overflow, base, base);
       }
       return Value::from_int(result);
     }
     if (!numbers) type_error("** or pow()", a, b);
+    if (a.as_float() == 0 && b.as_float() < 0) throw JinjaError("0.0 cannot be raised to a negative power");
+    if (a.as_float() < 0 && std::isfinite(b.as_float()) && b.as_float() != std::floor(b.as_float())) {
+      throw JinjaError("unsupported: a negative number to a fractional power (a complex number in Python)");
+    }
     return Value::from_float(std::pow(a.as_float(), b.as_float()));
   }
   throw JinjaError("unknown operator " + std::string(op));
