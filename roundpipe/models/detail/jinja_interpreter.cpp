@@ -26,7 +26,11 @@ class Interpreter {
  public:
   explicit Interpreter(const RenderInput& input) : input_(input) {
     globals_["range"] = Value::from_callable(global_range);
-    globals_["namespace"] = Value::from_callable(global_namespace);
+    globals_["namespace"] = Value::from_callable([this](CallArgs& args) {
+      Value ns = global_namespace(args);
+      namespaces_.push_back(ns.dict);
+      return ns;
+    });
     globals_["dict"] = Value::from_callable(global_dict);
     globals_["raise_exception"] = Value::from_callable([](CallArgs& args) -> Value {
       const Value* message = args.get(0, "message");
@@ -35,6 +39,14 @@ class Interpreter {
     });
     globals_["strftime_now"] = Value::from_callable([this](CallArgs& args) { return strftime_now(args); });
   }
+
+  // A namespace is the one mutable container, so `{% set ns.self = ns %}` makes a reference cycle
+  // of shared_ptrs: emptying every namespace at the end of the render frees them.
+  ~Interpreter() {
+    for (const auto& ns : namespaces_) ns->items.clear();
+  }
+  Interpreter(const Interpreter&) = delete;
+  Interpreter& operator=(const Interpreter&) = delete;
 
   RenderOutput run(const Template& t) {
     auto root = std::make_shared<Frame>();
@@ -406,6 +418,7 @@ class Interpreter {
   std::unordered_map<std::string, Value> globals_;
   std::string out_;  // the text being rendered (a macro call or block set swaps in its own)
   std::vector<std::pair<size_t, size_t>> spans_;
+  std::vector<std::shared_ptr<ValueDict>> namespaces_;  // every namespace() made by this render
   int capture_depth_ = 0;
   bool in_generation_ = false;
   size_t steps_ = 0;
