@@ -524,6 +524,7 @@ TEST(ChatTemplateTest, UnsupportedConstructs_FailNamingTemplateLineAndConstruct)
       {"{% set g = messages | map(attribute='role') %}{{ g | first }}{{ g | list }}", 1, "partial read"},
       {"{% macro m() %}{% generation %}x{% endgeneration %}{% endmacro %}{{ m() }}", 1, "{% generation %} inside a macro"},
       {"{{ 9223372036854775807 + 1 }}", 1, "integer overflow"},
+      {"{{ strftime_now('%H:%M:%S.%f') }}", 1, "strftime_now: %f is not supported"},
       {"{{ '\\N{BULLET}' }}", 1, "escape \\N is not supported"},
       {"{% set ns = namespace() %}{% set ns._hidden = 1 %}", 1, "underscore-prefixed"},
   };

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <memory>
+#include <string_view>
 #include <unordered_map>
 
 #include "roundpipe/models/detail/jinja_builtins.h"
@@ -62,6 +63,13 @@ class Interpreter {
     const Value* format = args.get(0, "format");
     args.check_all_used("strftime_now");
     if (format == nullptr || !format->is_string()) throw JinjaError("strftime_now(format): format must be a str");
+    if (format->string.find('\0') != std::string::npos) throw JinjaError("strftime_now: embedded null character");
+    // Python's datetime.strftime expands these itself; C's strftime does not.
+    for (const char* python_only : {"%f", "%:z"}) {
+      if (format->string.find(python_only) != std::string::npos) {
+        throw JinjaError(std::string("strftime_now: ") + python_only + " is not supported");
+      }
+    }
     const std::time_t now = input_.now ? *input_.now : std::time(nullptr);
     std::tm tm{};
     localtime_r(&now, &tm);
