@@ -123,6 +123,8 @@ constexpr std::string_view kListMethods[] = {"index", "count"};
 constexpr std::string_view kMutatingMethods[] = {"append", "extend", "insert", "pop",    "remove", "sort",
                                                  "reverse", "clear", "update", "popitem", "setdefault", "add",
                                                  "discard"};
+// Other attributes Python's dict and list have (jinja2 finds them before a key of that name).
+constexpr std::string_view kUnsupportedContainerMethods[] = {"copy", "fromkeys"};
 
 template <size_t N>
 bool in_table(const std::string_view (&table)[N], std::string_view name) {
@@ -325,9 +327,12 @@ bool has_method(const Value& obj, std::string_view name) {
   if (obj.generator) return false;
   switch (obj.kind) {
     case Value::Kind::kString: return in_table(kStringMethods, name) || in_table(kUnsupportedStringMethods, name);
-    case Value::Kind::kDict: return in_table(kDictMethods, name) || in_table(kMutatingMethods, name);
+    case Value::Kind::kDict:
+      return in_table(kDictMethods, name) || in_table(kMutatingMethods, name) ||
+             in_table(kUnsupportedContainerMethods, name);
     case Value::Kind::kList:
-    case Value::Kind::kTuple: return in_table(kListMethods, name) || in_table(kMutatingMethods, name);
+      return in_table(kListMethods, name) || in_table(kMutatingMethods, name) || name == "copy";
+    case Value::Kind::kTuple: return in_table(kListMethods, name);
     default: return false;
   }
 }
@@ -337,8 +342,8 @@ Value call_method(const Value& obj, std::string_view name, CallArgs& args) {
     throw JinjaError("unsupported: " + type_name(obj) + "." + std::string(name) +
                      "() modifies a value (the sandbox transformers uses is immutable)");
   }
-  if (obj.is_string() && in_table(kUnsupportedStringMethods, name)) {
-    throw JinjaError("unsupported method str." + std::string(name) + "()");
+  if ((obj.is_string() && in_table(kUnsupportedStringMethods, name)) || in_table(kUnsupportedContainerMethods, name)) {
+    throw JinjaError("unsupported method " + type_name(obj) + "." + std::string(name) + "()");
   }
   if (obj.is_string()) return call_string_method(obj.string, name, args);
   if (obj.is_mapping()) return call_dict_method(*obj.dict, name, args);

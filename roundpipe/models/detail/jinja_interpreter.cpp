@@ -138,9 +138,13 @@ class Interpreter {
         return exec_body(s.else_body, frame);
       case Stmt::Kind::kFor: return exec_for(s, frame);
       case Stmt::Kind::kSet: exec_set(s, frame); return Flow::kNormal;
-      case Stmt::Kind::kSetBlock:
-        frame->vars[s.targets[0]] = Value::from_string(capture(s.body, frame));
-        return Flow::kNormal;
+      case Stmt::Kind::kSetBlock: {
+        // jinja2 inlines the block: a break/continue in it leaves the enclosing loop unassigned.
+        Flow flow = Flow::kNormal;
+        std::string text = capture(s.body, frame, &flow);
+        if (flow == Flow::kNormal) frame->vars[s.targets[0]] = Value::from_string(std::move(text));
+        return flow;
+      }
       case Stmt::Kind::kMacro: define_macro(s, frame); return Flow::kNormal;
       case Stmt::Kind::kBreak: return Flow::kBreak;
       case Stmt::Kind::kContinue: return Flow::kContinue;
@@ -152,7 +156,10 @@ class Interpreter {
         }
         const size_t begin = out_.size();
         in_generation_ = true;
-        exec_body(s.body, frame);
+        // The body is jinja2's `caller()`: a scope of its own (a `set` inside is gone after it).
+        auto body_frame = std::make_shared<Frame>();
+        body_frame->parent = frame;
+        exec_body(s.body, body_frame);
         in_generation_ = false;
         spans_.emplace_back(begin, out_.size());
         return Flow::kNormal;
@@ -161,13 +168,15 @@ class Interpreter {
     return Flow::kNormal;
   }
 
-  // Renders `body` into a string of its own (a macro call or a block set).
-  std::string capture(const StmtList& body, const FramePtr& frame) {
+  // Renders `body` into a string of its own (a macro call or a block set); `flow` receives a
+  // break/continue that ended it.
+  std::string capture(const StmtList& body, const FramePtr& frame, Flow* flow = nullptr) {
     std::string saved = std::move(out_);
     out_.clear();
     ++capture_depth_;
     try {
-      exec_body(body, frame);
+      const Flow f = exec_body(body, frame);
+      if (flow != nullptr) *flow = f;
     } catch (...) {
       --capture_depth_;
       out_ = std::move(saved);
