@@ -224,6 +224,10 @@ const std::vector<std::string>& snippets() {
       "{{ (-1) ** 3 }} {{ (-2) ** 5 }} {{ 0 ** 0 }} {{ 2 ** 62 }} {{ 2.0 ** 0.5 }} {{ 2.5 is even }} {{ 3.0 is odd }} {{ 4.5 is divisibleby 1.5 }}",
       "{{ 0 ** -1 }}",
       "{{ undefined_name|int }}",
+      "{{ '1_000'|int }} {{ ' -12 '|int }} {{ '+7'|int }} {{ '1__0'|int }} {{ '0x10'|int }} {{ 'nan'|int(-1) }} {{ '2.9e2'|int }} {{ '1_0.5'|float }} {{ '.5'|float }} {{ '5.'|float }} {{ 'Infinity'|float }} {{ '-inf'|float }} {{ 'nan'|float }} {{ '1e400'|float }} {{ 'abc'|float(1) }} {{ 1.5e3 }} {{ 1e400 }}",
+      "{{ 'inf'|int }} {{ (1e400 - 1e400)|int(5) }}",
+      "{{ 1e400|int }}",
+      "{{ people|map(attribute='tags.99999999999999999999')|list }}",
       "{{ undefined_name in {} }} {{ undefined_name in l }}",
       // syntax errors: both sides refuse
       "{% if true %}unclosed",

@@ -1,7 +1,9 @@
 // jinja2's filters and tests for the chat template engine (one table each, name -> function), with
 // transformers' tojson. Lazy filters (map, select, ...) return generators as jinja2 does.
 #include <algorithm>
+#include <charconv>
 #include <cmath>
+#include <limits>
 #include <map>
 
 #include "roundpipe/models/detail/jinja_builtins.h"
@@ -41,7 +43,14 @@ Value attribute_path(const Value& item, const Value& attribute) {
     const size_t dot = path.find('.', begin);
     const std::string part = path.substr(begin, dot == std::string::npos ? std::string::npos : dot - begin);
     const bool digits = !part.empty() && std::all_of(part.begin(), part.end(), [](char c) { return c >= '0' && c <= '9'; });
-    current = get_item(current, digits ? Value::from_int(std::stoll(part)) : Value::from_string(part));
+    if (digits) {
+      int64_t index = 0;
+      const auto result = std::from_chars(part.data(), part.data() + part.size(), index);
+      // An index beyond int64 is beyond any list too.
+      current = get_item(current, Value::from_int(result.ec == std::errc() ? index : std::numeric_limits<int64_t>::max()));
+    } else {
+      current = get_item(current, Value::from_string(part));
+    }
     if (dot == std::string::npos) return current;
     begin = dot + 1;
   }
@@ -241,21 +250,20 @@ Value filter_int(const Value& v, CallArgs& args) {
   if (base && !(base->is_integral() && base->as_int() == 10)) throw JinjaError("int: only base 10 is supported");
   if (v.is_undefined()) throw JinjaError(v.string.empty() ? "undefined value" : v.string);  // int(Undefined) raises
   const Value def = fallback ? *fallback : Value::from_int(0);
+  // jinja2's do_int: int(value), else int(float(value)), else the default. int() of an infinite
+  // float raises OverflowError, not caught in the first try (a float value) but caught in the
+  // second (a string); NaN gives the default.
+  const auto to_int = [&](double d, bool overflow_is_default) {
+    if (std::isnan(d) || (!std::isfinite(d) && overflow_is_default)) return def;
+    if (!std::isfinite(d)) throw JinjaError("cannot convert float infinity to integer");
+    if (std::fabs(d) >= 9.2e18) throw JinjaError("integer beyond the supported range (int64)");
+    return Value::from_int(static_cast<int64_t>(d));
+  };
   if (v.is_integral()) return Value::from_int(v.as_int());
-  if (v.kind == Value::Kind::kFloat) {
-    if (!std::isfinite(v.number) || std::fabs(v.number) >= 9.2e18) return def;
-    return Value::from_int(static_cast<int64_t>(v.number));
-  }
+  if (v.kind == Value::Kind::kFloat) return to_int(v.number, false);
   if (v.is_string()) {
-    const std::string s = py_strip(v.string, nullptr, true, true);
-    try {
-      size_t used = 0;
-      const long long i = std::stoll(s, &used, 10);
-      if (used == s.size()) return Value::from_int(i);
-      const double d = std::stod(s, &used);
-      if (used == s.size() && std::isfinite(d) && std::fabs(d) < 9.2e18) return Value::from_int(static_cast<int64_t>(d));
-    } catch (const std::exception&) {
-    }
+    if (const auto i = py_parse_int(v.string)) return Value::from_int(*i);
+    if (const auto d = py_parse_float(v.string)) return to_int(*d, true);
   }
   return def;
 }
@@ -267,13 +275,7 @@ Value filter_float(const Value& v, CallArgs& args) {
   const Value def = fallback ? *fallback : Value::from_float(0.0);
   if (v.is_number()) return Value::from_float(v.as_float());
   if (v.is_string()) {
-    const std::string s = py_strip(v.string, nullptr, true, true);
-    try {
-      size_t used = 0;
-      const double d = std::stod(s, &used);
-      if (used == s.size()) return Value::from_float(d);
-    } catch (const std::exception&) {
-    }
+    if (const auto d = py_parse_float(v.string)) return Value::from_float(*d);
   }
   return def;
 }

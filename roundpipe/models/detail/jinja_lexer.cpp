@@ -6,6 +6,7 @@
 #include <cmath>
 #include <limits>
 
+#include "roundpipe/models/detail/jinja_strings.h"
 #include "roundpipe/models/detail/jinja_value.h"
 
 namespace roundpipe::models::detail {
@@ -359,7 +360,7 @@ class Lexer {
     text.erase(std::remove(text.begin(), text.end(), '_'), text.end());
     Token token{is_float ? TokenType::kFloat : TokenType::kInt, text, line_};
     if (is_float) {
-      token.float_value = std::strtod(text.c_str(), nullptr);
+      token.float_value = *py_parse_float(text);  // locale-independent, as Python
     } else {
       errno = 0;
       const long long v = std::strtoll(text.c_str(), nullptr, 10);

@@ -2,7 +2,11 @@
 
 #include <utf8proc.h>
 
+#include <cctype>
+
 #include <algorithm>
+#include <charconv>
+#include <limits>
 
 #include "roundpipe/models/detail/jinja_builtins.h"
 
@@ -276,6 +280,73 @@ std::vector<std::string> py_splitlines(std::string_view s) {
   }
   if (begin < cps.size()) out.push_back(encode(cps, begin, cps.size()));
   return out;
+}
+
+namespace {
+
+// The number text of py_parse_*: stripped, sign split off, '_' (only between two digits) removed;
+// false when an underscore is misplaced.
+bool number_text(std::string_view s, bool& negative, std::string& digits) {
+  const std::string stripped = py_strip(s, nullptr, true, true);
+  std::string_view t = stripped;
+  negative = false;
+  if (!t.empty() && (t[0] == '+' || t[0] == '-')) {
+    negative = t[0] == '-';
+    t.remove_prefix(1);
+  }
+  const auto is_digit = [](char c) { return c >= '0' && c <= '9'; };
+  digits.clear();
+  for (size_t i = 0; i < t.size(); ++i) {
+    if (t[i] == '_') {
+      if (i == 0 || i + 1 == t.size() || !is_digit(t[i - 1]) || !is_digit(t[i + 1])) return false;
+      continue;
+    }
+    digits += t[i];
+  }
+  return true;
+}
+
+}  // namespace
+
+std::optional<int64_t> py_parse_int(std::string_view s) {
+  bool negative = false;
+  std::string digits;
+  if (!number_text(s, negative, digits) || digits.empty()) return std::nullopt;
+  if (!std::all_of(digits.begin(), digits.end(), [](char c) { return c >= '0' && c <= '9'; })) return std::nullopt;
+  uint64_t magnitude = 0;
+  const auto result = std::from_chars(digits.data(), digits.data() + digits.size(), magnitude);
+  const uint64_t limit = negative ? uint64_t{1} << 63 : (uint64_t{1} << 63) - 1;
+  if (result.ec == std::errc::result_out_of_range || magnitude > limit) {
+    throw JinjaError("integer " + std::string(s) + " is beyond the supported range (int64)");
+  }
+  return negative ? static_cast<int64_t>(0 - magnitude) : static_cast<int64_t>(magnitude);
+}
+
+std::optional<double> py_parse_float(std::string_view s) {
+  bool negative = false;
+  std::string digits;
+  if (!number_text(s, negative, digits) || digits.empty()) return std::nullopt;
+  std::string lower = digits;
+  std::transform(lower.begin(), lower.end(), lower.begin(), [](unsigned char c) { return std::tolower(c); });
+  double value = 0;
+  if (lower == "inf" || lower == "infinity") {
+    value = std::numeric_limits<double>::infinity();
+  } else if (lower == "nan") {
+    value = std::numeric_limits<double>::quiet_NaN();
+  } else {
+    const bool decimal = std::all_of(lower.begin(), lower.end(), [](char c) {
+      return (c >= '0' && c <= '9') || c == '.' || c == 'e' || c == '+' || c == '-';
+    });
+    if (!decimal) return std::nullopt;
+    const auto result = std::from_chars(lower.data(), lower.data() + lower.size(), value);
+    if (result.ptr != lower.data() + lower.size()) return std::nullopt;
+    if (result.ec == std::errc::result_out_of_range) {  // Python: overflow -> inf, underflow -> 0
+      value = lower.find("e-") != std::string::npos ? 0.0 : std::numeric_limits<double>::infinity();
+    } else if (result.ec != std::errc()) {
+      return std::nullopt;
+    }
+  }
+  return negative ? -value : value;
 }
 
 bool py_is(std::string_view s, std::string_view predicate) {

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -29,6 +30,13 @@ int64_t py_find(std::string_view s, std::string_view sub, const Value* start, co
 int64_t py_count(std::string_view s, std::string_view sub);
 /// str.splitlines() without keepends.
 std::vector<std::string> py_splitlines(std::string_view s);
+/// Python's int(s) for a str: whitespace around, one sign, '_' between digits. nullopt where
+/// Python raises ValueError; JinjaError beyond int64 (Python's ints are unbounded).
+std::optional<int64_t> py_parse_int(std::string_view s);
+/// Python's float(s) for a str (also inf, infinity, nan in any case); nullopt for ValueError.
+/// Locale-independent, as Python.
+std::optional<double> py_parse_float(std::string_view s);
+
 /// str.isdigit / isalpha / isalnum / isspace / islower / isupper.
 bool py_is(std::string_view s, std::string_view predicate);
 
