@@ -9,7 +9,7 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 seconds="${1:-60}"
 [ $# -gt 0 ] && shift
-targets=(fuzz_safetensors fuzz_token_file fuzz_config fuzz_split_batch fuzz_tokenizer)
+targets=(fuzz_safetensors fuzz_token_file fuzz_config fuzz_split_batch fuzz_tokenizer fuzz_chat_template)
 export ROUNDPIPE_BUILD_DIR="${ROUNDPIPE_ASAN_BUILD_DIR:-$root/build-asan}"
 export ROUNDPIPE_BUILD_TARGETS="${targets[*]}"
 export CXX="${ROUNDPIPE_ASAN_CXX:-clang++}" CC="${ROUNDPIPE_ASAN_CC:-clang}"
@@ -32,6 +32,7 @@ for t in "${targets[@]}"; do
   case "$t" in
     fuzz_safetensors) dict=(-dict="$root/fuzz/safetensors.dict") ;;
     fuzz_config) dict=(-dict="$root/fuzz/config.dict") ;;
+    fuzz_chat_template) dict=(-dict="$root/fuzz/chat_template.dict") ;;
   esac
   log="$out/$t.log"
   set +e
