@@ -15,6 +15,7 @@
 
 #include "roundpipe/models/detail/expert_layout.h"
 #include "roundpipe/models/detail/files.h"
+#include "roundpipe/models/detail/mxfp4.h"
 #include "roundpipe/models/safetensors.h"
 #include "roundpipe/round_pipe.h"
 
@@ -84,6 +85,7 @@ Pretrained load_pretrained(const std::string& hf_dir, const LoadOptions& options
   for (const auto& [name, tensor] : hf_state_dict(model, config)) {
     expected.insert(name);
     for (const std::string& part : detail::per_expert_names(name, config)) expected.insert(part);
+    for (const std::string& part : detail::mxfp4_names(name, config)) expected.insert(part);
   }
   std::vector<std::string> unexpected;
   for (const auto& name : reader.names()) {
@@ -112,6 +114,12 @@ Pretrained load_pretrained(const std::string& hf_dir, const LoadOptions& options
     if (reader.contains(name)) {
       copied = {name};
       return reader.get(name);
+    }
+    const std::vector<std::string> packed = detail::mxfp4_names(name, config);
+    if (!packed.empty() && reader.contains(packed[0]) && reader.contains(packed[1])) {
+      // gpt-oss's released MXFP4 experts, dequantized as transformers' Mxfp4Config(dequantize=True).
+      copied = packed;
+      return detail::dequantize_mxfp4(reader.get(packed[0]), reader.get(packed[1]), at::kFloat);
     }
     const std::vector<std::string> parts = detail::per_expert_names(name, config);
     if (parts.empty()) return at::Tensor();

@@ -11,6 +11,7 @@
 #include "roundpipe/models/layers.h"
 #include "roundpipe/models/moe.h"
 #include "roundpipe/models/pretrained.h"
+#include "roundpipe/models/safetensors.h"
 #include "roundpipe/recompute_data.h"
 #include "roundpipe/round_pipe.h"
 #include "tests/common/python_oracle.h"
@@ -46,12 +47,12 @@ MoeSpec mixtral_spec() {
 }
 
 MoeSpec gpt_oss_spec() {
-  // Sliding (window 5 < 20 tokens) and full layers, sinks, biases, a clamp that engages (limit 1).
+  // Sliding (window 5 < 20 tokens) and full layers, sinks, biases, a clamp that engages (limit 1),
+  // YaRN rotary embeddings (attention factor on cos and sin).
   return {"GptOssConfig",
           "dict(vocab_size=128, hidden_size=32, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4, "
           "num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2, sliding_window=5, "
-          "swiglu_limit=1.0, router_aux_loss_coef=0.2, "
-          "rope_parameters={'rope_type': 'default', 'rope_theta': 150000.0})"};
+          "swiglu_limit=1.0, router_aux_loss_coef=0.2)"};  // GptOssConfig's YaRN rope
 }
 
 // Builds the model in transformers with random weights large enough that routing matters, saves
@@ -201,6 +202,46 @@ TEST(Qwen3MoeTest, MatchesTransformers_LogitsAuxAndEveryGradient) { expect_match
 TEST(MixtralTest, MatchesTransformers_LogitsAuxAndEveryGradient) { expect_matches_transformers(mixtral_spec()); }
 
 TEST(GptOssTest, MatchesTransformers_LogitsAuxAndEveryGradient) { expect_matches_transformers(gpt_oss_spec()); }
+
+// gpt-oss's released layout: MXFP4 expert blocks + scales (quantization_config in config.json) load
+// dequantized exactly as transformers' convert_moe_packed_tensors, and the export is bf16/fp32
+// fused without the quantization_config.
+TEST(GptOssTest, Mxfp4Checkpoint_LoadsDequantizedAsTransformers) {
+  ROUNDPIPE_REQUIRE_ORACLE();
+  ScratchDir scratch;
+  const std::string dir = scratch.file("hf");
+  const auto ref = run_python(
+      "import json\n"
+      "from safetensors.torch import load_file, save_file\n"
+      "from transformers import AutoModelForCausalLM, GptOssConfig\n"
+      "from transformers.integrations.mxfp4 import convert_moe_packed_tensors\n"
+      "torch.manual_seed(2)\n"
+      "cfg = GptOssConfig(vocab_size=128, hidden_size=64, intermediate_size=32, num_hidden_layers=1,"
+      " num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=3, num_experts_per_tok=2)\n"
+      "AutoModelForCausalLM.from_config(cfg).save_pretrained('" + dir + "')\n"
+      "sd = load_file('" + dir + "/model.safetensors')\n"
+      "for n in ['gate_up_proj', 'down_proj']:\n"
+      "    key = 'model.layers.0.mlp.experts.' + n\n"
+      "    w = sd.pop(key)\n"
+      "    rows, cols = w.shape[2], w.shape[1]\n"
+      "    blocks = torch.randint(0, 256, (3, rows, cols // 32, 16), dtype=torch.uint8)\n"
+      "    scales = torch.randint(120, 134, (3, rows, cols // 32), dtype=torch.uint8)\n"
+      "    sd[key + '_blocks'], sd[key + '_scales'] = blocks, scales\n"
+      "    outputs[n] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)\n"
+      "save_file(sd, '" + dir + "/model.safetensors', metadata={'format': 'pt'})\n"
+      "c = json.load(open('" + dir + "/config.json'))\n"
+      "c['quantization_config'] = {'quant_method': 'mxfp4', 'modules_to_not_convert': ['model.layers.*.self_attn',"
+      " 'model.layers.*.mlp.router', 'model.embed_tokens', 'lm_head']}\n"
+      "json.dump(c, open('" + dir + "/config.json', 'w'))\n");
+  Pretrained pre = load_pretrained(dir);
+  std::map<std::string, at::Tensor> params;
+  for (const auto& [name, tensor] : hf_state_dict(pre.model, pre.config)) params[name] = tensor;
+  EXPECT_TRUE(params.at("model.layers.0.mlp.experts.gate_up_proj").equal(ref.at("gate_up_proj")));
+  EXPECT_TRUE(params.at("model.layers.0.mlp.experts.down_proj").equal(ref.at("down_proj")));
+  save_pretrained(pre.model, pre.config, dir + "/ours");
+  EXPECT_EQ(read_bytes(dir + "/ours/config.json").find("quantization_config"), std::string::npos);
+  EXPECT_TRUE(CheckpointReader::open(dir + "/ours").contains("model.layers.0.mlp.experts.gate_up_proj"));
+}
 
 // The gpt-oss test can tell: sinks, the sliding window and the SwiGLU clamp each change the logits.
 TEST(GptOssTest, Ablations_SinksWindowAndClampChangeTheResult) {

@@ -41,6 +41,12 @@ std::vector<std::string> expert_weight_names(const std::string& prefix, const Mo
 
 }  // namespace
 
+std::vector<std::string> mxfp4_names(const std::string& name, const ModelConfig& config) {
+  if (config.model_type != "gpt_oss" || name.rfind("model.layers.", 0) != 0) return {};
+  if (!ends_with(name, ".mlp.experts.gate_up_proj") && !ends_with(name, ".mlp.experts.down_proj")) return {};
+  return {name + "_blocks", name + "_scales"};
+}
+
 std::vector<std::string> per_expert_names(const std::string& name, const ModelConfig& config) {
   std::string prefix;
   const ExpertTensor kind = classify(name, config, &prefix);

@@ -22,6 +22,10 @@ namespace roundpipe::models::detail {
 /// when the parameter is stored under its own name in both layouts.
 std::vector<std::string> per_expert_names(const std::string& name, const ModelConfig& config);
 
+/// gpt-oss's released (MXFP4) checkpoints: {name + "_blocks", name + "_scales"} for the expert
+/// weights mlp.experts.gate_up_proj / down_proj of a gpt_oss config, else empty.
+std::vector<std::string> mxfp4_names(const std::string& name, const ModelConfig& config);
+
 /// The parameter `name` from its per-expert tensors (ordered as per_expert_names).
 at::Tensor assemble_experts(const std::string& name, const std::vector<at::Tensor>& parts, const ModelConfig& config);
 
