@@ -23,6 +23,7 @@
 #include <set>
 #include <vector>
 
+#include "roundpipe/models/detail/param_options.h"
 #include "roundpipe/models/detail/rotary.h"
 #include "roundpipe/models/linear_cross_entropy.h"
 #include "roundpipe/models/moe.h"
@@ -30,12 +31,7 @@
 namespace roundpipe::models {
 namespace {
 
-// Parameters of a fresh module use the construction options; those of a clone (whose member
-// handles still point at the source's tensors when reset() runs) use the source's current
-// dtype and device, so a clone of a module moved with ->to() is allocated where it will live.
-at::TensorOptions param_options(const at::Tensor& current, const at::TensorOptions& fallback) {
-  return current.defined() ? current.options() : fallback;
-}
+using detail::param_options;
 
 // Causal attention in which query i sees keys (i - window, i] (transformers' sliding_window_overlay:
 // kv_idx > q_idx - window), for q, k, v [B, heads, T, d] with as many key as query heads. Note

@@ -10,7 +10,6 @@
 #include <ATen/ops/index_select.h>
 #include <ATen/ops/softmax.h>
 #include <ATen/ops/stack.h>
-#include <ATen/ops/tensor.h>
 #include <ATen/ops/topk.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
@@ -18,14 +17,13 @@
 #include <utility>
 
 #include "roundpipe/models/detail/moe_experts.h"
+#include "roundpipe/models/detail/param_options.h"
 #include "roundpipe/recompute_data.h"
 
 namespace roundpipe::models {
 namespace {
 
-at::TensorOptions param_options(const at::Tensor& current, const at::TensorOptions& fallback) {
-  return current.defined() ? current.options() : fallback;
-}
+using detail::param_options;
 
 // The key under which a sparse block saves its routing for the recompute (Note [Recompute data]).
 constexpr const char* kRoutingKey = "moe.routing";
@@ -33,16 +31,21 @@ constexpr const char* kRoutingKey = "moe.routing";
 // The top-k expert indices [N, k] of each token, and how many rows each expert gets.
 struct Routing {
   at::Tensor indices;           // int64 [N, k], on the layer's device
-  std::vector<int64_t> counts;  // [E], host
+  at::Tensor host_counts;       // int64 [E], on the CPU
+  std::vector<int64_t> counts;  // the same, as integers
 };
+
+void set_counts(Routing& r, at::Tensor host_counts) {
+  r.host_counts = std::move(host_counts);
+  const auto* data = r.host_counts.data_ptr<int64_t>();
+  r.counts.assign(data, data + r.host_counts.numel());
+}
 
 Routing route(const at::Tensor& probs, int64_t k, int64_t num_experts) {
   Routing r;
   r.indices = std::get<1>(at::topk(probs, k, /*dim=*/-1));
   // One device-to-host read per layer and microbatch on a GPU (replayed in recompute).
-  const at::Tensor counts = at::bincount(r.indices.reshape({-1}), /*weights=*/{}, num_experts).to(at::kCPU);
-  const auto* data = counts.data_ptr<int64_t>();
-  r.counts.assign(data, data + num_experts);
+  set_counts(r, at::bincount(r.indices.reshape({-1}), /*weights=*/{}, num_experts).to(at::kCPU));
   return r;
 }
 
@@ -128,15 +131,13 @@ std::vector<at::Tensor> SparseMoeBlockImpl::forward(const at::Tensor& x) {
   if (auto saved = recompute_data(kRoutingKey)) {
     // The recompute: exactly the forward's choice (Note [Recompute data]).
     routing.indices = saved->at(0);
-    const at::Tensor counts = saved->at(1);
-    routing.counts.assign(counts.data_ptr<int64_t>(), counts.data_ptr<int64_t>() + num_experts);
+    set_counts(routing, saved->at(1));
     TORCH_CHECK(routing.indices.size(0) == tokens, "SparseMoeBlock (layer ", layer_index_, "): the recompute has ",
                 tokens, " tokens but the forward routed ", routing.indices.size(0));
   } else {
     at::NoGradGuard no_grad;
     routing = route(gpt_oss ? logits : probs, k, num_experts);
-    const at::Tensor counts = at::tensor(routing.counts, at::TensorOptions().dtype(at::kLong));
-    save_for_recompute(kRoutingKey, {routing.indices, counts});
+    save_for_recompute(kRoutingKey, {routing.indices, routing.host_counts});
   }
 
   // Routing weights, gathered (so the router gets their gradient): gpt-oss softmaxes the chosen
@@ -164,11 +165,7 @@ std::vector<at::Tensor> SparseMoeBlockImpl::forward(const at::Tensor& x) {
 
   // This layer's router statistics (Note [Router statistics]): assignment counts (no gradient)
   // and probabilities as transformers' load_balancing_loss_func computes them.
-  at::Tensor layer_counts;
-  {
-    at::NoGradGuard no_grad;
-    layer_counts = at::tensor(routing.counts, at::TensorOptions().dtype(at::kLong)).to(x.device(), at::kFloat);
-  }
+  const at::Tensor layer_counts = routing.host_counts.to(x.device(), at::kFloat);
   const at::Tensor aux_probs =
       probs.defined() && logits.scalar_type() == at::kFloat ? probs : at::softmax(logits, -1).to(at::kFloat);
   const at::Tensor stats = at::stack({layer_counts, aux_probs.sum(0)});

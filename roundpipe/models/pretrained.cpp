@@ -119,7 +119,7 @@ Pretrained load_pretrained(const std::string& hf_dir, const LoadOptions& options
     if (!packed.empty() && reader.contains(packed[0]) && reader.contains(packed[1])) {
       // gpt-oss's released MXFP4 experts, dequantized as transformers' Mxfp4Config(dequantize=True).
       copied = packed;
-      return detail::dequantize_mxfp4(reader.get(packed[0]), reader.get(packed[1]), at::kFloat);
+      return detail::dequantize_mxfp4(reader.get(packed[0]), reader.get(packed[1]), dtype);
     }
     const std::vector<std::string> parts = detail::per_expert_names(name, config);
     if (parts.empty()) return at::Tensor();
