@@ -12,14 +12,21 @@
 // parameter uploads); after the RoundPipe run, the process's peak host RSS and the training state
 // (16 B/param) as a multiple of --mem-cap-gib. LLAMA_BENCH_TIMELINE=1 prints the per-job timeline.
 //
-// FLOPs per token: 8 x P for roundpipe (forward 2P + backward 4P + recompute 2P), 6 x P for plain
-// (no recompute), P = parameters without the input embedding (a gather); attention's S^2 term is
-// not counted. MFU = FLOPs/s / (--peak-tflops x 1e12), default 989 (H100 SXM dense bf16).
+// MFU counts model FLOPs, 6 x P per token for both runs (forward 2P + backward 4P; recompute is
+// not model work: a backward stage's recompute adds 2P of hardware FLOPs per token for its
+// layers, the fused stage recomputes nothing), P = parameters without the input embedding (a
+// gather); attention's S^2 term is not counted. MFU = FLOPs/s / (--peak-tflops x 1e12), default
+// 989 (H100 and H200 SXM dense bf16).
 //
 // Usage: llama_bench [--device cuda|cpu] [--hidden 2048] [--layers 16] [--heads 16] [--ffn 5632]
 //                    [--vocab 32000] [--seq 2048] [--batch 8] [--micro 4] [--iters 4]
 //                    [--mode both|roundpipe|plain] [--head chunked|full] [--mem-cap-gib 0]
-//                    [--peak-tflops 989] [--tiny]
+//                    [--peak-tflops 989] [--plain-micro 1] [--optim-threads 0] [--tiny]
+// --optim-threads N: threads of RoundPipe's CPU Adam step (default 0: at::get_num_threads()).
+// --plain-micro N: the plain loop accumulates gradients over N row chunks of the batch (for
+// batches whose activations do not fit at once); default 1, the whole batch in one pass.
+// Printed too: each timed iteration's wall time and, for roundpipe, the optimizer step's mean wall
+// time on its CPU thread (the async step hides it while it is shorter than an iteration).
 // --head: the RoundPipe run's loss: `chunked` (default) has the LM head compute it from the labels
 // chunk by chunk (models::linear_cross_entropy; no [tokens, vocab] logits), `full` from full
 // logits in loss_fn (as the plain loop always does).
@@ -31,6 +38,7 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -54,7 +62,7 @@ using Clock = std::chrono::steady_clock;
 struct Config {
   std::string device = "cuda", mode = "both", head = "chunked";
   int64_t hidden = 2048, layers = 16, heads = 16, ffn = 5632, vocab = 32000, seq = 2048, batch = 8, micro = 4,
-          iters = 4;
+          iters = 4, plain_micro = 1, optim_threads = 0;
   double mem_cap_gib = 0, peak_tflops = 989;
 };
 
@@ -150,7 +158,27 @@ struct Result {
   std::string name;
   double tokens_per_s = 0, mfu = 0, peak_gib = 0, first_loss = 0, last_loss = 0;
   double upload_gbs = -1, upload_hidden = -1;  // roundpipe only, from the stage trace
+  std::vector<double> iteration_ms;             // each timed iteration's wall time
+  double step_ms = -1;  // roundpipe: mean optimizer step (Adam + zero_grad) on the optimizer thread
 };
+
+// Tokens per second of the median timed iteration: the steady state, without the first timed
+// iteration's one-time costs (e.g. pinning the gradient buffers) or RoundPipe's final drain of the
+// last asynchronous step, both of which `tokens/s` (all timed iterations, then the drain) includes.
+double steady_tokens_per_s(const Result& r, const Config& c) {
+  if (r.iteration_ms.empty()) return 0;
+  auto ms = r.iteration_ms;
+  std::sort(ms.begin(), ms.end());
+  const double median = ms.size() % 2 == 1 ? ms[ms.size() / 2] : (ms[ms.size() / 2 - 1] + ms[ms.size() / 2]) / 2;
+  return static_cast<double>(c.batch * c.seq) / (median * 1e-3);
+}
+
+void print_times(const Result& r) {
+  std::printf("%s iterations (ms):", r.name.c_str());
+  for (double ms : r.iteration_ms) std::printf(" %.1f", ms);
+  if (r.step_ms >= 0) std::printf("; optimizer step on the CPU thread: %.1f ms per step", r.step_ms);
+  std::printf("\n");
+}
 
 void sync_devices(const std::vector<c10::Device>& devices) {
 #if ROUNDPIPE_WITH_CUDA
@@ -277,6 +305,7 @@ Result run_roundpipe(const Config& c, const std::vector<c10::Device>& devices) {
     rp::OptimizerCtx ctx;
     return rp::optim::Adam(model.parameters(), rp::optim::AdamOptions(1e-4));
   }();
+  if (c.optim_threads > 0) optimizer.set_num_threads(c.optim_threads);
   rp::RunConfig cfg;
   cfg.num_microbatch = c.micro;
   const double batch_tokens = static_cast<double>(c.batch * c.seq);
@@ -285,8 +314,10 @@ Result run_roundpipe(const Config& c, const std::vector<c10::Device>& devices) {
                                      return summed / batch_tokens;
                                    })
                                  : token_loss(c.vocab, c.batch * c.seq);
-  Result r{"roundpipe"};
+  Result r;
+  r.name = "roundpipe";
   double seconds = 0;
+  std::atomic<int64_t> step_us{0}, steps{0};  // written by the optimizer thread
   for (int64_t it = 0; it <= c.iters; ++it) {  // iteration 0 warms up (allocator, shells)
     auto batch = make_batch(c, it);
     if (it == 1) {
@@ -297,12 +328,18 @@ Result run_roundpipe(const Config& c, const std::vector<c10::Device>& devices) {
     if (it == c.iters) rp::trace::enable(true);
     const auto t0 = Clock::now();
     auto loss = model.forward_backward({batch.tokens}, batch.labels, loss_fn, cfg);
-    model.step([&] {
+    model.step([&, it] {
+      const auto s0 = Clock::now();
       optimizer.step();
       optimizer.zero_grad();
+      if (it > 0) {
+        step_us += std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - s0).count();
+        ++steps;
+      }
     });
     const double value = loss.item<double>();
-    if (it > 0) seconds += std::chrono::duration<double>(Clock::now() - t0).count();
+    const double took = std::chrono::duration<double>(Clock::now() - t0).count();
+    if (it > 0) seconds += took, r.iteration_ms.push_back(took * 1e3);
     if (it == 0) r.first_loss = value;
     r.last_loss = value;
   }
@@ -310,6 +347,7 @@ Result run_roundpipe(const Config& c, const std::vector<c10::Device>& devices) {
   model.synchronize();  // the last iteration's backward may still run (overlap_backward)
   seconds += std::chrono::duration<double>(Clock::now() - t_sync).count();
   rp::trace::enable(false);
+  if (steps > 0) r.step_ms = static_cast<double>(step_us) / 1e3 / static_cast<double>(steps);
   const auto spans = rp::trace::collect();
   double bytes = 0, upload_ms = 0;
   for (const auto& s : spans) {
@@ -328,7 +366,7 @@ Result run_roundpipe(const Config& c, const std::vector<c10::Device>& devices) {
   }
   const double tokens = static_cast<double>(c.iters * c.batch * c.seq);
   r.tokens_per_s = tokens / seconds;
-  r.mfu = 8.0 * static_cast<double>(p) * r.tokens_per_s / (c.peak_tflops * 1e12);
+  r.mfu = 6.0 * static_cast<double>(p) * r.tokens_per_s / (c.peak_tflops * 1e12);
   r.peak_gib = peak_gib(devices);
   return r;
 }
@@ -340,7 +378,8 @@ Result run_plain(const Config& c, const c10::Device& device) {
   net->to(device);
   torch::optim::AdamW optimizer(net->parameters(), torch::optim::AdamWOptions(1e-4).weight_decay(0));
   const auto loss_fn = token_loss(c.vocab, c.batch * c.seq);
-  Result r{"plain"};
+  Result r;
+  r.name = "plain";
   double seconds = 0;
   for (int64_t it = 0; it <= c.iters; ++it) {
     auto batch = make_batch(c, it);
@@ -350,15 +389,23 @@ Result run_plain(const Config& c, const c10::Device& device) {
     }
     const auto t0 = Clock::now();
     optimizer.zero_grad();
-    torch::Tensor loss;
-    {
-      rp::amp::AutocastGuard autocast(device.type(), torch::kBFloat16);
-      loss = loss_fn(net->forward(batch.tokens.to(device)), batch.labels.to(device));
+    torch::Tensor loss = torch::zeros({}, torch::TensorOptions().device(device));
+    // --plain-micro: gradient accumulation over row chunks (the same mean loss: token_loss divides
+    // by the whole batch's tokens).
+    const auto tokens = batch.tokens.to(device).chunk(c.plain_micro), labels = batch.labels.to(device).chunk(c.plain_micro);
+    for (size_t m = 0; m < tokens.size(); ++m) {
+      torch::Tensor part;
+      {
+        rp::amp::AutocastGuard autocast(device.type(), torch::kBFloat16);
+        part = loss_fn(net->forward(tokens[m]), labels[m]);
+      }
+      part.backward();
+      loss += part.detach();
     }
-    loss.backward();
     optimizer.step();
     const double value = loss.item<double>();
-    if (it > 0) seconds += std::chrono::duration<double>(Clock::now() - t0).count();
+    const double took = std::chrono::duration<double>(Clock::now() - t0).count();
+    if (it > 0) seconds += took, r.iteration_ms.push_back(took * 1e3);
     if (it == 0) r.first_loss = value;
     r.last_loss = value;
   }
@@ -373,7 +420,8 @@ Config parse(int argc, char** argv) {
   Config c;
   std::map<std::string, int64_t*> ints = {{"--hidden", &c.hidden}, {"--layers", &c.layers}, {"--heads", &c.heads},
                                           {"--ffn", &c.ffn},       {"--vocab", &c.vocab},   {"--seq", &c.seq},
-                                          {"--batch", &c.batch},   {"--micro", &c.micro},   {"--iters", &c.iters}};
+                                          {"--batch", &c.batch},   {"--micro", &c.micro},   {"--iters", &c.iters},
+                                          {"--plain-micro", &c.plain_micro}, {"--optim-threads", &c.optim_threads}};
   for (int i = 1; i < argc; ++i) {
     const std::string key = argv[i];
     if (key == "--tiny") {
@@ -403,6 +451,8 @@ Config parse(int argc, char** argv) {
   TORCH_CHECK(c.mode == "both" || c.mode == "roundpipe" || c.mode == "plain",
               "llama_bench: --mode must be both, roundpipe or plain, got ", c.mode);
   TORCH_CHECK(c.head == "chunked" || c.head == "full", "llama_bench: --head must be chunked or full, got ", c.head);
+  TORCH_CHECK(c.plain_micro >= 1 && c.plain_micro <= c.batch, "llama_bench: --plain-micro must be in [1, --batch], got ",
+              c.plain_micro);
   TORCH_CHECK(c.hidden % c.heads == 0 && (c.hidden / c.heads) % 2 == 0,
               "llama_bench: --hidden must be a multiple of --heads with an even head size");
   return c;
@@ -428,6 +478,7 @@ int main(int argc, char** argv) {
           c10::cuda::CUDAGuard guard(d.index());
           C10_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
           const double fraction = std::min(1.0, c.mem_cap_gib * (1 << 30) / static_cast<double>(total_bytes));
+          (void)at::empty({1}, at::TensorOptions().device(d));  // the caching allocator must exist first
           c10::cuda::CUDACachingAllocator::setMemoryFraction(fraction, d.index());
         }
       }
@@ -458,16 +509,19 @@ int main(int argc, char** argv) {
       std::printf("\n");
     }
     if (c.mode != "roundpipe") results.push_back(run_plain(c, devices[0]));
-    std::printf("%-10s %-12s %-8s %-14s %-12s %-12s %-14s %-14s\n", "run", "tokens/s", "MFU", "peak_mem_GiB",
-                "loss_first", "loss_last", "upload_GB/s", "upload_hidden");
+    std::printf("%-10s %-12s %-8s %-14s %-12s %-12s %-14s %-14s %-14s\n", "run", "tokens/s", "MFU", "peak_mem_GiB",
+                "loss_first", "loss_last", "upload_GB/s", "upload_hidden", "steady_tok/s");
     bool finite = true;
     for (const auto& r : results) {
-      std::printf("%-10s %-12.1f %-8.3f %-14.2f %-12.4f %-12.4f %-14.2f %-14.2f\n", r.name.c_str(), r.tokens_per_s,
-                  r.mfu, r.peak_gib, r.first_loss, r.last_loss, r.upload_gbs, r.upload_hidden);
+      std::printf("%-10s %-12.1f %-8.3f %-14.2f %-12.4f %-12.4f %-14.2f %-14.2f %-14.1f\n", r.name.c_str(),
+                  r.tokens_per_s, r.mfu, r.peak_gib, r.first_loss, r.last_loss, r.upload_gbs, r.upload_hidden,
+                  steady_tokens_per_s(r, c));
       finite = finite && std::isfinite(r.first_loss) && std::isfinite(r.last_loss);
     }
+    for (const auto& r : results) print_times(r);
     if (results.size() == 2) {
-      std::printf("roundpipe / plain tokens/s: %.3f\n", results[0].tokens_per_s / results[1].tokens_per_s);
+      std::printf("roundpipe / plain tokens/s: %.3f (steady state: %.3f)\n", results[0].tokens_per_s / results[1].tokens_per_s,
+                  steady_tokens_per_s(results[0], c) / steady_tokens_per_s(results[1], c));
     }
     if (!finite) {
       std::fprintf(stderr, "llama_bench: a loss was not finite\n");

@@ -2,6 +2,8 @@
 
 #include <c10/util/Exception.h>
 
+#include "base/config.h"  // ROUNDPIPE_WITH_CUDA: without it the NCCL path silently compiled out
+
 #if ROUNDPIPE_WITH_CUDA
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #else
@@ -9,6 +11,8 @@
 #endif
 
 namespace roundpipe::comm::detail {
+
+bool nccl_compiled_in() { return ROUNDPIPE_WITH_CUDA == 1; }
 
 c10::intrusive_ptr<c10d::Backend> make_nccl_backend(const c10::intrusive_ptr<c10d::Store>& store, int64_t rank,
                                                     int64_t world_size, std::chrono::milliseconds timeout) {

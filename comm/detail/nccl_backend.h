@@ -14,6 +14,9 @@ class Store;
 
 namespace roundpipe::comm::detail {
 
+/// Whether the NCCL backend is compiled in (exactly when LibTorch has CUDA).
+bool nccl_compiled_in();
+
 /// A ProcessGroupNCCL over `store`. Throws c10::Error when this build has no CUDA path.
 c10::intrusive_ptr<c10d::Backend> make_nccl_backend(const c10::intrusive_ptr<c10d::Store>& store, int64_t rank,
                                                     int64_t world_size, std::chrono::milliseconds timeout);

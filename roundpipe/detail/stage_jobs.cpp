@@ -46,12 +46,12 @@ const Activations& await(const ChannelPtr& channel) {
 // them, but a consumer downstream may be waiting). At the end of the job everything is handed
 // over, before its parameter gradients. A failing job hands over nothing more; guarded() fails
 // the channels it had not set. CPU jobs hand over at once (their downloads are complete on
-// return), unless set_defer_cpu_handovers_for_testing.
-std::atomic<bool> defer_cpu_handovers{false};
+// return), unless set_cuda_flow_on_cpu_for_testing.
+std::atomic<bool> cuda_flow_on_cpu{false};
 
 class Handovers {
  public:
-  explicit Handovers(const DeviceIo& io) : defer_(io.device().is_cuda() || defer_cpu_handovers.load()) {}
+  explicit Handovers(const DeviceIo& io) : defer_(io.device().is_cuda() || cuda_flow_on_cpu.load()) {}
   Handovers(const Handovers&) = delete;
   Handovers& operator=(const Handovers&) = delete;
 
@@ -170,38 +170,86 @@ void backward_paired(const Activations& outputs, const Activations& grads) {
   if (!outs.empty()) torch::autograd::backward(outs, gs);
 }
 
-// Leases a shell per layer of `r` and fills it with the layer's current values on the device,
-// each after the optimizer has published the values this iteration must use.
-// `from_snapshot`: the buffers come from the forward's snapshots (a backward stage, which must not
-// read the model's buffers: Note [Run tails]).
-std::vector<ShellLease> lease_layers(RunContext& ctx, scheduler::LayerRange r, DeviceIo& io, Position& pos,
-                                     bool from_snapshot = false) {
-  std::vector<ShellLease> shells;
-  pos.step = "copying the layer to the device";
-  for (int64_t l = r.begin; l < r.end; ++l) {
-    pos.layer = l;
-    if (ctx.wait_layer_ready) {
-      pos.step = "waiting for the optimizer";
-      ctx.wait_layer_ready(l);
-      pos.step = "copying the layer to the device";
-    }
-    const Activations* buffers = nullptr;
-    if (from_snapshot) {
-      pos.step = "waiting for the forward's buffers";
-      buffers = &await(ctx.buffer_snapshot[l]);
-      pos.step = "copying the layer to the device";
-    }
-    if (from_snapshot && l < static_cast<int64_t>(ctx.preleased.size()) && ctx.preleased[l]) {
-      shells.push_back(std::move(*ctx.preleased[l]));  // leased by the caller (Note [Run tails])
-    } else {
-      shells.emplace_back(ctx.model->shells, l);
-    }
-    io.upload_layer(*shells.back().module().ptr(), *ctx.model->layers[l].ptr(), buffers);
+// Note [Lazy leases]:
+// A job leases a shell for each of its layers and fills it with the layer's values on the device,
+// each after the optimizer has published the values this iteration must use (Note [Async step
+// protocol]). It does so when its first microbatch first needs the layer, not all up front: in
+// async mode the step queued just before this run publishes layer by layer while this job
+// starts, so the host waits for layer l's publish only when layer l is next, with the compute of
+// the layers before it already enqueued. Publish (a host pass over the masters), upload and the
+// first microbatch's compute then overlap layer by layer instead of running one after the other
+// (on a GPU the whole publish and upload were exposed before every iteration's first job).
+// Layers are leased in order: using layer l leases every layer of the job before it first. A
+// call that measures layer times leases up front, so that no timer sees a copy, and so do CPU jobs
+// (their copies are host copies on the job's own thread: nothing to overlap; they release their
+// layers before their first microbatch), unless set_cuda_flow_on_cpu_for_testing.
+// release_after_copy (the run's last reader has its copies, Note [Run tails]) leases whatever is
+// left first.
+class LayerLeases {
+ public:
+  // `from_snapshot`: the buffers come from the forward's snapshots (a backward stage, which must
+  // not read the model's buffers: Note [Run tails]).
+  LayerLeases(RunContext& ctx, scheduler::LayerRange r, DeviceIo& io, Position& pos, bool from_snapshot = false)
+      : ctx_(ctx),
+        r_(r),
+        io_(io),
+        pos_(pos),
+        from_snapshot_(from_snapshot),
+        lazy_(ctx.forward_ms.empty() && (io.device().is_cuda() || cuda_flow_on_cpu.load())) {
+    shells_.reserve(static_cast<size_t>(r.end - r.begin));
+    if (!lazy_) all();
   }
-  pos.layer = -1;
-  pos.step = "";
-  return shells;
-}
+  LayerLeases(const LayerLeases&) = delete;
+  LayerLeases& operator=(const LayerLeases&) = delete;
+
+  /// Layer l's shell (l in the job's range), leased and uploaded on first use.
+  ShellLease& operator[](int64_t l) {
+    TORCH_INTERNAL_ASSERT(l >= r_.begin && l < r_.end, "layer ", l, " is not in stage ", r_.to_string());
+    if (l - r_.begin >= static_cast<int64_t>(shells_.size())) lease_through(l);
+    return shells_[static_cast<size_t>(l - r_.begin)];
+  }
+  bool lazy() const { return lazy_; }
+  /// Every layer's shell, in order (leases the rest).
+  std::vector<ShellLease>& all() {
+    if (r_.end > r_.begin) lease_through(r_.end - 1);
+    return shells_;
+  }
+
+ private:
+  void lease_through(int64_t last) {
+    const Position saved = pos_;
+    pos_.step = "copying the layer to the device";
+    for (int64_t l = r_.begin + static_cast<int64_t>(shells_.size()); l <= last; ++l) {
+      pos_.layer = l;
+      if (ctx_.wait_layer_ready) {
+        pos_.step = "waiting for the optimizer";
+        ctx_.wait_layer_ready(l);
+        pos_.step = "copying the layer to the device";
+      }
+      const Activations* buffers = nullptr;
+      if (from_snapshot_) {
+        pos_.step = "waiting for the forward's buffers";
+        buffers = &await(ctx_.buffer_snapshot[l]);
+        pos_.step = "copying the layer to the device";
+      }
+      if (from_snapshot_ && l < static_cast<int64_t>(ctx_.preleased.size()) && ctx_.preleased[l]) {
+        shells_.push_back(std::move(*ctx_.preleased[l]));  // leased by the caller (Note [Run tails])
+      } else {
+        shells_.emplace_back(ctx_.model->shells, l);
+      }
+      io_.upload_layer(*shells_.back().module().ptr(), *ctx_.model->layers[l].ptr(), buffers);
+    }
+    pos_ = saved;
+  }
+
+  RunContext& ctx_;
+  scheduler::LayerRange r_;
+  DeviceIo& io_;
+  Position& pos_;
+  bool from_snapshot_;
+  bool lazy_;
+  std::vector<ShellLease> shells_;  // layers r.begin, r.begin + 1, ... leased so far
+};
 
 // `first_pass`: the layer's forward or fused pass (not a recompute); timed when measuring.
 // Note [Draws in the tail]: a training run's first pass notes whether the layer drew random
@@ -323,11 +371,11 @@ class RunScaleObserver final : public amp::detail::ScaleObserver {
 
 // After a backward or fused job's last microbatch: checks its layers' parameter gradients for
 // inf/NaN on the device (no host sync) and posts the flag to the run's GradScaler, if any.
-void post_found_inf(RunContext& ctx, std::vector<ShellLease>& shells, const c10::Device& device) {
+void post_found_inf(RunContext& ctx, LayerLeases& leases, const c10::Device& device) {
   amp::GradScaler* scaler = ctx.scaler.load();
   if (scaler == nullptr || !scaler->is_enabled()) return;
   std::vector<at::Tensor> grads;
-  for (auto& shell : shells) {
+  for (auto& shell : leases.all()) {
     for (const auto& p : shell.module().ptr()->parameters()) {
       if (p.grad().defined()) grads.push_back(p.grad());
     }
@@ -346,19 +394,18 @@ void post_found_inf(RunContext& ctx, std::vector<ShellLease>& shells, const c10:
   ctx.flags_posted.fetch_add(1);
 }
 
-// The run's last reader of layers [r.begin, r.end) has its copy of them (Note [Run tails]): on CPU
-// once they are copied; on CUDA the copies are asynchronous, so once they are complete, checked
-// after the first microbatch's compute is enqueued (waiting for them earlier would hold that
-// compute back; they complete before it, which waits for each layer's copy).
-void release_after_copy(RunContext& ctx, scheduler::LayerRange r, DeviceIo& io, const c10::Device& device,
+// The run's last reader of layers [r.begin, r.end) has its copy of them (Note [Run tails]): an
+// eager CPU job (Note [Lazy leases]) before its first microbatch (`microbatch` -1), its copies
+// being complete; otherwise after the first microbatch's compute is enqueued, every layer being
+// leased by then (leased now if not), and on CUDA, whose copies are asynchronous, once they are
+// complete (waiting for them earlier would hold that compute back; they complete before it,
+// which waits for each layer's copy).
+void release_after_copy(RunContext& ctx, scheduler::LayerRange r, LayerLeases& shells, DeviceIo& io,
                         int64_t microbatch) {
   if (!ctx.on_release) return;
-  if (device.is_cuda()) {
-    if (microbatch != 0) return;
-    io.wait_for_layer_uploads();
-  } else if (microbatch != -1) {
-    return;
-  }
+  if (microbatch != (io.device().is_cpu() && !shells.lazy() ? -1 : 0)) return;
+  shells.all();
+  io.wait_for_layer_uploads();
   release_layers(ctx, r.begin, r.end);
 }
 
@@ -382,7 +429,7 @@ const Activations& layer_inputs(const RunContext& ctx, int64_t l, Activations& a
 
 }  // namespace
 
-void set_defer_cpu_handovers_for_testing(bool on) { defer_cpu_handovers.store(on); }
+void set_cuda_flow_on_cpu_for_testing(bool on) { cuda_flow_on_cpu.store(on); }
 
 void release_layers(RunContext& ctx, int64_t begin, int64_t end) {
   if (!ctx.on_release) return;
@@ -401,10 +448,10 @@ void run_forward_stage(RunContext& ctx, size_t stage, scheduler::LayerRange r, c
   }
   guarded(ctx, device, pos, outputs, [&] {
     DeviceIo io(device, job_name(pos));
-    auto shells = lease_layers(ctx, r, io, pos);
+    LayerLeases shells(ctx, r, io, pos);
     for (int64_t l = r.begin; l < r.end; ++l) {
-      auto& shell = shells[l - r.begin];
       if (!ctx.buffer_snapshot[l]) continue;
+      auto& shell = shells[l];
       io.before_compute(*shell.module().ptr());
       ctx.buffer_snapshot[l]->set(buffer_copies(shell, io));
     }
@@ -417,7 +464,7 @@ void run_forward_stage(RunContext& ctx, size_t stage, scheduler::LayerRange r, c
       for (int64_t l = r.begin; l < r.end; ++l) {
         pos.layer = l;
         if (!ctx.saved[l].empty()) handovers.post(j, ctx.saved[l][j], io.download_async(acts, /*copy=*/true));
-        acts = run_layer(ctx, shells[l - r.begin], l, j, layer_inputs(ctx, l, acts, label), io, /*first_pass=*/true,
+        acts = run_layer(ctx, shells[l], l, j, layer_inputs(ctx, l, acts, label), io, /*first_pass=*/true,
                          ctx.training ? PassKind::kSaves : PassKind::kPlain);
       }
       pos.layer = -1;
@@ -432,7 +479,7 @@ void run_forward_stage(RunContext& ctx, size_t stage, scheduler::LayerRange r, c
       }
     }
     handovers.flush_all();
-    for (int64_t l = r.begin; l < r.end; ++l) ctx.buffers[l] = buffer_copies(shells[l - r.begin], io);
+    for (int64_t l = r.begin; l < r.end; ++l) ctx.buffers[l] = buffer_copies(shells[l], io);
   });
 }
 
@@ -441,8 +488,8 @@ void run_fused_stage(RunContext& ctx, scheduler::LayerRange r, c10::Device devic
   std::vector<ChannelPtr> outputs(ctx.bwd_grad[0].begin(), ctx.bwd_grad[0].end());
   guarded(ctx, device, pos, outputs, [&] {
     DeviceIo io(device, job_name(pos));
-    auto shells = lease_layers(ctx, r, io, pos);
-    release_after_copy(ctx, r, io, device, -1);
+    LayerLeases shells(ctx, r, io, pos);
+    release_after_copy(ctx, r, shells, io, -1);
     RunScaleObserver observer(ctx);
     const size_t fwd_stages = ctx.fwd_out.size();
     Handovers handovers(io);  // Note [Deferred hand-over]
@@ -455,7 +502,7 @@ void run_fused_stage(RunContext& ctx, scheduler::LayerRange r, c10::Device devic
       const at::Tensor label = label_for(ctx, r, j, io, LabelUse::kLossFn);
       for (int64_t l = r.begin; l < r.end; ++l) {
         pos.layer = l;
-        acts = run_layer(ctx, shells[l - r.begin], l, j, layer_inputs(ctx, l, acts, label), io, /*first_pass=*/true,
+        acts = run_layer(ctx, shells[l], l, j, layer_inputs(ctx, l, acts, label), io, /*first_pass=*/true,
                          PassKind::kPlain);
       }
       pos.layer = -1;
@@ -481,7 +528,7 @@ void run_fused_stage(RunContext& ctx, scheduler::LayerRange r, c10::Device devic
       handovers.post(j, [&ctx, j](Activations a) { ctx.losses[j] = a[0].reshape({}); },
                      io.download_async({loss.detach()}, /*copy=*/false));
       if (r.begin > 0) handovers.post(j, ctx.bwd_grad[0][j], io.download_async(leaf_grads(leaves), /*copy=*/false));
-      release_after_copy(ctx, r, io, device, j);
+      release_after_copy(ctx, r, shells, io, j);
     }
     handovers.flush_all();
     pos.microbatch = -1;
@@ -489,8 +536,8 @@ void run_fused_stage(RunContext& ctx, scheduler::LayerRange r, c10::Device devic
     post_found_inf(ctx, shells, device);
     pos.step = "";
     for (int64_t l = r.begin; l < r.end; ++l) {
-      ctx.grads[l] = param_grads(ctx, l, shells[l - r.begin], io);
-      ctx.buffers[l] = buffer_copies(shells[l - r.begin], io);
+      ctx.grads[l] = param_grads(ctx, l, shells[l], io);
+      ctx.buffers[l] = buffer_copies(shells[l], io);
     }
     if (ctx.on_grads_ready) ctx.on_grads_ready(r.begin, r.end);
   });
@@ -505,8 +552,8 @@ void run_backward_stage(RunContext& ctx, size_t stage, scheduler::LayerRange r, 
     // Recompute starts from the buffers the forward started from (the shells get the snapshots),
     // and evolves them in the same microbatch order; the results are discarded (Note [Buffers in
     // recompute]).
-    auto shells = lease_layers(ctx, r, io, pos, /*from_snapshot=*/true);
-    release_after_copy(ctx, r, io, device, -1);
+    LayerLeases shells(ctx, r, io, pos, /*from_snapshot=*/true);
+    release_after_copy(ctx, r, shells, io, -1);
     // Note [Recompute ahead]: with the stage grain a microbatch is recomputed as soon as the
     // device is free and the forward has passed the stage's layers for it, and its gradient is
     // awaited only before the backward pass, so the recompute overlaps the wait for the stage
@@ -532,7 +579,7 @@ void run_backward_stage(RunContext& ctx, size_t stage, scheduler::LayerRange r, 
         pos.step = "recompute";
         for (int64_t l = r.begin; l < r.end; ++l) {
           pos.layer = l;
-          acts = run_layer(ctx, shells[l - r.begin], l, j, acts, io, /*first_pass=*/false, PassKind::kReplays);
+          acts = run_layer(ctx, shells[l], l, j, acts, io, /*first_pass=*/false, PassKind::kReplays);
         }
         pos.layer = -1;
         if (ahead) {
@@ -547,7 +594,7 @@ void run_backward_stage(RunContext& ctx, size_t stage, scheduler::LayerRange r, 
           pos.layer = l;
           Activations leaves = make_leaves(io, handovers.await_input(ctx.saved[l][j]), l > 0);
           pos.step = "recompute";
-          Activations acts = run_layer(ctx, shells[l - r.begin], l, j, leaves, io, /*first_pass=*/false,
+          Activations acts = run_layer(ctx, shells[l], l, j, leaves, io, /*first_pass=*/false,
                                        PassKind::kReplays);
           pos.step = "backward";
           backward_paired(acts, grads);
@@ -562,14 +609,14 @@ void run_backward_stage(RunContext& ctx, size_t stage, scheduler::LayerRange r, 
       }
       handovers.flush_before(j);
       if (r.begin > 0) handovers.post(j, ctx.bwd_grad[stage][j], io.download_async(grads, /*copy=*/false));
-      release_after_copy(ctx, r, io, device, j);
+      release_after_copy(ctx, r, shells, io, j);
     }
     handovers.flush_all();
     pos.microbatch = -1;
     pos.step = "checking gradients for inf/NaN";
     post_found_inf(ctx, shells, device);
     pos.step = "";
-    for (int64_t l = r.begin; l < r.end; ++l) ctx.grads[l] = param_grads(ctx, l, shells[l - r.begin], io);
+    for (int64_t l = r.begin; l < r.end; ++l) ctx.grads[l] = param_grads(ctx, l, shells[l], io);
     if (ctx.on_grads_ready) ctx.on_grads_ready(r.begin, r.end);
   });
 }

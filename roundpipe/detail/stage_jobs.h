@@ -160,9 +160,10 @@ struct RunContext {
 /// Calls ctx.on_release for each layer of [begin, end) not released yet (any thread).
 void release_layers(RunContext& ctx, int64_t begin, int64_t end);
 
-/// Tests only: CPU jobs defer their hand-overs as CUDA jobs do (Note [Deferred hand-over]), so the
-/// CPU suite runs that control flow. Process-wide; set it while no run is in flight.
-void set_defer_cpu_handovers_for_testing(bool on);
+/// Tests only: CPU jobs defer their hand-overs (Note [Deferred hand-over]) and lease their layers
+/// lazily (Note [Lazy leases]) as CUDA jobs do, so the CPU suite runs that control flow.
+/// Process-wide; set it while no run is in flight.
+void set_cuda_flow_on_cpu_for_testing(bool on);
 
 void run_forward_stage(RunContext& ctx, size_t stage, scheduler::LayerRange layers, c10::Device device);
 void run_fused_stage(RunContext& ctx, scheduler::LayerRange layers, c10::Device device);

@@ -54,9 +54,9 @@ namespace roundpipe::detail {
 //  - tails_done counts the finished tails (FIFO): a step queued after run R moves gradients
 //    only once tails_done >= R.
 // So the next iteration's forward jobs, which wait for the step's publish per layer, start as
-// soon as the previous run's last backward job has copied layer 0 (CPU: at its start; CUDA:
-// once its uploads are complete, checked after its first microbatch's compute is enqueued),
-// filling the previous run's drain. Whoever reads the gradients outside a step (synchronize, a
+// soon as the previous run's last backward job has copied its layers (checked once its first
+// microbatch's compute is enqueued; CUDA: and its uploads are complete; Note [Lazy leases] in
+// stage_jobs.cpp), filling the previous run's drain. Whoever reads the gradients outside a step (synchronize, a
 // sync step, the scaler's marshalled unscale_, RoundPipe::parameters / module) waits for every
 // posted tail first. A detached tail's error is kept like a queued step's: the step queued after
 // it skips its step function, and the error is rethrown at the next entry point.

@@ -2,12 +2,14 @@
 // and failures (a rank that never arrives, a rank that exits) bounded by the timeout and naming
 // the missing rank.
 #include <ATen/ATen.h>
+#include <ATen/detail/CUDAHooksInterface.h>
 #include <gtest/gtest.h>
 
 #include <chrono>
 #include <cstdlib>
 #include <string>
 
+#include "comm/detail/nccl_backend.h"
 #include "comm/process_group.h"
 #include "tests/common/multi_process.h"
 #include "tests/common/test_macros.h"
@@ -34,6 +36,11 @@ TEST(ProcessGroupTest, OneRank_NeedsNoNetworkAndCollectivesAreIdentity) {
   EXPECT_TRUE(at::equal(t, at::arange(4, at::kFloat)));
 }
 
+// The NCCL backend once compiled out silently (its file lacked base/config.h): a GPU run found it.
+TEST(ProcessGroupTest, NcclBackend_CompiledInExactlyWhenLibTorchHasCuda) {
+  EXPECT_EQ(detail::nccl_compiled_in(), at::detail::getCUDAHooks().isBuilt());
+}
+
 TEST(ProcessGroupTest, BadOptions_AreNamed) {
   LaunchEnv env;
   EXPECT_THROW_WITH(ProcessGroup::create(env, ProcessGroupOptions().backend("mpi")), "backend 'mpi' is not supported");
@@ -45,10 +52,10 @@ TEST(ProcessGroupTest, BadOptions_AreNamed) {
 }
 
 // Worker: rank r contributes r+1; checks sum, max, min and broadcast from the last rank. With
-// ROUNDPIPE_TEST_NCCL set, over NCCL on GPU 0 (ranks may share it).
+// ROUNDPIPE_TEST_NCCL set, over NCCL on GPU nccl_test_gpu().
 TEST(ProcessGroupWorker, DISABLED_Collectives) {
   auto options = short_timeout(30);
-  if (std::getenv("ROUNDPIPE_TEST_NCCL") != nullptr) options.device(c10::Device(c10::kCUDA, 0));
+  if (std::getenv("ROUNDPIPE_TEST_NCCL") != nullptr) options.device(c10::Device(c10::kCUDA, roundpipe::testing::nccl_test_gpu()));
   auto pg = ProcessGroup::from_env(options);
   EXPECT_EQ(pg->backend(), std::getenv("ROUNDPIPE_TEST_NCCL") != nullptr ? "nccl" : "gloo");
   const auto r = static_cast<double>(pg->rank());
@@ -77,6 +84,7 @@ TEST(ProcessGroupTest, ThreeRanks_CollectivesOverGloo) {
 }
 
 TEST(ProcessGroupTest, TwoRanks_CollectivesOverNccl_CUDA) {
+  if (const auto why = roundpipe::testing::nccl_test_skip_reason(2); !why.empty()) GTEST_SKIP() << why;
   auto results = run_ranks("ProcessGroupWorker.DISABLED_Collectives", 2, {{"ROUNDPIPE_TEST_NCCL", "1"}});
   for (const auto& r : results) EXPECT_TRUE(r.passed()) << describe(results);
 }

@@ -8,6 +8,8 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <torch/cuda.h>
+
 #include <cstdlib>
 #include <fstream>
 #include <sstream>
@@ -137,6 +139,19 @@ std::string describe(const std::vector<RankResult>& results) {
         << r.output << "\n";
   }
   return out.str();
+}
+
+int nccl_test_gpu() {
+  const char* local_rank = std::getenv("LOCAL_RANK");
+  const auto gpus = static_cast<int>(torch::cuda::device_count());
+  return gpus == 0 || local_rank == nullptr ? 0 : std::atoi(local_rank) % gpus;
+}
+
+std::string nccl_test_skip_reason(int world_size) {
+  const auto gpus = static_cast<int>(torch::cuda::device_count());
+  if (gpus >= world_size || std::getenv("ROUNDPIPE_TEST_NCCL_SHARED_GPU") != nullptr) return "";
+  return "NCCL needs a GPU per rank: " + std::to_string(world_size) + " ranks, " + std::to_string(gpus) +
+         " GPU(s) visible (ROUNDPIPE_TEST_NCCL_SHARED_GPU=1 lets ranks share them)";
 }
 
 }  // namespace roundpipe::testing

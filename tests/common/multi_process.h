@@ -35,6 +35,14 @@ std::vector<RankResult> run_ranks(const std::string& worker_test, int world_size
 /// Every rank's output, for failure messages.
 std::string describe(const std::vector<RankResult>& results);
 
+/// The GPU a rank of an NCCL test uses: LOCAL_RANK modulo the visible GPUs (NCCL refuses two ranks
+/// of one communicator on one GPU: "Duplicate GPU detected").
+int nccl_test_gpu();
+
+/// Empty when an NCCL test of `world_size` ranks can run here (a GPU per rank), else why not, for
+/// GTEST_SKIP. ROUNDPIPE_TEST_NCCL_SHARED_GPU=1 lets ranks share GPUs anyway.
+std::string nccl_test_skip_reason(int world_size);
+
 /// A fresh empty directory under $TMPDIR (not removed).
 std::string make_temp_dir(const std::string& prefix);
 

@@ -103,9 +103,9 @@ Trained load(const std::string& path) {
 
 StepMode env_mode() { return std::string(std::getenv("ROUNDPIPE_TEST_MODE")) == "sync" ? StepMode::kSync : StepMode::kAsync; }
 
-// With ROUNDPIPE_TEST_CUDA set: GPU 0 (shared by the ranks) and NCCL.
+// With ROUNDPIPE_TEST_CUDA set: the rank's GPU (testing::nccl_test_gpu) and NCCL.
 std::vector<c10::Device> env_devices() {
-  if (std::getenv("ROUNDPIPE_TEST_CUDA") != nullptr) return {c10::Device(c10::kCUDA, 0)};
+  if (std::getenv("ROUNDPIPE_TEST_CUDA") != nullptr) return {c10::Device(c10::kCUDA, testing::nccl_test_gpu())};
   return {c10::kCPU, c10::kCPU};
 }
 
@@ -165,8 +165,11 @@ TEST(DataParallelTest, InfOnOneRankOnly_BothSkipAndBackOffIdentically) {
   two_ranks_match_one_process(StepMode::kAsync, 1);
 }
 
-// NCCL on one GPU shared by both ranks (TF32 is off by default in LibTorch: fp32 matmuls).
-TEST(DataParallelTest, TwoRanks_AsyncStep_Nccl_CUDA) { two_ranks_match_one_process(StepMode::kAsync, 1, true); }
+// NCCL, a GPU per rank (TF32 is off by default in LibTorch: fp32 matmuls).
+TEST(DataParallelTest, TwoRanks_AsyncStep_Nccl_CUDA) {
+  if (const auto why = testing::nccl_test_skip_reason(2); !why.empty()) GTEST_SKIP() << why;
+  two_ranks_match_one_process(StepMode::kAsync, 1, true);
+}
 
 // Worker: rank 1 builds a model with another layer width.
 TEST(DataParallelWorker, DISABLED_MismatchedModels) {

@@ -1,6 +1,7 @@
 // Deferred hand-over (Note [Deferred hand-over], stage_jobs.cpp): CUDA jobs hand a microbatch's
-// results to other jobs only after the next microbatch's compute is enqueued. CPU jobs do the same
-// here (set_defer_cpu_handovers_for_testing), so the CPU suite runs that control flow: results
+// results to other jobs only after the next microbatch's compute is enqueued, and lease each layer
+// when their first microbatch first needs it (Note [Lazy leases]). CPU jobs do the same here
+// (set_cuda_flow_on_cpu_for_testing), so the CPU suite runs that control flow: results
 // are bitwise those of immediate hand-over, and close to a plain LibTorch loop; forward-only runs,
 // overlapping iterations with dropout and errors mid-run behave as without deferral.
 #include <gtest/gtest.h>
@@ -24,8 +25,8 @@ using testing::mse_over;
 
 class DeferredHandoverTest : public ::testing::Test {
  protected:
-  void SetUp() override { detail::set_defer_cpu_handovers_for_testing(true); }
-  void TearDown() override { detail::set_defer_cpu_handovers_for_testing(false); }
+  void SetUp() override { detail::set_cuda_flow_on_cpu_for_testing(true); }
+  void TearDown() override { detail::set_cuda_flow_on_cpu_for_testing(false); }
 };
 
 struct RunResult {
@@ -35,7 +36,7 @@ struct RunResult {
 // `steps` training iterations of a transformer (dropout `p`) with SGD + momentum, the given step
 // mode, plan grain and device count.
 RunResult train(bool defer, int devices, RecomputeGrain grain, double p, StepMode mode, int steps) {
-  detail::set_defer_cpu_handovers_for_testing(defer);
+  detail::set_cuda_flow_on_cpu_for_testing(defer);
   RoundPipe rp(testing::make_transformer(21, p), RoundPipeOptions().devices(cpu_devices(devices)).seed(99));
   auto opt = [&] {
     OptimizerCtx ctx;
@@ -58,7 +59,7 @@ RunResult train(bool defer, int devices, RecomputeGrain grain, double p, StepMod
   }
   rp.synchronize();
   for (const auto& t : rp.module()->parameters()) result.params.push_back(t.detach().clone());
-  detail::set_defer_cpu_handovers_for_testing(true);
+  detail::set_cuda_flow_on_cpu_for_testing(true);
   return result;
 }
 
@@ -112,7 +113,7 @@ TEST_F(DeferredHandoverTest, Forward_OutputsBitwiseAsImmediate) {
   cfg.execute_plan = scheduler::ExecutePlan({{0, 1}, {1, 3}, {3, 4}}, {});
   std::vector<torch::Tensor> outs;
   for (bool defer : {true, false}) {
-    detail::set_defer_cpu_handovers_for_testing(defer);
+    detail::set_cuda_flow_on_cpu_for_testing(defer);
     RoundPipe rp(testing::deep_copy(model), RoundPipeOptions().devices(cpu_devices(3)));
     outs.push_back(rp.forward({x}, cfg));
   }

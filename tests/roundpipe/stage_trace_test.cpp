@@ -7,6 +7,7 @@
 #include <map>
 #include <set>
 
+#include "roundpipe/detail/stage_jobs.h"
 #include "roundpipe/round_pipe.h"
 #include "tests/roundpipe/test_models.h"
 
@@ -30,6 +31,7 @@ TEST(StageTraceTest, RecordsEveryJobWithBytesAndOrderedTimes) {
   cfg.execute_plan = scheduler::ExecutePlan({{0, 2}}, {{2, 5}, {0, 2}});
   auto loss_fn = [](const torch::Tensor& out, const torch::Tensor& y) { return torch::mse_loss(out, y); };
   rp.forward_backward({torch::randn({6, 8})}, torch::randn({6, 4}), loss_fn, cfg);  // not traced
+  rp.synchronize();  // its backward job may still run: it must finish before tracing starts
 
   trace::enable(true);
   rp.forward_backward({torch::randn({6, 8})}, torch::randn({6, 4}), loss_fn, cfg);
@@ -56,6 +58,33 @@ TEST(StageTraceTest, RecordsEveryJobWithBytesAndOrderedTimes) {
   EXPECT_EQ(workers.size(), 2u);  // round-robin over both workers
   // CPU workers upload and compute on one thread: nothing is hidden.
   EXPECT_EQ(trace::upload_overlap_fraction(spans), 0.0);
+}
+
+// Note [Lazy leases]: a job run as on CUDA copies each layer when its first microbatch first needs
+// it, so its compute starts before its last layer's copy (eager CPU jobs copy every layer first).
+TEST(StageTraceTest, LazyLeases_ComputeStartsBeforeTheLastLayerIsCopied) {
+  auto model = testing::make_mlp(3);  // 5 layers
+  RoundPipe rp(model, RoundPipeOptions().devices({c10::kCPU}));
+  RunConfig cfg;
+  cfg.num_microbatch = 2;
+  cfg.execute_plan = scheduler::ExecutePlan({}, {{0, 5}});
+  auto loss_fn = [](const torch::Tensor& out, const torch::Tensor& y) { return torch::mse_loss(out, y); };
+  for (bool lazy : {false, true}) {
+    detail::set_cuda_flow_on_cpu_for_testing(lazy);
+    trace::enable(true);
+    rp.forward_backward({torch::randn({6, 8})}, torch::randn({6, 4}), loss_fn, cfg);
+    rp.synchronize();
+    trace::enable(false);
+    detail::set_cuda_flow_on_cpu_for_testing(false);
+    const auto spans = trace::collect();
+    ASSERT_EQ(spans.size(), 1u);
+    EXPECT_EQ(spans[0].upload_bytes, layer_bytes(model, 0, 5));
+    if (lazy) {
+      EXPECT_LT(spans[0].compute_begin_ms, spans[0].upload_end_ms);
+    } else {
+      EXPECT_LE(spans[0].upload_end_ms, spans[0].compute_begin_ms);
+    }
+  }
 }
 
 TEST(StageTraceTest, OverlapFraction_CountsUploadTimeUnderSameWorkerCompute) {
