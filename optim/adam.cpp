@@ -3,6 +3,7 @@
 #include "optim/detail/adam_kernel.h"
 #include "optim/detail/parallel_tasks.h"
 #include "base/logging.h"
+#include "base/thread_budget.h"
 
 #include <ATen/Parallel.h>
 #include <c10/util/irange.h>
@@ -318,9 +319,12 @@ torch::Tensor Adam::step(LossClosure closure) {
     offsets[i + 1] = offsets[i] + jobs[i].numel;
   }
   const int64_t total = offsets.back();
-  const int64_t max_threads = num_threads_ > 0 ? num_threads_ : at::get_num_threads();
-  const int64_t tasks = std::max<int64_t>(
-      1, std::min<int64_t>(max_threads, (total + kGrainElements - 1) / kGrainElements));
+  // Without an explicit count: at::get_num_threads(), capped by the calling thread's budget
+  // (RoundPipe's optimizer thread: Note [Optimizer thread budget]).
+  int64_t max_threads = num_threads_ > 0 ? num_threads_ : at::get_num_threads();
+  if (num_threads_ == 0 && base::thread_budget() > 0) max_threads = std::min(max_threads, base::thread_budget());
+  last_step_threads_ = std::max<int64_t>(1, std::min<int64_t>(max_threads, (total + kGrainElements - 1) / kGrainElements));
+  const int64_t tasks = last_step_threads_;
   const detail::AdamUpdateFn update = detail::adam_update_fn(static_cast<detail::CpuIsa>(isa_));
   auto run_task = [&](int64_t task) {
     const int64_t begin = total * task / tasks;

@@ -111,10 +111,14 @@ class Adam : public torch::optim::Optimizer {
   /// the registration. `param` must belong to this optimizer.
   void set_compute_copy(const torch::Tensor& param, torch::Tensor copy);
 
-  /// Caps the threads one step uses (0 = at::get_num_threads() of the calling thread; a larger
-  /// request is also capped by it). Results do not depend on the thread count.
+  /// Caps the threads one step uses (0 = at::get_num_threads() of the calling thread, capped by
+  /// the thread's base::thread_budget where one is set, as on RoundPipe's optimizer thread when it
+  /// drives GPUs: half the cores; a larger request is also capped by at::get_num_threads()).
+  /// Results do not depend on the thread count.
   void set_num_threads(int64_t num_threads);
   int64_t num_threads() const { return num_threads_; }
+  /// Threads the last step used (0 before the first step that updated a parameter).
+  int64_t last_step_threads() const { return last_step_threads_; }
 
   /// Non-temporal stores for parameters of 2^20 elements or more (skips the write-allocate read
   /// of p, m, v). Default off: on the AMD EPYC VM we measured it 25% slower; try it on Intel
@@ -134,6 +138,7 @@ class Adam : public torch::optim::Optimizer {
   void check_param(const torch::Tensor& param) const;
 
   int64_t num_threads_ = 0;
+  int64_t last_step_threads_ = 0;
   bool streaming_stores_ = false;
   int isa_ = 0;  // detail::CpuIsa, kept as int so the public header stays free of detail/
   std::unordered_map<const void*, torch::Tensor> compute_copies_;  // TensorImpl* -> copy

@@ -13,8 +13,9 @@
 #include <limits>
 #include <mutex>
 #include <optional>
-#include <utility>
+#include <thread>
 #include <unordered_map>
+#include <utility>
 
 #include "amp/autocast_guard.h"
 #include "amp/detail/grad_scaler_access.h"
@@ -287,7 +288,11 @@ RoundPipe::RoundPipe(torch::nn::Sequential model, RoundPipeOptions options) : im
     m.grad_sync = std::make_unique<detail::GradSync>(options.process_group(), m.layer_set, m.params,
                                                      options.grad_bucket_bytes());
   }
-  m.steps = std::make_unique<detail::StepPipeline>(&m.params, options.optim_dtype(), options.master_grad_dtype());
+  // Note [Optimizer thread budget] (step_pipeline.cpp): half the cores when driving GPUs.
+  const bool drives_gpus = std::any_of(m.devices.begin(), m.devices.end(), [](const c10::Device& d) { return d.is_cuda(); });
+  const int64_t optimizer_threads = drives_gpus ? std::max<int64_t>(1, std::thread::hardware_concurrency() / 2) : 0;
+  m.steps = std::make_unique<detail::StepPipeline>(&m.params, options.optim_dtype(), options.master_grad_dtype(),
+                                                   optimizer_threads);
   for (const auto& device : m.devices) m.workers.push_back(std::make_unique<detail::DeviceWorker>(device));
   ROUNDPIPE_LOG(*m.log, kInfo, "RoundPipe '", options.name(), "': ", m.num_layers(), " layers on ", m.devices.size(),
                 " device(s)");

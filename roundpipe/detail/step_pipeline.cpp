@@ -8,6 +8,7 @@
 
 #include "amp/detail/scaler_core.h"
 #include "amp/grad_scaler.h"
+#include "base/thread_budget.h"
 
 namespace roundpipe::detail {
 
@@ -63,10 +64,11 @@ namespace roundpipe::detail {
 
 StepPipeline::StepPipeline(const std::vector<std::vector<at::Tensor>>* params,
                            std::optional<c10::ScalarType> optim_dtype,
-                           std::optional<c10::ScalarType> master_grad_dtype)
+                           std::optional<c10::ScalarType> master_grad_dtype, int64_t optimizer_threads)
     : params_(params),
       optim_dtype_(optim_dtype),
       master_grad_dtype_(master_grad_dtype),
+      optimizer_threads_(optimizer_threads),
       published_(params->size(), 0),
       consumed_(params->size(), 0),
       released_(params->size(), 0) {}
@@ -256,8 +258,21 @@ void StepPipeline::accept_grads(const LayerSet& layers, std::vector<std::vector<
   }
 }
 
+// Note [Optimizer thread budget]:
+// An async step runs while the device workers launch the next iteration's kernels. A CPU
+// optimizer that takes every core (roundpipe::optim::Adam defaults to at::get_num_threads())
+// leaves the worker threads none: on an H200 host (16 cores, one GPU, 0.95B parameters) the
+// iterations jittered 416-534 ms with 16 Adam threads and ran 391-401 ms with 8, at the same Adam
+// time (215 ms: the step is memory-bound; docs/benchmarks.md). So when RoundPipe drives GPUs its
+// optimizer thread carries base::thread_budget = half the cores (at least 1), which Adam obeys
+// when it was given no explicit thread count (Adam::set_num_threads wins). CPU devices compute on
+// the cores themselves; there the budget is left unset.
 DeviceWorker& StepPipeline::optimizer_thread() {
-  if (!optimizer_thread_) optimizer_thread_ = std::make_unique<DeviceWorker>(c10::Device(c10::kCPU));
+  if (!optimizer_thread_) {
+    optimizer_thread_ = std::make_unique<DeviceWorker>(c10::Device(c10::kCPU));
+    // One thread, FIFO: this runs before any step job, and its thread-local budget stays.
+    optimizer_thread_->post([threads = optimizer_threads_] { base::set_thread_budget(threads); });
+  }
   return *optimizer_thread_;
 }
 

@@ -44,9 +44,10 @@ namespace roundpipe::detail {
 class StepPipeline {
  public:
   /// `params[l]`: layer l's parameters (the compute copies), owned by the caller and alive as long
-  /// as this object.
+  /// as this object. `optimizer_threads`: the optimizer thread's base::thread_budget (0: none;
+  /// Note [Optimizer thread budget]).
   StepPipeline(const std::vector<std::vector<at::Tensor>>* params, std::optional<c10::ScalarType> optim_dtype,
-               std::optional<c10::ScalarType> master_grad_dtype);
+               std::optional<c10::ScalarType> master_grad_dtype, int64_t optimizer_threads = 0);
   ~StepPipeline();
   StepPipeline(const StepPipeline&) = delete;
   StepPipeline& operator=(const StepPipeline&) = delete;
@@ -117,6 +118,7 @@ class StepPipeline {
   std::vector<std::vector<at::Tensor>> master_grad_buffers_;
   MasterWatch watch_{&masters_};  // wraps every step function (Note [Untouched masters])
 
+  const int64_t optimizer_threads_;
   std::unique_ptr<DeviceWorker> optimizer_thread_;
   std::vector<std::future<void>> pending_steps_;  // caller thread only
   int64_t steps_ = 0;                              // caller thread only

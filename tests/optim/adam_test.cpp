@@ -2,6 +2,7 @@
 // round trips (ours and torch::optim::Adam's archives), option validation and LR schedulers.
 #include "optim/adam.h"
 
+#include "base/thread_budget.h"
 #include "tests/common/python_oracle.h"
 #include "tests/common/tensor_compare.h"
 
@@ -9,6 +10,7 @@
 #include <torch/torch.h>
 
 #include <sstream>
+#include <thread>
 #include <string>
 #include <vector>
 
@@ -184,6 +186,30 @@ struct TwoGroupRun {
     }
   }
 };
+
+// Note [Optimizer thread budget]: a thread's budget caps the default thread count of a step, not an
+// explicit one.
+TEST(AdamTest, ThreadBudget_CapsTheDefaultThreadCountOnly) {
+  auto p = torch::zeros({8 * 32 * 1024}, torch::requires_grad());  // 8 grains of work
+  p.mutable_grad() = torch::ones_like(p);
+  optim::Adam adam({p});
+  std::thread([&] {
+    const int64_t all = std::min<int64_t>(at::get_num_threads(), 8);
+    adam.step();
+    EXPECT_EQ(adam.last_step_threads(), all);
+    base::set_thread_budget(1);
+    adam.step();
+    EXPECT_EQ(adam.last_step_threads(), 1);
+    adam.set_num_threads(2);
+    adam.step();
+    EXPECT_EQ(adam.last_step_threads(), 2);
+    adam.set_num_threads(0);
+    base::set_thread_budget(0);
+    adam.step();
+    EXPECT_EQ(adam.last_step_threads(), all);
+  }).join();
+  EXPECT_EQ(base::thread_budget(), 0) << "the budget is the setting thread's own";
+}
 
 TEST(AdamTest, StateDictRoundTrip_ContinuesIdentically) {
   TwoGroupRun straight(7), resumed(7);

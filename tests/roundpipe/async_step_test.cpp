@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <future>
@@ -10,10 +11,12 @@
 #include <stdexcept>
 #include <thread>
 
+#include "base/thread_budget.h"
 #include "optim/adam.h"
 #include "roundpipe/detail/device_worker.h"
 #include "roundpipe/round_pipe.h"
 #include "tests/common/tensor_compare.h"
+#include "tests/common/test_macros.h"
 #include "tests/roundpipe/test_models.h"
 
 namespace roundpipe {
@@ -58,6 +61,20 @@ TEST(AsyncStepTest, Async_EqualsStalenessOneReference) {
     }
   }
 }
+
+// Note [Optimizer thread budget]: the step function runs under half the cores' budget when
+// RoundPipe drives GPUs, under none on CPU devices.
+void optimizer_thread_budget(c10::Device device) {
+  RoundPipe rp(testing::make_mlp(3), RoundPipeOptions().devices({device}));
+  auto x = torch::randn({6, 8}), y = torch::randn({6, 4});
+  rp.forward_backward({x}, y, mse_over(y.numel()));
+  int64_t seen = -1;
+  rp.step([&] { seen = base::thread_budget(); });
+  rp.synchronize();
+  const int64_t half = std::max<int64_t>(1, std::thread::hardware_concurrency() / 2);
+  EXPECT_EQ(seen, device.is_cuda() ? half : 0);
+}
+ROUNDPIPE_DEVICE_TEST(AsyncStepTest, OptimizerThreadBudget_HalfTheCoresWhenDrivingGpus, optimizer_thread_budget)
 
 TEST(AsyncStepTest, StepError_IsRethrownAtNextSyncPoint_ModelStaysUsable) {
   RoundPipe rp(testing::make_mlp(2), RoundPipeOptions().devices({c10::kCPU, c10::kCPU}));
