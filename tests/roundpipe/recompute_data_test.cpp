@@ -6,6 +6,7 @@
 #include <torch/torch.h>
 
 #include <atomic>
+#include <cmath>
 #include <vector>
 
 #include "roundpipe/recompute_data.h"
@@ -59,6 +60,7 @@ TEST(RecomputeDataTest, RecomputeGetsTheForwardsData) {
       cfg.recompute_grain = grain;
       // Layers 0-2 in forward stages (recomputed), layer 3 in the fused tail.
       cfg.execute_plan = scheduler::ExecutePlan({{0, 2}, {2, 3}}, {{3, 4}, {2, 3}, {0, 2}});
+      torch::manual_seed(3);
       const auto x = torch::rand({4, 3}) + 0.5;
       rp.forward_backward({x}, torch::Tensor(), [](const torch::Tensor& y, const torch::Tensor&) { return y.sum(); },
                           cfg);
@@ -71,8 +73,10 @@ TEST(RecomputeDataTest, RecomputeGetsTheForwardsData) {
       // microbatch, summed. Microbatch j's c for layer l is its first-pass count; with the
       // forward's c replayed the gradient of every layer is the same sum.
       const auto params = rp.module()->parameters();
+      // (Equal up to float32 rounding: each layer's gradient multiplies the same factors in
+      // another order. A c that was not replayed changes a product by a whole factor.)
       const double g0 = params[0].grad().item<double>();
-      for (const auto& p : params) EXPECT_DOUBLE_EQ(p.grad().item<double>(), g0);
+      for (const auto& p : params) EXPECT_NEAR(p.grad().item<double>(), g0, 1e-6 * std::abs(g0));
       // Inference neither saves nor replays.
       g_replays = 0;
       rp.forward({x});
