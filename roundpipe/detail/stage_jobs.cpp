@@ -394,16 +394,23 @@ void post_found_inf(RunContext& ctx, LayerLeases& leases, const c10::Device& dev
   ctx.flags_posted.fetch_add(1);
 }
 
-// The run's last reader of layers [r.begin, r.end) has its copy of them (Note [Run tails]): an
-// eager CPU job (Note [Lazy leases]) before its first microbatch (`microbatch` -1), its copies
-// being complete; otherwise after the first microbatch's compute is enqueued, every layer being
-// leased by then (leased now if not), and on CUDA, whose copies are asynchronous, once they are
-// complete (waiting for them earlier would hold that compute back; they complete before it,
-// which waits for each layer's copy).
+// When a backward or fused job tells the step that the run's last reader of its layers has its
+// copy of them (Note [Run tails]).
+enum class ReleasePoint {
+  kBeforeFirstMicrobatch,  // after the leases: an eager CPU job's copies are complete by then
+  kAfterFirstMicrobatch,   // once the first microbatch's compute is enqueued
+};
+
+// Releases layers [r.begin, r.end) at `point` if that is this job's release point: an eager CPU
+// job (Note [Lazy leases]) releases before its first microbatch; a lazy job after its first
+// microbatch's compute is enqueued, every layer being leased by then (leased now if not), and on
+// CUDA, whose copies are asynchronous, once they are complete (waiting for them earlier would
+// hold that compute back; they complete before it, which waits for each layer's copy).
 void release_after_copy(RunContext& ctx, scheduler::LayerRange r, LayerLeases& shells, DeviceIo& io,
-                        int64_t microbatch) {
+                        ReleasePoint point) {
   if (!ctx.on_release) return;
-  if (microbatch != (io.device().is_cpu() && !shells.lazy() ? -1 : 0)) return;
+  const bool eager_cpu = io.device().is_cpu() && !shells.lazy();
+  if (point != (eager_cpu ? ReleasePoint::kBeforeFirstMicrobatch : ReleasePoint::kAfterFirstMicrobatch)) return;
   shells.all();
   io.wait_for_layer_uploads();
   release_layers(ctx, r.begin, r.end);
@@ -489,7 +496,7 @@ void run_fused_stage(RunContext& ctx, scheduler::LayerRange r, c10::Device devic
   guarded(ctx, device, pos, outputs, [&] {
     DeviceIo io(device, job_name(pos));
     LayerLeases shells(ctx, r, io, pos);
-    release_after_copy(ctx, r, shells, io, -1);
+    release_after_copy(ctx, r, shells, io, ReleasePoint::kBeforeFirstMicrobatch);
     RunScaleObserver observer(ctx);
     const size_t fwd_stages = ctx.fwd_out.size();
     Handovers handovers(io);  // Note [Deferred hand-over]
@@ -528,7 +535,7 @@ void run_fused_stage(RunContext& ctx, scheduler::LayerRange r, c10::Device devic
       handovers.post(j, [&ctx, j](Activations a) { ctx.losses[j] = a[0].reshape({}); },
                      io.download_async({loss.detach()}, /*copy=*/false));
       if (r.begin > 0) handovers.post(j, ctx.bwd_grad[0][j], io.download_async(leaf_grads(leaves), /*copy=*/false));
-      release_after_copy(ctx, r, shells, io, j);
+      if (j == 0) release_after_copy(ctx, r, shells, io, ReleasePoint::kAfterFirstMicrobatch);
     }
     handovers.flush_all();
     pos.microbatch = -1;
@@ -553,7 +560,7 @@ void run_backward_stage(RunContext& ctx, size_t stage, scheduler::LayerRange r, 
     // and evolves them in the same microbatch order; the results are discarded (Note [Buffers in
     // recompute]).
     LayerLeases shells(ctx, r, io, pos, /*from_snapshot=*/true);
-    release_after_copy(ctx, r, shells, io, -1);
+    release_after_copy(ctx, r, shells, io, ReleasePoint::kBeforeFirstMicrobatch);
     // Note [Recompute ahead]: with the stage grain a microbatch is recomputed as soon as the
     // device is free and the forward has passed the stage's layers for it, and its gradient is
     // awaited only before the backward pass, so the recompute overlaps the wait for the stage
@@ -609,7 +616,7 @@ void run_backward_stage(RunContext& ctx, size_t stage, scheduler::LayerRange r, 
       }
       handovers.flush_before(j);
       if (r.begin > 0) handovers.post(j, ctx.bwd_grad[stage][j], io.download_async(grads, /*copy=*/false));
-      release_after_copy(ctx, r, shells, io, j);
+      if (j == 0) release_after_copy(ctx, r, shells, io, ReleasePoint::kAfterFirstMicrobatch);
     }
     handovers.flush_all();
     pos.microbatch = -1;
