@@ -10,6 +10,7 @@
 // reads every line it writes anyway, so its 28 B are all real). GB/s = bytes / seconds / 1e9.
 // The time per implementation is the median of --reps steps after one warm-up step.
 #include "optim/adam.h"
+#include "optim/lion.h"
 #include "optim/detail/parallel_tasks.h"
 
 #include <ATen/Parallel.h>
@@ -143,6 +144,14 @@ int main(int argc, char** argv) {
             {param}, roundpipe::optim::AdamOptions(1e-3).weight_decay(0.01).decoupled_weight_decay(true));
         opt.set_kernel_isa(isa);
         rows.push_back({"roundpipe AdamW", median_seconds(reps, [&] { opt.step(); }), adam_bytes});
+      }
+      {  // Lion (one state): reads p, g, m and writes p, m: 20 B/param (18 with bf16 gradients).
+        auto param = p.clone();
+        param.mutable_grad() = g;
+        roundpipe::optim::Lion opt({param}, roundpipe::optim::LionOptions(1e-4).weight_decay(0.1));
+        rows.push_back({"roundpipe Lion", median_seconds(reps, [&] { opt.step(); }), 20.0 * n});
+        param.mutable_grad() = g.to(torch::kBFloat16);
+        rows.push_back({"bf16 g: roundpipe Lion", median_seconds(reps, [&] { opt.step(); }), 18.0 * n});
       }
       {
         auto param = p.clone();

@@ -2,10 +2,9 @@
 
 #include "optim/detail/adam_kernel.h"
 #include "optim/detail/parallel_tasks.h"
+#include "optim/detail/step_inputs.h"
 #include "base/logging.h"
-#include "base/thread_budget.h"
 
-#include <ATen/Parallel.h>
 #include <c10/util/irange.h>
 #include <torch/optim/serialize.h>
 #include <torch/serialize/archive.h>
@@ -17,8 +16,6 @@ namespace roundpipe::optim {
 
 namespace {
 
-// Elements per thread below which splitting a step further does not pay for waking a thread.
-constexpr int64_t kGrainElements = 32 * 1024;
 // With set_streaming_stores(true), parameters from this size on (4 MiB per fp32 buffer) are
 // written with non-temporal stores; see Note [Streaming stores] in detail/adam_kernel_impl.h.
 constexpr int64_t kStreamingMinElements = int64_t{1} << 20;
@@ -141,17 +138,7 @@ Adam::Adam(std::vector<torch::Tensor> params, AdamOptions defaults)
                torch::optim::OptimizerParamGroup(std::move(params))},
            std::move(defaults)) {}
 
-void Adam::check_param(const torch::Tensor& p) const {
-  TORCH_CHECK(p.defined(), "roundpipe::optim::Adam: got an undefined parameter tensor");
-  TORCH_CHECK(p.device().is_cpu() && p.scalar_type() == torch::kFloat && p.layout() == torch::kStrided,
-              "roundpipe::optim::Adam: parameters must be dense float32 CPU tensors, got ",
-              p.toString(), " of shape ", p.sizes(), " on ", p.device(),
-              "; keep fp32 master weights on the CPU (RoundPipeOptions().optim_dtype(torch::kFloat)) "
-              "or use torch::optim::Adam");
-  TORCH_CHECK(p.is_contiguous(), "roundpipe::optim::Adam: parameter of shape ", p.sizes(),
-              " is not contiguous; pass contiguous parameters (e.g. leaf tensors made with "
-              ".contiguous())");
-}
+void Adam::check_param(const torch::Tensor& p) const { detail::check_master_param(p, "roundpipe::optim::Adam"); }
 
 void Adam::set_num_threads(int64_t num_threads) {
   TORCH_CHECK(num_threads >= 0, "roundpipe::optim::Adam::set_num_threads: got ", num_threads,
@@ -229,21 +216,7 @@ torch::Tensor Adam::step(LossClosure closure) {
         continue;
       }
       check_param(p);
-      torch::Tensor grad = p.grad();
-      TORCH_CHECK(!grad.is_sparse(), "roundpipe::optim::Adam does not support sparse gradients; "
-                  "use torch::optim::SparseAdam");
-      const auto grad_type = grad.scalar_type();
-      TORCH_CHECK(grad.device().is_cpu() &&
-                      (grad_type == torch::kFloat || grad_type == torch::kHalf || grad_type == torch::kBFloat16) &&
-                      grad.sizes() == p.sizes(),
-                  "roundpipe::optim::Adam: the gradient of a parameter of shape ", p.sizes(),
-                  " must be a float32, float16 or bfloat16 CPU tensor of the same shape, got ",
-                  grad.toString(), " of shape ", grad.sizes(), " on ", grad.device(),
-                  "; convert gradients to the master dtype before step()");
-      if (!grad.is_contiguous()) {
-        grad = grad.contiguous();
-        keep_alive.push_back(grad);
-      }
+      const torch::Tensor grad = detail::step_grad(p, "roundpipe::optim::Adam", keep_alive);
 
       auto& slot = state_[p.unsafeGetTensorImpl()];
       if (!slot) {
@@ -271,9 +244,7 @@ torch::Tensor Adam::step(LossClosure closure) {
       detail::AdamTensor job;
       job.param = p.data_ptr<float>();
       job.grad = grad.const_data_ptr();
-      job.grad_dtype = grad_type == torch::kHalf       ? detail::GradDtype::kHalf
-                       : grad_type == torch::kBFloat16 ? detail::GradDtype::kBFloat16
-                                                       : detail::GradDtype::kFloat;
+      job.grad_dtype = detail::grad_dtype_of(grad);
       job.exp_avg = state.exp_avg().data_ptr<float>();
       job.exp_avg_sq = state.exp_avg_sq().data_ptr<float>();
       job.max_exp_avg_sq = options.amsgrad() ? state.max_exp_avg_sq().data_ptr<float>() : nullptr;
@@ -312,31 +283,13 @@ torch::Tensor Adam::step(LossClosure closure) {
     return loss;
   }
 
-  // Split the concatenation of all parameters into `tasks` equal contiguous element ranges, one
-  // thread each (Note [Why not at::parallel_for]).
-  std::vector<int64_t> offsets(jobs.size() + 1, 0);
-  for (const auto i : c10::irange(jobs.size())) {
-    offsets[i + 1] = offsets[i] + jobs[i].numel;
-  }
-  const int64_t total = offsets.back();
-  // Without an explicit count: at::get_num_threads(), capped by the calling thread's budget
-  // (RoundPipe's optimizer thread: Note [Optimizer thread budget]).
-  int64_t max_threads = num_threads_ > 0 ? num_threads_ : at::get_num_threads();
-  if (num_threads_ == 0 && base::thread_budget() > 0) max_threads = std::min(max_threads, base::thread_budget());
-  last_step_threads_ = std::max<int64_t>(1, std::min<int64_t>(max_threads, (total + kGrainElements - 1) / kGrainElements));
-  const int64_t tasks = last_step_threads_;
+  // Split the concatenation of all parameters into equal contiguous element ranges, one thread
+  // each (Note [Why not at::parallel_for]).
+  std::vector<int64_t> numels;
+  numels.reserve(jobs.size());
+  for (const auto& job : jobs) numels.push_back(job.numel);
   const detail::AdamUpdateFn update = detail::adam_update_fn(static_cast<detail::CpuIsa>(isa_));
-  auto run_task = [&](int64_t task) {
-    const int64_t begin = total * task / tasks;
-    const int64_t end = total * (task + 1) / tasks;
-    auto it = std::upper_bound(offsets.begin(), offsets.end(), begin) - 1;
-    for (size_t j = static_cast<size_t>(it - offsets.begin()); j < jobs.size() && offsets[j] < end; ++j) {
-      const int64_t lo = std::max(begin, offsets[j]) - offsets[j];
-      const int64_t hi = std::min(end, offsets[j + 1]) - offsets[j];
-      update(jobs[j], lo, hi);
-    }
-  };
-  detail::run_tasks(tasks, run_task);
+  last_step_threads_ = detail::run_split(numels, num_threads_, [&](size_t j, int64_t lo, int64_t hi) { update(jobs[j], lo, hi); });
   return loss;
 }
 

@@ -3,6 +3,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <vector>
 
 namespace roundpipe::optim::detail {
 
@@ -18,5 +19,13 @@ namespace roundpipe::optim::detail {
 /// finished; rethrows the first task's exception. `tasks <= 1` runs inline. Any thread may call
 /// it; concurrent callers share the pool.
 void run_tasks(int64_t tasks, const std::function<void(int64_t)>& fn);
+
+/// The elements of one optimizer step: tensors of `numels[i]` elements, concatenated, split into
+/// equal contiguous ranges, one task each, and `fn(i, lo, hi)` called for every piece (elements
+/// [lo, hi) of tensor i). Tasks: `requested` threads when > 0, else at::get_num_threads() capped by
+/// the calling thread's base::thread_budget (Note [Optimizer thread budget] in the runtime), and
+/// at most one per 32K elements. Returns the number of tasks run (>= 1; 0 when there is nothing).
+int64_t run_split(const std::vector<int64_t>& numels, int64_t requested,
+                  const std::function<void(size_t, int64_t, int64_t)>& fn);
 
 }  // namespace roundpipe::optim::detail

@@ -574,6 +574,7 @@ const char* optimizer_name(OptimizerName name) {
     case OptimizerName::kAdamW: return "adamw";
     case OptimizerName::kAdam: return "adam";
     case OptimizerName::kSgd: return "sgd";
+    case OptimizerName::kLion: return "lion";
   }
   return "?";
 }

@@ -27,7 +27,7 @@ class ConfigError : public std::runtime_error {
 };
 
 enum class DataFormat { kTokens, kBytes, kSynthetic };
-enum class OptimizerName { kAdamW, kAdam, kSgd };
+enum class OptimizerName { kAdamW, kAdam, kSgd, kLion };
 
 /// model.lora: present (non-null) enables LoRA fine-tuning of model.pretrained.
 /// PEFT's names: rank = r, alpha = lora_alpha, dropout = lora_dropout, targets = target_modules.

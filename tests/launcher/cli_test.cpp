@@ -91,6 +91,25 @@ TEST(CliTest, Resume_BitwiseEqualToStraightRun) {
   EXPECT_NE(other.err.find("model.embed_tokens.weight"), std::string::npos) << other.err;
 }
 
+// optimizer.name: lion (roundpipe::optim::Lion): trains, and its momentum round-trips through the
+// checkpoint (a resume without it would diverge from the straight run).
+TEST(CliTest, Lion_TrainsAndResumesBitwise) {
+  ScratchDir dir;
+  const std::string common =
+      " optimizer.name=lion optimizer.lr=1.0e-3 optimizer.betas=[0.9,0.99] optimizer.weight_decay=0.1"
+      " train.steps=6 checkpoint.every=3 checkpoint.keep=5 eval.every=0";
+  dir.write("run.yaml", tiny_config("straight"));
+  CliResult straight = run_cli(dir, "train run.yaml" + common);
+  ASSERT_EQ(straight.code, 0) << straight.err;
+  CliResult resumed =
+      run_cli(dir, "train run.yaml out_dir=resumed" + common + " --resume straight/checkpoints/step-000003");
+  ASSERT_EQ(resumed.code, 0) << resumed.err;
+  expect_same_weights(dir.file("straight/checkpoints/step-000006"), dir.file("resumed/checkpoints/step-000006"));
+  MetricsLog log = read_metrics(dir.file("straight/metrics.jsonl"));
+  ASSERT_EQ(log.train.size(), 6u);
+  for (const TrainRecord& record : log.train) EXPECT_TRUE(std::isfinite(record.loss)) << record.step;
+}
+
 TEST(CliTest, Checkpoint_FailureBeforePublishLeavesLatestValid) {
   ScratchDir dir;
   dir.write("run.yaml", tiny_config("run"));

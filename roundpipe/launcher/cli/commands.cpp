@@ -193,6 +193,9 @@ void run_plan(const LauncherConfig& config, std::ostream& out, const std::string
     case OptimizerName::kAdamW:
       optimizer_state = 2 * master;
       break;
+    case OptimizerName::kLion:
+      optimizer_state = master;  // the momentum
+      break;
     case OptimizerName::kSgd:
       optimizer_state = config.optimizer.momentum != 0.0 ? master : 0;
       break;

@@ -18,6 +18,7 @@
 #include "amp/grad_scaler.h"
 #include "base/logging.h"
 #include "optim/adam.h"
+#include "optim/lion.h"
 #include "roundpipe/launcher/atomic_file.h"
 #include "roundpipe/launcher/cli/checkpoint.h"
 #include "roundpipe/launcher/cli/setup.h"
@@ -39,6 +40,11 @@ std::unique_ptr<torch::optim::Optimizer> make_optimizer(RoundPipe& model, const 
     return std::make_unique<torch::optim::SGD>(
         model.parameters(),
         torch::optim::SGDOptions(o.lr).momentum(o.momentum).weight_decay(o.weight_decay));
+  }
+  if (o.name == OptimizerName::kLion) {
+    return std::make_unique<optim::Lion>(
+        model.parameters(),
+        optim::LionOptions(o.lr).betas(std::make_tuple(o.betas[0], o.betas[1])).weight_decay(o.weight_decay));
   }
   return std::make_unique<optim::Adam>(
       model.parameters(), optim::AdamOptions(o.lr)
