@@ -143,8 +143,9 @@ torch::Tensor Lion::step(LossClosure closure) {
   std::vector<int64_t> numels;
   numels.reserve(jobs.size());
   for (const auto& job : jobs) numels.push_back(job.numel);
+  const detail::LionUpdateFn update = detail::lion_update_fn(detail::best_cpu_isa());
   const int64_t threads =
-      detail::run_split(numels, num_threads_, [&](size_t j, int64_t lo, int64_t hi) { detail::lion_update(jobs[j], lo, hi); });
+      detail::run_split(numels, num_threads_, [&](size_t j, int64_t lo, int64_t hi) { update(jobs[j], lo, hi); });
   if (threads > 0) last_step_threads_ = threads;
   return loss;
 }

@@ -1,5 +1,6 @@
 // Runtime selection of the Adam kernel ISA (baseline flags; never calls into a TU the CPU lacks).
 #include "optim/detail/adam_kernel.h"
+#include "optim/detail/lion_kernel.h"
 
 #if ROUNDPIPE_OPTIM_X86
 #include <cpuid.h>
@@ -74,6 +75,22 @@ AdamUpdateFn adam_update_fn(CpuIsa isa) {
   (void)isa;
 #endif
   return &adam_update_scalar;
+}
+
+LionUpdateFn lion_update_fn(CpuIsa isa) {
+#if ROUNDPIPE_OPTIM_X86
+  switch (isa) {
+    case CpuIsa::kAvx512:
+      return &lion_update_avx512;
+    case CpuIsa::kAvx2:
+      return &lion_update_avx2;
+    case CpuIsa::kScalar:
+      break;
+  }
+#else
+  (void)isa;
+#endif
+  return &lion_update_scalar;
 }
 
 }  // namespace roundpipe::optim::detail

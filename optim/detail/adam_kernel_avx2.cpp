@@ -2,6 +2,7 @@
 // called only after a runtime CPU check, see adam_dispatch.cpp).
 #define ROUNDPIPE_ADAM_ISA avx2_isa
 #include "optim/detail/adam_kernel_impl.h"
+#include "optim/detail/lion_kernel_impl.h"
 
 #include <immintrin.h>
 
@@ -61,5 +62,7 @@ struct VecAvx2 {
 void adam_update_avx2(const AdamTensor& t, int64_t begin, int64_t end) {
   avx2_isa::adam_update<avx2_isa::VecAvx2>(t, begin, end);
 }
+
+void lion_update_avx2(const LionTensor& t, int64_t begin, int64_t end) { avx2_isa::lion_update(t, begin, end); }
 
 }  // namespace roundpipe::optim::detail

@@ -2,6 +2,7 @@
 // only after a runtime CPU check, see adam_dispatch.cpp).
 #define ROUNDPIPE_ADAM_ISA avx512_isa
 #include "optim/detail/adam_kernel_impl.h"
+#include "optim/detail/lion_kernel_impl.h"
 
 #include <immintrin.h>
 
@@ -61,5 +62,7 @@ struct VecAvx512 {
 void adam_update_avx512(const AdamTensor& t, int64_t begin, int64_t end) {
   avx512_isa::adam_update<avx512_isa::VecAvx512>(t, begin, end);
 }
+
+void lion_update_avx512(const LionTensor& t, int64_t begin, int64_t end) { avx512_isa::lion_update(t, begin, end); }
 
 }  // namespace roundpipe::optim::detail

@@ -1,6 +1,7 @@
 // Portable fallback of the fused Adam kernel (no vector loop), compiled with baseline flags.
 #define ROUNDPIPE_ADAM_ISA scalar_isa
 #include "optim/detail/adam_kernel_impl.h"
+#include "optim/detail/lion_kernel_impl.h"
 
 namespace roundpipe::optim::detail {
 namespace scalar_isa {
@@ -38,5 +39,7 @@ struct NoVec {
 void adam_update_scalar(const AdamTensor& t, int64_t begin, int64_t end) {
   scalar_isa::adam_update<scalar_isa::NoVec>(t, begin, end);
 }
+
+void lion_update_scalar(const LionTensor& t, int64_t begin, int64_t end) { scalar_isa::lion_update(t, begin, end); }
 
 }  // namespace roundpipe::optim::detail

@@ -1,5 +1,5 @@
 // The fused CPU Lion element kernel (internal): a plain-pointer interface, free of LibTorch
-// headers, compiled with its own flags (see optim/CMakeLists.txt) and cloned per ISA.
+// headers; compiled per ISA in the Adam kernel TUs (lion_kernel_impl.h), picked at run time.
 #pragma once
 
 #include <cstdint>
@@ -25,7 +25,14 @@ struct LionTensor {
   LionScalars scalars;
 };
 
-/// Updates elements [begin, end) of `t` in one pass (Note [Lion element order], lion_kernel.cpp).
-void lion_update(const LionTensor& t, int64_t begin, int64_t end);
+/// Updates elements [begin, end) of `t` in one pass (Note [Lion element order],
+/// lion_kernel_impl.h). All ISAs give bitwise-identical results.
+void lion_update_scalar(const LionTensor& t, int64_t begin, int64_t end);
+void lion_update_avx2(const LionTensor& t, int64_t begin, int64_t end);
+void lion_update_avx512(const LionTensor& t, int64_t begin, int64_t end);
+
+using LionUpdateFn = void (*)(const LionTensor&, int64_t, int64_t);
+/// The kernel for `isa` (which must be supported; adam_dispatch.cpp).
+LionUpdateFn lion_update_fn(CpuIsa isa);
 
 }  // namespace roundpipe::optim::detail
