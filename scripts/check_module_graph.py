@@ -10,6 +10,10 @@
    below that module.
 3. Public headers (installed: <module>/*.h, not detail/) may point to a `Note [Name]` only if an
    installed header defines it; otherwise they should point to docs/.
+4. Build macros: a file that tests ROUNDPIPE_WITH_CUDA (or another macro of base/config.h) must
+   include base/config.h, directly or through project headers. Otherwise `#if` reads the undefined
+   macro as 0 and silently compiles the CUDA path out (it happened: the NCCL backend was missing
+   from every CUDA build until a GPU run found it).
 Exit status 1 with one line per violation, naming the file, the line and the rule.
 """
 import pathlib
@@ -110,6 +114,34 @@ def main() -> int:
                 if name not in defined:
                     errors.append(f"{rel}:{lineno}: public header points to Note [{name}], which no installed "
                                   "header defines (point to docs/ instead)")
+    # Build macros need their header (rule 4)
+    config_macros = set(re.findall(r"#\s*(?:define|cmakedefine01)\s+(ROUNDPIPE_\w+)",
+                                   (ROOT / "base" / "config.h.in").read_text()))
+    includes = {}
+    texts = {}
+    for rel, path in sources():
+        texts[rel] = path.read_text(encoding="utf-8", errors="replace")
+        includes[rel] = [m.group(1) for m in map(INCLUDE.match, texts[rel].splitlines()) if m]
+
+    def reaches_config(rel):
+        seen, stack = set(), [rel]
+        while stack:
+            cur = stack.pop()
+            if cur == "base/config.h":
+                return True
+            if cur in seen:
+                continue
+            seen.add(cur)
+            stack.extend(t for t in includes.get(cur, []) if t == "base/config.h" or t in includes)
+        return False
+
+    for rel, text in sorted(texts.items()):
+        for lineno, line in enumerate(text.splitlines(), 1):
+            used = [m for m in config_macros if re.search(rf"#\s*(?:el)?if.*\b{m}\b|\b{m}\b\s*[=!)&|]", line)]
+            if used and not line.lstrip().startswith(("//", "#define", "#cmakedefine")) and not reaches_config(rel):
+                errors.append(f"{rel}:{lineno}: uses {used[0]} without including base/config.h (an undefined "
+                              "macro reads as 0 in #if: the code it guards is silently compiled out)")
+                break
     for e in errors:
         print(e)
     print(f"check_module_graph: {len(errors)} violation(s) in {sum(1 for _ in sources())} files")
