@@ -21,7 +21,9 @@
 // Usage: llama_bench [--device cuda|cpu] [--hidden 2048] [--layers 16] [--heads 16] [--ffn 5632]
 //                    [--vocab 32000] [--seq 2048] [--batch 8] [--micro 4] [--iters 4]
 //                    [--mode both|roundpipe|plain] [--head chunked|full] [--mem-cap-gib 0]
-//                    [--peak-tflops 989] [--plain-micro 1] [--optim-threads 0] [--tiny]
+//                    [--peak-tflops 989] [--plain-micro 1] [--optim-threads 0] [--recompute stage|layer] [--tiny]
+// --recompute: RoundPipe's recompute grain in backward stages (RunConfig::recompute_grain); `layer`
+// keeps one layer's activations at a time (long sequences).
 // --optim-threads N: threads of RoundPipe's CPU Adam step (default 0: at::get_num_threads()).
 // --plain-micro N: the plain loop accumulates gradients over N row chunks of the batch (for
 // batches whose activations do not fit at once); default 1, the whole batch in one pass.
@@ -60,7 +62,7 @@ namespace rp = roundpipe;
 using Clock = std::chrono::steady_clock;
 
 struct Config {
-  std::string device = "cuda", mode = "both", head = "chunked";
+  std::string device = "cuda", mode = "both", head = "chunked", recompute = "stage";
   int64_t hidden = 2048, layers = 16, heads = 16, ffn = 5632, vocab = 32000, seq = 2048, batch = 8, micro = 4,
           iters = 4, plain_micro = 1, optim_threads = 0;
   double mem_cap_gib = 0, peak_tflops = 989;
@@ -308,6 +310,7 @@ Result run_roundpipe(const Config& c, const std::vector<c10::Device>& devices) {
   if (c.optim_threads > 0) optimizer.set_num_threads(c.optim_threads);
   rp::RunConfig cfg;
   cfg.num_microbatch = c.micro;
+  cfg.recompute_grain = c.recompute == "layer" ? rp::RecomputeGrain::kLayer : rp::RecomputeGrain::kStage;
   const double batch_tokens = static_cast<double>(c.batch * c.seq);
   const rp::LossFn loss_fn = c.head == "chunked"
                                  ? rp::LossFn([batch_tokens](const torch::Tensor& summed, const torch::Tensor&) {
@@ -439,6 +442,8 @@ Config parse(int argc, char** argv) {
       c.mode = value;
     } else if (key == "--head") {
       c.head = value;
+    } else if (key == "--recompute") {
+      c.recompute = value;
     } else if (key == "--mem-cap-gib") {
       c.mem_cap_gib = std::stod(value);
     } else if (key == "--peak-tflops") {
@@ -450,6 +455,8 @@ Config parse(int argc, char** argv) {
   TORCH_CHECK(c.device == "cuda" || c.device == "cpu", "llama_bench: --device must be cuda or cpu, got ", c.device);
   TORCH_CHECK(c.mode == "both" || c.mode == "roundpipe" || c.mode == "plain",
               "llama_bench: --mode must be both, roundpipe or plain, got ", c.mode);
+  TORCH_CHECK(c.recompute == "stage" || c.recompute == "layer", "llama_bench: --recompute must be stage or layer, got ",
+              c.recompute);
   TORCH_CHECK(c.head == "chunked" || c.head == "full", "llama_bench: --head must be chunked or full, got ", c.head);
   TORCH_CHECK(c.plain_micro >= 1 && c.plain_micro <= c.batch, "llama_bench: --plain-micro must be in [1, --batch], got ",
               c.plain_micro);
