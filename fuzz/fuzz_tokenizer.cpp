@@ -4,7 +4,10 @@
 //   odd:  the rest is text for a fixed byte-level tokenizer (GPT-2's byte alphabet, Qwen2's split
 //         regex, a few merges, one special token, no normalizer). Text that is not UTF-8 must be
 //         refused with std::invalid_argument; valid text must round-trip: decode(encode(x)) == x,
-//         every id in range, and the special token's id exactly where its string occurs.
+//         every id in range, and the special token's id exactly where its string occurs;
+//         encode_with_offsets gives the same ids and offsets inside the text on character
+//         boundaries, the special token's exactly its string. The same tokenizer with an NFC
+//         normalizer checks the offsets through NFC (or the documented refusal).
 // Checked against independent references: the UTF-8 rule (RFC 3629) and the byte alphabet are
 // spelled here, not taken from the tokenizer's code.
 #include <cstddef>
@@ -70,7 +73,7 @@ bool valid_utf8(std::string_view s) {
 }
 
 // GPT-2's bytes_to_unicode: printable Latin-1 bytes map to themselves, the others to 256 + n.
-std::string byte_level_json() {
+std::string byte_level_json(bool nfc) {
   std::vector<uint32_t> chars(256);
   uint32_t next = 256;
   for (uint32_t b = 0; b < 256; ++b) {
@@ -89,7 +92,7 @@ std::string byte_level_json() {
   vocab += quoted(sp + "t") + ": 256, \"he\": 257, \"the\": 258, " + quoted(sp + "the") + ": 259";
   return R"({"added_tokens": [{"id": 260, "content": "<|im_start|>", "special": true, "single_word": false,
                "lstrip": false, "rstrip": false, "normalized": false}],
-    "normalizer": null,
+    "normalizer": )" + std::string(nfc ? R"({"type": "NFC"})" : "null") + R"(,
     "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
       {"type": "Split", "pattern": {"Regex": "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"},
        "behavior": "Isolated", "invert": false},
@@ -101,8 +104,34 @@ std::string byte_level_json() {
 }
 
 const Tokenizer& byte_level() {
-  static const Tokenizer tok = Tokenizer::from_json(byte_level_json(), "fuzz byte-level tokenizer");
+  static const Tokenizer tok = Tokenizer::from_json(byte_level_json(false), "fuzz byte-level tokenizer");
   return tok;
+}
+
+const Tokenizer& byte_level_nfc() {
+  static const Tokenizer tok = Tokenizer::from_json(byte_level_json(true), "fuzz byte-level NFC tokenizer");
+  return tok;
+}
+
+bool char_boundary(std::string_view text, int64_t pos) {
+  return pos == static_cast<int64_t>(text.size()) || (static_cast<uint8_t>(text[pos]) & 0xC0) != 0x80;
+}
+
+// encode_with_offsets of valid UTF-8 `text` against encode's ids: one span per token, inside the
+// text, on character boundaries; the special token's span is its string.
+void check_offsets(std::string_view text, const std::vector<int64_t>& ids,
+                   const Tokenizer::Encoding& enc) {
+  ROUNDPIPE_FUZZ_CHECK(enc.ids == ids, "encode_with_offsets gives encode's ids");
+  ROUNDPIPE_FUZZ_CHECK(enc.offsets.size() == ids.size(), "one offset pair per token");
+  for (size_t i = 0; i < ids.size() && i < enc.offsets.size(); ++i) {
+    const auto [begin, end] = enc.offsets[i];
+    ROUNDPIPE_FUZZ_CHECK(begin >= 0 && begin <= end && end <= static_cast<int64_t>(text.size()),
+                         "offsets lie inside the text");
+    ROUNDPIPE_FUZZ_CHECK(char_boundary(text, begin) && char_boundary(text, end), "offsets on character boundaries");
+    if (ids[i] == 260) {
+      ROUNDPIPE_FUZZ_CHECK(text.substr(begin, end - begin) == "<|im_start|>", "the special token spans its string");
+    }
+  }
 }
 
 void fuzz_text(std::string_view text) {
@@ -126,13 +155,28 @@ void fuzz_text(std::string_view text) {
   }
   ROUNDPIPE_FUZZ_CHECK(specials == occurrences, "the special token is split out wherever its string occurs");
   ROUNDPIPE_FUZZ_CHECK(tok.decode(ids) == text, "decode(encode(x)) == x without a normalizer");
+  check_offsets(text, ids, tok.encode_with_offsets(text));
+  const Tokenizer& nfc = byte_level_nfc();
+  const std::vector<int64_t> nfc_ids = nfc.encode(text);
+  try {
+    check_offsets(text, nfc_ids, nfc.encode_with_offsets(text));
+  } catch (const std::runtime_error&) {
+    // documented: a composition whose NFC alignment the tokenizer does not model is refused
+  }
 }
 
 void fuzz_file(std::string_view json) {
   try {
     const Tokenizer tok = Tokenizer::from_json(json, "fuzz tokenizer.json");
-    const std::vector<int64_t> ids = tok.encode("Hello world, <|im_start|> 123 héllo");
+    const std::string_view text = "Hello world, <|im_start|> 123 héllo he\xCC\x81llo \xF0\x9F\x98\x80";
+    const std::vector<int64_t> ids = tok.encode(text);
     (void)tok.decode(ids);
+    const Tokenizer::Encoding enc = tok.encode_with_offsets(text);
+    ROUNDPIPE_FUZZ_CHECK(enc.ids == ids && enc.offsets.size() == ids.size(), "encode_with_offsets gives encode's ids");
+    for (const auto& [begin, end] : enc.offsets) {
+      ROUNDPIPE_FUZZ_CHECK(begin >= 0 && begin <= end && end <= static_cast<int64_t>(text.size()),
+                           "offsets lie inside the text");
+    }
   } catch (const std::runtime_error&) {
     // refused with a message (load) or a tokenizer that cannot encode this text
   }

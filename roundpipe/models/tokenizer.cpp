@@ -13,127 +13,21 @@
 #include <utility>
 
 #include "roundpipe/models/detail/byte_pair_encoder.h"
+#include "roundpipe/models/detail/text_splitter.h"
 #include "roundpipe/models/detail/tokenizer_text.h"
 
 namespace roundpipe::models {
 namespace {
 
 using nlohmann::json;
-using Range = std::pair<size_t, size_t>;
+using detail::AddedTokenMatcher;
+using detail::ByteRange;
+using detail::SplitBehavior;
+using detail::SplitStep;
 
 // The regex of `tokenizers`' ByteLevel pre-tokenizer with use_regex (GPT-2's).
 constexpr const char* kGpt2Pattern =
     R"('s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+)";
-
-enum class SplitBehavior { kRemoved, kIsolated, kMergedWithPrevious, kMergedWithNext, kContiguous };
-
-struct SplitStep {
-  detail::Regex regex;
-  SplitBehavior behavior;
-  bool invert;
-};
-
-// `tokenizers`' NormalizedString::split (normalizer.rs): the pattern's matches and the gaps
-// between them, flagged, inverted on request, then combined by `behavior`; empty pieces dropped.
-std::vector<Range> split_ranges(std::string_view text, const SplitStep& step) {
-  std::vector<std::pair<Range, bool>> parts;
-  size_t prev = 0;
-  for (const auto& [start, end] : step.regex.find_all(text)) {
-    if (prev != start) parts.push_back({{prev, start}, false});
-    parts.push_back({{start, end}, true});
-    prev = end;
-  }
-  if (prev != text.size()) parts.push_back({{prev, text.size()}, false});
-  if (step.invert) {
-    for (auto& part : parts) part.second = !part.second;
-  }
-  std::vector<Range> out;
-  bool previous_match = false;
-  switch (step.behavior) {
-    case SplitBehavior::kRemoved:
-      for (const auto& [range, is_match] : parts) {
-        if (!is_match) out.push_back(range);
-      }
-      break;
-    case SplitBehavior::kIsolated:
-      for (const auto& part : parts) out.push_back(part.first);
-      break;
-    case SplitBehavior::kMergedWithPrevious:
-      for (const auto& [range, is_match] : parts) {
-        if (is_match && !previous_match && !out.empty()) {
-          out.back().second = range.second;
-        } else {
-          out.push_back(range);
-        }
-        previous_match = is_match;
-      }
-      break;
-    case SplitBehavior::kMergedWithNext:
-      for (auto it = parts.rbegin(); it != parts.rend(); ++it) {
-        if (it->second && !previous_match && !out.empty()) {
-          out.back().first = it->first.first;
-        } else {
-          out.push_back(it->first);
-        }
-        previous_match = it->second;
-      }
-      std::reverse(out.begin(), out.end());
-      break;
-    case SplitBehavior::kContiguous:
-      for (const auto& [range, is_match] : parts) {
-        if (is_match == previous_match && !out.empty()) {
-          out.back().second = range.second;
-        } else {
-          out.push_back(range);
-        }
-        previous_match = is_match;
-      }
-      break;
-  }
-  out.erase(std::remove_if(out.begin(), out.end(), [](const Range& r) { return r.first == r.second; }), out.end());
-  return out;
-}
-
-// Added tokens matched leftmost-longest (the aho-corasick MatchKind of `tokenizers`).
-class AddedTokenMatcher {
- public:
-  void add(std::string content, int64_t id) {
-    const auto first = static_cast<unsigned char>(content[0]);
-    auto& bucket = by_first_byte_[first];
-    bucket.emplace_back(std::move(content), id);
-    std::stable_sort(bucket.begin(), bucket.end(),
-                     [](const auto& a, const auto& b) { return a.first.size() > b.first.size(); });
-    empty_ = false;
-  }
-
-  // Calls on_text(piece) for the text between matches and on_token(id) for each match, in order.
-  template <typename OnText, typename OnToken>
-  void split(std::string_view text, OnText&& on_text, OnToken&& on_token) const {
-    size_t start = 0;
-    for (size_t i = 0; !empty_ && i < text.size();) {
-      const auto* match = longest_at(text, i);
-      if (match == nullptr) {
-        ++i;
-        continue;
-      }
-      if (i > start) on_text(text.substr(start, i - start));
-      on_token(match->second);
-      i += match->first.size();
-      start = i;
-    }
-    if (start < text.size()) on_text(text.substr(start));
-  }
-
- private:
-  const std::pair<std::string, int64_t>* longest_at(std::string_view text, size_t pos) const {
-    for (const auto& candidate : by_first_byte_[static_cast<unsigned char>(text[pos])]) {
-      if (text.compare(pos, candidate.first.size(), candidate.first) == 0) return &candidate;
-    }
-    return nullptr;
-  }
-  std::array<std::vector<std::pair<std::string, int64_t>>, 256> by_first_byte_;
-  bool empty_ = true;
-};
 
 std::string shorten(const json& value) {
   std::string s = value.dump();
@@ -160,15 +54,30 @@ struct Tokenizer::Impl {
   bool nfc = false;
   std::vector<SplitStep> splits;  // the pre-tokenizer before its final ByteLevel step
   bool add_prefix_space = false;
-  std::optional<detail::Regex> byte_level_regex;
+  std::optional<SplitStep> byte_level_split;  // GPT-2's regex, where use_regex
+  bool trim_offsets = false;  // a ByteLevel post-processor with trim_offsets (offsets only)
+  bool trim_keeps_prefix_space = false;  // ... and add_prefix_space
   std::vector<int64_t> prefix_ids;  // post-processor template around the sequence
   std::vector<int64_t> suffix_ids;
   int64_t vocab_size = 0;
 
   void load(const json& root);
-  void pre_tokenize(size_t step, std::string_view piece, std::vector<int64_t>& ids) const;
+  // Appends the ids of `normalized` (one stretch between raw added tokens, normalized): its
+  // normalized added tokens, then the pre-tokenizer and BPE on the rest. With `spans`, also each
+  // token's [first, last] byte of `normalized` (inclusive). A template so that encode()'s copy
+  // carries no offset code at all (it measured ~5% slower with a runtime check).
+  template <bool kSpans>
+  void encode_normalized(std::string_view normalized, std::vector<int64_t>& ids, std::vector<ByteRange>* spans) const;
+  // The ByteLevel post-processor's trim_offsets (`tokenizers`' process_offsets) on `encoding`,
+  // offsets in bytes of `text`.
+  void trim(std::string_view text, Encoding& encoding) const;
 
  private:
+  template <bool kSpans>
+  void pre_tokenize(size_t step, std::string_view normalized, ByteRange piece, std::vector<int64_t>& ids,
+                    std::vector<ByteRange>* spans) const;
+  std::string_view token_text(int64_t id) const;
+
   [[noreturn]] void refuse(const std::string& key, const json& value, const std::string& supported) const {
     throw std::runtime_error(origin + ": " + key + " = " + shorten(value) + " is not supported (" + supported +
                              "; docs/models.md, \"Tokenizer\")");
@@ -311,7 +220,10 @@ void Tokenizer::Impl::load_pre_tokenizer(const json& pre, const std::string& key
   if (type == "ByteLevel") {
     if (!last) refuse(key + ".type", type, "ByteLevel only as the last pre-tokenizer");
     add_prefix_space = pre.value("add_prefix_space", false);
-    if (pre.value("use_regex", true)) byte_level_regex.emplace(kGpt2Pattern, detail::Regex::Syntax::kOniguruma);
+    if (pre.value("use_regex", true)) {
+      byte_level_split.emplace(
+          SplitStep{detail::Regex(kGpt2Pattern, detail::Regex::Syntax::kOniguruma), SplitBehavior::kIsolated, false});
+    }
     return;
   }
   if (last) refuse(key + ".type", type, "the pre-tokenizer must end with ByteLevel");
@@ -353,7 +265,11 @@ void Tokenizer::Impl::load_pre_tokenizer(const json& pre, const std::string& key
 void Tokenizer::Impl::load_post_processor(const json& post, const std::string& key) {
   if (post.is_null()) return;
   const std::string type = at(post, "type", key).get<std::string>();
-  if (type == "ByteLevel") return;  // offsets only: ids unchanged
+  if (type == "ByteLevel") {  // offsets only: ids unchanged
+    trim_offsets = post.value("trim_offsets", true);
+    trim_keeps_prefix_space = post.value("add_prefix_space", true);
+    return;
+  }
   if (type == "Sequence") {
     const json& list = at(post, "processors", key);
     for (size_t i = 0; i < list.size(); ++i) load_post_processor(list[i], key + ".processors[" + std::to_string(i) + "]");
@@ -383,25 +299,118 @@ void Tokenizer::Impl::load_post_processor(const json& post, const std::string& k
   }
 }
 
-void Tokenizer::Impl::pre_tokenize(size_t step, std::string_view piece, std::vector<int64_t>& ids) const {
+template <bool kSpans>
+void Tokenizer::Impl::encode_normalized(std::string_view normalized, std::vector<int64_t>& ids,
+                                        std::vector<ByteRange>* spans) const {
+  normalized_added.split(
+      normalized, [&](size_t begin, size_t end) { pre_tokenize<kSpans>(0, normalized, {begin, end}, ids, spans); },
+      [&](int64_t id, size_t begin, size_t end) {
+        ids.push_back(id);
+        if constexpr (kSpans) spans->emplace_back(begin, end - 1);
+      });
+}
+
+template <bool kSpans>
+void Tokenizer::Impl::pre_tokenize(size_t step, std::string_view normalized, ByteRange piece,
+                                   std::vector<int64_t>& ids, std::vector<ByteRange>* spans) const {
+  std::string_view text = normalized.substr(piece.first, piece.second - piece.first);
   if (step < splits.size()) {
-    for (const auto& [start, end] : split_ranges(piece, splits[step])) {
-      pre_tokenize(step + 1, piece.substr(start, end - start), ids);
+    for (const auto& [start, end] : split_ranges(text, splits[step])) {
+      pre_tokenize<kSpans>(step + 1, normalized, {piece.first + start, piece.first + end}, ids, spans);
     }
     return;
   }
-  // ByteLevel: the prefix space goes on every piece it receives (pre_tokenizers/byte_level.rs).
+  // ByteLevel: the prefix space goes on every piece it receives (pre_tokenizers/byte_level.rs)
+  // and aligns to the piece's first character, as NormalizedString::prepend does.
   std::string prefixed;
-  if (add_prefix_space && piece[0] != ' ') {
-    prefixed = " " + std::string(piece);
-    piece = prefixed;
+  const bool prefix = add_prefix_space && text[0] != ' ';
+  if (prefix) {
+    prefixed = " " + std::string(text);
+    text = prefixed;
   }
-  if (!byte_level_regex) {
-    bpe->encode_word(piece, ids);
+  const auto encode_word = [&](size_t begin, size_t end) {
+    const std::string_view word = text.substr(begin, end - begin);
+    if constexpr (!kSpans) {
+      bpe->encode_word(word, ids);
+    } else {
+      const size_t first_id = ids.size();
+      bpe->encode_word(word, ids);
+      const size_t first_span = spans->size();
+      bpe->token_spans(word, ids.data() + first_id, ids.size() - first_id, *spans);
+      // Byte `pos` of `text` comes from this byte of `normalized` (the added space from the first).
+      const auto source = [&](size_t pos) { return piece.first + (prefix && pos > 0 ? pos - 1 : pos); };
+      for (size_t i = first_span; i < spans->size(); ++i) {
+        (*spans)[i] = {source(begin + (*spans)[i].first), source(begin + (*spans)[i].second)};
+      }
+    }
+  };
+  if (!byte_level_split) {
+    encode_word(0, text.size());
     return;
   }
-  for (const auto& [start, end] : split_ranges(piece, SplitStep{*byte_level_regex, SplitBehavior::kIsolated, false})) {
-    bpe->encode_word(piece.substr(start, end - start), ids);
+  for (const auto& [start, end] : split_ranges(text, *byte_level_split)) encode_word(start, end);
+}
+
+std::string_view Tokenizer::Impl::token_text(int64_t id) const {
+  const auto added = added_by_id.find(id);
+  if (added != added_by_id.end()) return added->second.first;
+  const std::string* token = bpe->id_to_token(id);
+  return token == nullptr ? std::string_view() : std::string_view(*token);
+}
+
+namespace {
+
+// Rust's char::is_whitespace (Unicode White_Space), which process_offsets uses.
+bool is_white_space(char32_t c) {
+  return (c >= 0x09 && c <= 0x0D) || c == 0x20 || c == 0x85 || c == 0xA0 || c == 0x1680 ||
+         (c >= 0x2000 && c <= 0x200A) || c == 0x2028 || c == 0x2029 || c == 0x202F || c == 0x205F || c == 0x3000;
+}
+
+std::vector<char32_t> code_points(std::string_view s) {
+  std::vector<char32_t> out;
+  for (size_t i = 0; i < s.size();) {
+    utf8proc_int32_t cp = 0;
+    const auto n = utf8proc_iterate(reinterpret_cast<const utf8proc_uint8_t*>(s.data() + i),
+                                    static_cast<utf8proc_ssize_t>(s.size() - i), &cp);
+    out.push_back(n > 0 ? static_cast<char32_t>(cp) : 0xFFFD);
+    i += n > 0 ? static_cast<size_t>(n) : 1;
+  }
+  return out;
+}
+
+bool is_continuation(char c) { return (static_cast<unsigned char>(c) & 0xC0) == 0x80; }
+
+}  // namespace
+
+// `tokenizers` trims in characters (the Python binding's offsets); here the same characters are
+// stepped over in bytes of the original text, so the results are those offsets in bytes.
+void Tokenizer::Impl::trim(std::string_view text, Encoding& encoding) const {
+  constexpr char32_t kSpaceChar = 0x120;  // "Ġ", the ByteLevel character of ' '
+  for (size_t i = 0; i < encoding.ids.size(); ++i) {
+    const std::vector<char32_t> chars = code_points(token_text(encoding.ids[i]));
+    const auto trimmable = [](char32_t c) { return c == kSpaceChar || is_white_space(c); };
+    size_t leading = 0;
+    while (leading < chars.size() && trimmable(chars[leading])) ++leading;
+    size_t trailing = 0;
+    while (trailing < chars.size() && trimmable(chars[chars.size() - 1 - trailing])) ++trailing;
+    auto& [begin, end] = encoding.offsets[i];
+    if (leading > 0) {
+      const bool is_first = i == 0 || begin == 0;
+      if (is_first && trim_keeps_prefix_space && leading == 1) leading = 0;
+      auto pos = static_cast<size_t>(begin);
+      for (size_t k = 0; k < leading && pos < static_cast<size_t>(end); ++k) {
+        do ++pos; while (pos < text.size() && is_continuation(text[pos]));
+      }
+      begin = static_cast<int64_t>(std::min(pos, static_cast<size_t>(end)));
+    }
+    if (trailing > 0) {
+      auto pos = static_cast<size_t>(end);
+      size_t stepped = 0;
+      for (; stepped < trailing && pos > 0; ++stepped) {
+        do --pos; while (pos > 0 && is_continuation(text[pos]));
+      }
+      if (stepped == trailing) end = std::max(static_cast<int64_t>(pos), begin);
+    }
   }
 }
 
@@ -431,17 +440,66 @@ std::vector<int64_t> Tokenizer::encode(std::string_view text, bool add_special_t
   const Impl& impl = *impl_;
   std::vector<int64_t> ids;
   if (add_special_tokens) ids = impl.prefix_ids;
-  const auto push_id = [&ids](int64_t id) { ids.push_back(id); };
   impl.raw_added.split(
       text,
-      [&](std::string_view piece) {
-        const std::string normalized = impl.nfc ? detail::nfc(piece) : std::string(piece);
-        impl.normalized_added.split(
-            normalized, [&](std::string_view rest) { impl.pre_tokenize(0, rest, ids); }, push_id);
+      [&](size_t begin, size_t end) {
+        const std::string_view piece = text.substr(begin, end - begin);
+        if (impl.nfc) {
+          impl.encode_normalized<false>(detail::nfc(piece), ids, nullptr);
+        } else {
+          impl.encode_normalized<false>(piece, ids, nullptr);
+        }
       },
-      push_id);
+      [&](int64_t id, size_t, size_t) { ids.push_back(id); });
   if (add_special_tokens) ids.insert(ids.end(), impl.suffix_ids.begin(), impl.suffix_ids.end());
   return ids;
+}
+
+// Note [Token offsets]: `tokenizers` tracks, for every byte of the normalized text, the original
+// range it came from (NormalizedString alignments); a token's offsets are the range of its first
+// byte's start to its last byte's end. Here the same table is built per stretch between raw added
+// tokens (identity without a normalizer or where NFC changes nothing, detail::nfc_aligned
+// otherwise), the pre-tokenizer and BPE report each token's first and last normalized byte, and
+// the table maps them back. ByteLevel characters of one UTF-8 character all align to the whole
+// character, so a token holding part of one (an emoji split in two) spans all of it.
+Tokenizer::Encoding Tokenizer::encode_with_offsets(std::string_view text, bool add_special_tokens) const {
+  if (!detail::is_valid_utf8(text)) {
+    throw std::invalid_argument("Tokenizer::encode_with_offsets: text is not valid UTF-8");
+  }
+  const Impl& impl = *impl_;
+  Encoding encoding;
+  std::vector<ByteRange> spans;
+  detail::Alignments alignments;
+  impl.raw_added.split(
+      text,
+      [&](size_t begin, size_t end) {
+        const std::string_view piece = text.substr(begin, end - begin);
+        std::string normalized;
+        if (impl.nfc) {
+          normalized = detail::nfc_aligned(piece, alignments);
+        } else {
+          normalized = std::string(piece);
+          alignments = detail::identity_alignments(piece);
+        }
+        spans.clear();
+        impl.encode_normalized<true>(normalized, encoding.ids, &spans);
+        for (const auto& [first, last] : spans) {
+          encoding.offsets.emplace_back(static_cast<int64_t>(begin + alignments[first].first),
+                                        static_cast<int64_t>(begin + alignments[last].second));
+        }
+      },
+      [&](int64_t id, size_t begin, size_t end) {
+        encoding.ids.push_back(id);
+        encoding.offsets.emplace_back(static_cast<int64_t>(begin), static_cast<int64_t>(end));
+      });
+  if (impl.trim_offsets) impl.trim(text, encoding);
+  if (add_special_tokens) {
+    encoding.ids.insert(encoding.ids.begin(), impl.prefix_ids.begin(), impl.prefix_ids.end());
+    encoding.offsets.insert(encoding.offsets.begin(), impl.prefix_ids.size(), {0, 0});
+    encoding.ids.insert(encoding.ids.end(), impl.suffix_ids.begin(), impl.suffix_ids.end());
+    encoding.offsets.insert(encoding.offsets.end(), impl.suffix_ids.size(), {0, 0});
+  }
+  return encoding;
 }
 
 std::string Tokenizer::decode(const std::vector<int64_t>& ids, bool skip_special_tokens) const {

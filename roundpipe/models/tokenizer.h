@@ -1,5 +1,6 @@
 // Byte-level BPE tokenizer of roundpipe::models: reads a Hugging Face `tokenizer.json` (SmolLM2 /
-// GPT-2, Qwen2/Qwen3, Llama-3 style) and produces the token ids of Hugging Face `tokenizers`.
+// GPT-2, Qwen2/Qwen3, Llama-3 style) and produces the token ids (and offsets) of Hugging Face
+// `tokenizers`.
 // Plain C++ (no LibTorch); what the file may contain and what is refused: docs/models.md,
 // "Tokenizer".
 #pragma once
@@ -9,6 +10,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 namespace roundpipe::models {
@@ -20,6 +22,7 @@ namespace roundpipe::models {
 ///   auto tok = Tokenizer::from_file(dir + "/tokenizer.json");
 ///   std::vector<int64_t> ids = tok.encode("Hello world");
 ///   std::string text = tok.decode(ids);  // "Hello world"
+///   auto enc = tok.encode_with_offsets("Hello world");  // offsets {0, 5}, {5, 11} (" world")
 class Tokenizer {
  public:
   /// Loads and validates `tokenizer_json_path`. Throws std::runtime_error naming the file, the
@@ -34,6 +37,24 @@ class Tokenizer {
   /// add_special_tokens)`. With `add_special_tokens`, the post-processor's template (e.g.
   /// Llama-3's `<|begin_of_text|>`) is applied.
   std::vector<int64_t> encode(std::string_view text, bool add_special_tokens = false) const;
+
+  /// Token ids and where each token came from in `text`.
+  struct Encoding {
+    std::vector<int64_t> ids;  ///< the same as encode(text, add_special_tokens)
+    /// offsets[i] = [begin, end): BYTE offsets into the original `text` (before the normalizer)
+    /// of token i, as `tokenizers`' Encoding.offsets (the Python binding counts characters where
+    /// this counts their UTF-8 bytes). Tokens of the post-processor's template get {0, 0}; an
+    /// added token found in the text gets its own span; a token holding part of a multi-byte
+    /// character spans the whole character; through NFC a composed character aligns to its first
+    /// original character. A ByteLevel post-processor with `trim_offsets` trims spaces off the
+    /// spans as `tokenizers` does. docs/models.md, "Tokenizer", has the rules.
+    std::vector<std::pair<int64_t, int64_t>> offsets;
+  };
+  /// encode() with offsets (`tokenizers`' `encode(text).offsets`, `return_offsets_mapping` in
+  /// transformers). Throws std::invalid_argument for invalid UTF-8, and std::runtime_error for
+  /// text whose NFC alignment it does not model (docs/models.md, "Tokenizer"); encode() still
+  /// works on such text. Slower than encode(): it builds an alignment table per text.
+  Encoding encode_with_offsets(std::string_view text, bool add_special_tokens = false) const;
 
   /// Text of `ids` through the ByteLevel decoder; bytes that do not form UTF-8 become U+FFFD (as
   /// `tokenizers`' decode). Unknown ids are skipped, as in `tokenizers`.

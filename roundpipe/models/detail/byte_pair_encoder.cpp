@@ -88,6 +88,32 @@ void BytePairEncoder::encode_word(std::string_view bytes, std::vector<int64_t>& 
   cache_.emplace(key, std::move(symbols));
 }
 
+// Token lengths are counted in bytes of the ByteLevel characters (1 or 2 per raw byte), as
+// `tokenizers`' Word symbols are, and mapped back to the raw byte whose character holds them.
+void BytePairEncoder::token_spans(std::string_view bytes, const int64_t* ids, size_t count,
+                                  std::vector<std::pair<size_t, size_t>>& spans) const {
+  const auto& chars = byte_chars();
+  size_t raw = 0;         // the raw byte whose character holds byte `char_start` onwards
+  size_t char_start = 0;  // where raw's character starts among the ByteLevel bytes
+  const auto raw_at = [&](size_t pos) {
+    while (raw + 1 < bytes.size() && char_start + chars[static_cast<unsigned char>(bytes[raw])].size() <= pos) {
+      char_start += chars[static_cast<unsigned char>(bytes[raw])].size();
+      ++raw;
+    }
+    return raw;
+  };
+  size_t pos = 0;
+  for (size_t i = 0; i < count; ++i) {
+    // Lengths come from the token's text (`tokenizers` sums its symbols' lengths instead; the two
+    // differ only where the vocab gives one id to two tokens, and then the first one read wins).
+    const std::string* token = id_to_token(ids[i]);
+    const size_t length = token == nullptr || token->empty() ? 1 : token->size();
+    const size_t first = raw_at(pos);
+    pos += length;
+    spans.emplace_back(first, raw_at(pos - 1));
+  }
+}
+
 // Note [BPE merge order]: `tokenizers`' Word::merge_all, step for step. A min-heap holds
 // (rank, position) of every adjacent pair with a merge; the lowest rank wins, then the leftmost.
 // An entry whose pair has changed since it was pushed is skipped unless the pair there now merges

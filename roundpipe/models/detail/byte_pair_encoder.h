@@ -30,6 +30,13 @@ class BytePairEncoder {
   /// `tokenizers` does without an unk_token.
   void encode_word(std::string_view bytes, std::vector<int64_t>& out) const;
 
+  /// Where each of `ids` (what encode_word appended for `bytes`, in order) lies in `bytes`:
+  /// [first, last] byte indices, inclusive, appended to `spans`. As `tokenizers`' Word offsets:
+  /// each token spans its own length in ByteLevel characters, counted on from the previous
+  /// token's end, so a dropped byte shifts the tokens after it (what `tokenizers` reports too).
+  void token_spans(std::string_view bytes, const int64_t* ids, size_t count,
+                   std::vector<std::pair<size_t, size_t>>& spans) const;
+
   std::optional<int64_t> token_to_id(std::string_view token) const;
   const std::string* id_to_token(int64_t id) const;
   int64_t max_id() const { return max_id_; }

@@ -4,6 +4,8 @@
 #include <pcre2.h>
 #include <utf8proc.h>
 
+#include <algorithm>
+#include <cstdint>
 #include <cstdlib>
 #include <stdexcept>
 #include <unordered_map>
@@ -141,6 +143,108 @@ std::string nfc(std::string_view text) {
   std::string out(reinterpret_cast<const char*>(result), static_cast<size_t>(n));
   std::free(result);
   return out;
+}
+
+Alignments identity_alignments(std::string_view text) {
+  Alignments alignments;
+  alignments.reserve(text.size());
+  for (size_t i = 0; i < text.size();) {
+    const size_t n = std::min(utf8_sequence_length(static_cast<unsigned char>(text[i])), text.size() - i);
+    alignments.insert(alignments.end(), n, {i, i + n});
+    i += n;
+  }
+  return alignments;
+}
+
+// Note [NFC alignments]: `tokenizers` normalizes with the crate unicode-normalization-alignments,
+// which yields (char, change) pairs that NormalizedString::transform turns into alignments. We
+// replay that on top of utf8proc, one code point at a time, and check the result against nfc():
+//  1. Canonical decomposition. Each original character gives its decomposition; the first code
+//     point carries weight 1 (it stands for the original character), the others weight 0.
+//  2. Canonical ordering: a stable sort by combining class of each run of non-starters; the
+//     weights travel with their code points.
+//  3. Canonical composition (UAX #15 D117): a code point that composes into the last starter is
+//     removed and its weight added to the starter's.
+//  4. transform: walking the original characters in order, an output code point of weight w >= 1
+//     takes the next w original characters and aligns to the first of them; one of weight 0
+//     aligns to the last original character taken so far.
+// So "e" U+0301 -> U+00E9 aligns to the "e" alone, U+0958 -> U+0915 U+093C both to U+0958, and
+// after a reordering a mark can align to another mark's bytes - all as `tokenizers` reports
+// (tests/models/tokenizer_test.cpp checks random mark sequences against it).
+std::string nfc_aligned(std::string_view text, Alignments& alignments) {
+  std::string composed = nfc(text);
+  if (composed == text) {
+    alignments = identity_alignments(text);
+    return composed;
+  }
+  struct Unit {
+    utf8proc_int32_t cp;
+    int ccc;
+    int weight;
+  };
+  std::vector<Unit> units;
+  std::vector<std::pair<size_t, size_t>> sources;  // each original character's byte range
+  for (size_t i = 0; i < text.size();) {
+    utf8proc_int32_t cp = 0;
+    const auto n = utf8proc_iterate(reinterpret_cast<const utf8proc_uint8_t*>(text.data() + i),
+                                    static_cast<utf8proc_ssize_t>(text.size() - i), &cp);
+    if (n <= 0) throw std::invalid_argument("nfc_aligned: text is not valid UTF-8");
+    sources.emplace_back(i, i + static_cast<size_t>(n));
+    i += static_cast<size_t>(n);
+    utf8proc_int32_t parts[32];
+    int boundclass = UTF8PROC_BOUNDCLASS_START;
+    const auto count = utf8proc_decompose_char(cp, parts, 32, UTF8PROC_DECOMPOSE, &boundclass);
+    if (count <= 0 || count > 32) throw std::runtime_error("nfc_aligned: cannot decompose U+" + std::to_string(cp));
+    for (utf8proc_ssize_t k = 0; k < count; ++k) {
+      units.push_back({parts[k], utf8proc_get_property(parts[k])->combining_class, k == 0 ? 1 : 0});
+    }
+  }
+  for (size_t i = 1; i < units.size(); ++i) {
+    for (size_t k = i; k > 0 && units[k].ccc != 0 && units[k - 1].ccc > units[k].ccc; --k) {
+      std::swap(units[k], units[k - 1]);
+    }
+  }
+  std::vector<Unit> out;
+  size_t starter = SIZE_MAX;
+  for (const Unit& unit : units) {
+    if (starter != SIZE_MAX) {
+      const bool adjacent = out.size() == starter + 1;
+      if (adjacent || (out.back().ccc != 0 && out.back().ccc < unit.ccc)) {
+        utf8proc_int32_t pair[2] = {out[starter].cp, unit.cp};
+        constexpr auto kCompose = static_cast<utf8proc_option_t>(UTF8PROC_STABLE | UTF8PROC_COMPOSE);
+        if (utf8proc_normalize_utf32(pair, 2, kCompose) == 1) {
+          out[starter].cp = pair[0];
+          out[starter].ccc = utf8proc_get_property(pair[0])->combining_class;
+          out[starter].weight += unit.weight;
+          continue;
+        }
+      }
+    }
+    if (unit.ccc == 0) starter = out.size();
+    out.push_back(unit);
+  }
+  std::string replayed;
+  alignments.clear();
+  alignments.reserve(composed.size());
+  size_t taken = 0;
+  for (const Unit& unit : out) {
+    std::pair<size_t, size_t> align{0, 0};
+    if (unit.weight > 0) {
+      align = sources.at(taken);
+      taken += static_cast<size_t>(unit.weight);
+    } else if (taken > 0) {
+      align = sources[taken - 1];
+    }
+    const size_t before = replayed.size();
+    append_utf8(replayed, static_cast<char32_t>(unit.cp));
+    alignments.insert(alignments.end(), replayed.size() - before, align);
+  }
+  if (replayed != composed || taken != sources.size()) {
+    throw std::runtime_error(
+        "Tokenizer: cannot align NFC offsets for this text (its composition is not one the offset tracking models; "
+        "encode() works, encode_with_offsets() does not; docs/models.md, \"Tokenizer\")");
+  }
+  return composed;
 }
 
 const std::array<std::string, 256>& byte_chars() { return byte_tables().chars; }

@@ -27,6 +27,18 @@ size_t utf8_sequence_length(unsigned char lead);
 /// NFC of valid UTF-8 `text` (utf8proc). ASCII text is returned unchanged without a copy's work.
 std::string nfc(std::string_view text);
 
+/// Original [begin, end) byte range that each byte of a normalized text comes from.
+using Alignments = std::vector<std::pair<size_t, size_t>>;
+
+/// Alignments of `text` unchanged: every byte maps to the whole character it belongs to.
+Alignments identity_alignments(std::string_view text);
+
+/// nfc(text), with the alignments `tokenizers` gives its NFC normalizer (Note [NFC alignments]
+/// in tokenizer_text.cpp): one entry per byte of the result, in bytes of `text`. Throws
+/// std::runtime_error when the composition it replays differs from utf8proc's NFC (a Unicode
+/// case it does not model), rather than return wrong alignments.
+std::string nfc_aligned(std::string_view text, Alignments& alignments);
+
 /// GPT-2's bytes_to_unicode: byte b is written as the character byte_chars()[b] (UTF-8).
 const std::array<std::string, 256>& byte_chars();
 
