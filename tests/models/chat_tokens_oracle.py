@@ -8,7 +8,6 @@ OUT_DIR/result.json = {"cases": [{"ids": [...], "mask": [...]} | {"error": "..."
     message i, characters from len(render(messages[:i], add_generation_prompt=True)) through the
     first eos_token after it, mapped with the encoding's char_to_token as transformers maps spans.
 """
-import importlib.util
 import json
 import os
 import shutil
@@ -16,13 +15,8 @@ import sys
 
 from transformers import PreTrainedTokenizerFast
 
-
-def package_file(module, *parts):
-    spec = importlib.util.find_spec(module)
-    if spec is None or spec.origin is None:
-        return None
-    path = os.path.join(os.path.dirname(spec.origin), *parts)
-    return path if os.path.exists(path) else None
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from tokenizer_oracle import package_file  # noqa: E402 - the same lookup as the tokenizer oracle
 
 
 def mark(enc, mask, start, end):
