@@ -16,6 +16,7 @@ namespace roundpipe::optim {
 
 namespace {
 
+constexpr const char* kWho = "roundpipe::optim::Adam";
 // With set_streaming_stores(true), parameters from this size on (4 MiB per fp32 buffer) are
 // written with non-temporal stores; see Note [Streaming stores] in detail/adam_kernel_impl.h.
 constexpr int64_t kStreamingMinElements = int64_t{1} << 20;
@@ -32,21 +33,6 @@ void check_options(const AdamOptions& o, const std::string& where) {
               beta2, " in ", where, "; betas must lie in [0, 1)");
   TORCH_CHECK(o.weight_decay() >= 0, "roundpipe::optim::Adam: invalid weight_decay=", o.weight_decay(),
               " in ", where, "; use weight_decay >= 0");
-}
-
-// A state buffer usable by the kernel: fp32, contiguous, param's shape (states loaded from an
-// archive may come in another layout).
-torch::Tensor kernel_ready(torch::Tensor buffer, const torch::Tensor& param, const char* name) {
-  TORCH_CHECK(buffer.defined(), "roundpipe::optim::Adam: state '", name,
-              "' is missing for a parameter of shape ", param.sizes(),
-              "; the loaded state dict does not match this optimizer");
-  TORCH_CHECK(buffer.sizes() == param.sizes(), "roundpipe::optim::Adam: state '", name, "' has shape ",
-              buffer.sizes(), " but its parameter has shape ", param.sizes(),
-              "; the loaded state dict does not match the parameters");
-  if (buffer.scalar_type() != torch::kFloat || !buffer.is_contiguous() || !buffer.device().is_cpu()) {
-    buffer = buffer.to(torch::kCPU, torch::kFloat).contiguous();
-  }
-  return buffer;
 }
 
 }  // namespace
@@ -138,7 +124,7 @@ Adam::Adam(std::vector<torch::Tensor> params, AdamOptions defaults)
                torch::optim::OptimizerParamGroup(std::move(params))},
            std::move(defaults)) {}
 
-void Adam::check_param(const torch::Tensor& p) const { detail::check_master_param(p, "roundpipe::optim::Adam"); }
+void Adam::check_param(const torch::Tensor& p) const { detail::check_master_param(p, kWho); }
 
 void Adam::set_num_threads(int64_t num_threads) {
   TORCH_CHECK(num_threads >= 0, "roundpipe::optim::Adam::set_num_threads: got ", num_threads,
@@ -216,7 +202,7 @@ torch::Tensor Adam::step(LossClosure closure) {
         continue;
       }
       check_param(p);
-      const torch::Tensor grad = detail::step_grad(p, "roundpipe::optim::Adam", keep_alive);
+      const torch::Tensor grad = detail::step_grad(p, kWho, keep_alive);
 
       auto& slot = state_[p.unsafeGetTensorImpl()];
       if (!slot) {
@@ -226,13 +212,13 @@ torch::Tensor Adam::step(LossClosure closure) {
         slot = std::move(fresh);
       }
       auto& state = static_cast<AdamParamState&>(*slot);
-      state.exp_avg(kernel_ready(state.exp_avg(), p, "exp_avg"));
-      state.exp_avg_sq(kernel_ready(state.exp_avg_sq(), p, "exp_avg_sq"));
+      state.exp_avg(detail::state_buffer(state.exp_avg(), p, "exp_avg", kWho));
+      state.exp_avg_sq(detail::state_buffer(state.exp_avg_sq(), p, "exp_avg_sq", kWho));
       if (options.amsgrad()) {
         if (!state.max_exp_avg_sq().defined()) {
           state.max_exp_avg_sq(torch::zeros_like(p, torch::MemoryFormat::Contiguous));
         }
-        state.max_exp_avg_sq(kernel_ready(state.max_exp_avg_sq(), p, "max_exp_avg_sq"));
+        state.max_exp_avg_sq(detail::state_buffer(state.max_exp_avg_sq(), p, "max_exp_avg_sq", kWho));
       }
       state.step(state.step() + 1);
 
@@ -285,11 +271,8 @@ torch::Tensor Adam::step(LossClosure closure) {
 
   // Split the concatenation of all parameters into equal contiguous element ranges, one thread
   // each (Note [Why not at::parallel_for]).
-  std::vector<int64_t> numels;
-  numels.reserve(jobs.size());
-  for (const auto& job : jobs) numels.push_back(job.numel);
-  const detail::AdamUpdateFn update = detail::adam_update_fn(static_cast<detail::CpuIsa>(isa_));
-  last_step_threads_ = detail::run_split(numels, num_threads_, [&](size_t j, int64_t lo, int64_t hi) { update(jobs[j], lo, hi); });
+  last_step_threads_ =
+      detail::run_split_jobs(jobs, num_threads_, detail::adam_update_fn(static_cast<detail::CpuIsa>(isa_)));
   return loss;
 }
 

@@ -115,13 +115,7 @@ torch::Tensor Lion::step(LossClosure closure) {
         slot = std::move(fresh);
       }
       auto& state = static_cast<LionParamState&>(*slot);
-      torch::Tensor m = state.exp_avg();
-      TORCH_CHECK(m.defined() && m.sizes() == p.sizes(), kWho, ": state 'exp_avg' of a parameter of shape ",
-                  p.sizes(), " is ", m.defined() ? "of shape " + c10::str(m.sizes()) : std::string("missing"),
-                  "; the loaded state dict does not match the parameters");
-      if (m.scalar_type() != torch::kFloat || !m.is_contiguous() || !m.device().is_cpu()) {
-        state.exp_avg(m.to(torch::kCPU, torch::kFloat).contiguous());
-      }
+      state.exp_avg(detail::state_buffer(state.exp_avg(), p, "exp_avg", kWho));
       state.step(state.step() + 1);
       detail::LionTensor job;
       job.param = p.data_ptr<float>();
@@ -140,12 +134,7 @@ torch::Tensor Lion::step(LossClosure closure) {
       if (job.numel > 0) jobs.push_back(job);
     }
   }
-  std::vector<int64_t> numels;
-  numels.reserve(jobs.size());
-  for (const auto& job : jobs) numels.push_back(job.numel);
-  const detail::LionUpdateFn update = detail::lion_update_fn(detail::best_cpu_isa());
-  const int64_t threads =
-      detail::run_split(numels, num_threads_, [&](size_t j, int64_t lo, int64_t hi) { update(jobs[j], lo, hi); });
+  const int64_t threads = detail::run_split_jobs(jobs, num_threads_, detail::lion_update_fn(detail::best_cpu_isa()));
   if (threads > 0) last_step_threads_ = threads;
   return loss;
 }

@@ -223,7 +223,8 @@ RoundPipe::RoundPipe(torch::nn::Sequential model, RoundPipeOptions options) : im
     m.layer_set.uses.push_back(uses);
     m.layer_set.use_of_position.push_back(use_of_position);
   }
-  if (std::any_of(m.devices.begin(), m.devices.end(), [](const c10::Device& d) { return d.is_cuda(); })) {
+  const bool drives_gpus = std::any_of(m.devices.begin(), m.devices.end(), [](const c10::Device& d) { return d.is_cuda(); });
+  if (drives_gpus) {
     // Host copies in pinned memory, so uploads are asynchronous (Note [Stage streams]): one
     // exact-size registered block per layer (Note [Exact-size pinned host memory]); what that
     // leaves pageable (a refused registration, tensors outside the layers) goes through the
@@ -289,7 +290,6 @@ RoundPipe::RoundPipe(torch::nn::Sequential model, RoundPipeOptions options) : im
                                                      options.grad_bucket_bytes());
   }
   // Note [Optimizer thread budget] (step_pipeline.cpp): half the cores when driving GPUs.
-  const bool drives_gpus = std::any_of(m.devices.begin(), m.devices.end(), [](const c10::Device& d) { return d.is_cuda(); });
   const int64_t optimizer_threads = drives_gpus ? std::max<int64_t>(1, std::thread::hardware_concurrency() / 2) : 0;
   m.steps = std::make_unique<detail::StepPipeline>(&m.params, options.optim_dtype(), options.master_grad_dtype(),
                                                    optimizer_threads);

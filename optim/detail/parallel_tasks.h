@@ -28,4 +28,13 @@ void run_tasks(int64_t tasks, const std::function<void(int64_t)>& fn);
 int64_t run_split(const std::vector<int64_t>& numels, int64_t requested,
                   const std::function<void(size_t, int64_t, int64_t)>& fn);
 
+/// run_split over kernel jobs (each with a `numel`): update(jobs[i], lo, hi) for every piece.
+template <typename Job, typename Update>
+int64_t run_split_jobs(const std::vector<Job>& jobs, int64_t requested, Update update) {
+  std::vector<int64_t> numels;
+  numels.reserve(jobs.size());
+  for (const Job& job : jobs) numels.push_back(job.numel);
+  return run_split(numels, requested, [&](size_t j, int64_t lo, int64_t hi) { update(jobs[j], lo, hi); });
+}
+
 }  // namespace roundpipe::optim::detail

@@ -30,6 +30,17 @@ at::Tensor step_grad(const at::Tensor& p, const char* who, std::vector<at::Tenso
   return grad;
 }
 
+at::Tensor state_buffer(at::Tensor buffer, const at::Tensor& param, const char* name, const char* who) {
+  TORCH_CHECK(buffer.defined(), who, ": state '", name, "' is missing for a parameter of shape ", param.sizes(),
+              "; the loaded state dict does not match this optimizer");
+  TORCH_CHECK(buffer.sizes() == param.sizes(), who, ": state '", name, "' has shape ", buffer.sizes(),
+              " but its parameter has shape ", param.sizes(), "; the loaded state dict does not match the parameters");
+  if (buffer.scalar_type() != at::kFloat || !buffer.is_contiguous() || !buffer.device().is_cpu()) {
+    buffer = buffer.to(at::kCPU, at::kFloat).contiguous();
+  }
+  return buffer;
+}
+
 GradDtype grad_dtype_of(const at::Tensor& grad) {
   switch (grad.scalar_type()) {
     case at::kHalf:

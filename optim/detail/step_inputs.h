@@ -17,6 +17,11 @@ void check_master_param(const at::Tensor& p, const char* who);
 /// bfloat16, `p`'s shape. A non-contiguous one is copied and the copy kept in `keep_alive`.
 at::Tensor step_grad(const at::Tensor& p, const char* who, std::vector<at::Tensor>& keep_alive);
 
+/// An optimizer state tensor the kernel can use: defined and of `param`'s shape (else c10::Error
+/// naming `name`: a loaded state dict that does not match), made fp32, contiguous and on the CPU
+/// if it is not (states loaded from an archive may come in another layout).
+at::Tensor state_buffer(at::Tensor buffer, const at::Tensor& param, const char* name, const char* who);
+
 /// The kernel's name for `grad`'s dtype (one step_grad accepted).
 GradDtype grad_dtype_of(const at::Tensor& grad);
 
