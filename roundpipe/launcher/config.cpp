@@ -545,6 +545,7 @@ std::optional<int64_t> data_vocab_size(const LauncherConfig& config) {
     case DataFormat::kBytes:
       return 256;
     case DataFormat::kTokens:
+    case DataFormat::kChat:  // the tokenizer's, checked against the model when the data is opened
       return std::nullopt;
     case DataFormat::kSynthetic:
       break;
@@ -565,6 +566,16 @@ const char* data_format_name(DataFormat format) {
     case DataFormat::kTokens: return "tokens";
     case DataFormat::kBytes: return "bytes";
     case DataFormat::kSynthetic: return "synthetic";
+    case DataFormat::kChat: return "chat";
+  }
+  return "?";
+}
+
+const char* train_on_name(models::ChatTrainOn train_on) {
+  switch (train_on) {
+    case models::ChatTrainOn::kAssistant: return "assistant";
+    case models::ChatTrainOn::kLastAssistant: return "last_assistant";
+    case models::ChatTrainOn::kAll: return "all";
   }
   return "?";
 }

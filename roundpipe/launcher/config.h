@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "roundpipe/launcher/lr_schedule.h"
+#include "roundpipe/models/chat_tokens.h"
 #include "roundpipe/run_config.h"
 
 namespace roundpipe::launcher {
@@ -26,7 +27,7 @@ class ConfigError : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-enum class DataFormat { kTokens, kBytes, kSynthetic };
+enum class DataFormat { kTokens, kBytes, kSynthetic, kChat };
 enum class OptimizerName { kAdamW, kAdam, kSgd, kLion };
 
 /// model.lora: present (non-null) enables LoRA fine-tuning of model.pretrained.
@@ -49,11 +50,13 @@ struct ModelConfig {
 };
 
 struct DataConfig {
-  std::string train;  ///< token/byte file; unused (may be "") for synthetic
+  std::string train;  ///< token/byte/chat file; unused (may be "") for synthetic
   std::string valid;  ///< "" = no evaluation data
   DataFormat format;
   int64_t seq_len;
   std::optional<int64_t> vocab_size;  ///< synthetic only
+  models::ChatTrainOn train_on;       ///< chat only: which tokens the loss trains on
+  bool packing;                       ///< chat only: several conversations per row (not yet supported)
 };
 
 struct OptimizerConfig {
@@ -164,6 +167,7 @@ std::optional<int64_t> data_vocab_size(const LauncherConfig& config);
 
 /// Lower-case names used in the YAML ("tokens", "adamw", "stage", "async", "float32", ...).
 const char* data_format_name(DataFormat format);
+const char* train_on_name(models::ChatTrainOn train_on);
 const char* optimizer_name(OptimizerName name);
 const char* recompute_name(RecomputeGrain grain);
 const char* step_mode_name(StepMode mode);

@@ -277,7 +277,7 @@ Batch make_batch(const TokenSource& source, const std::vector<int64_t>& starts, 
     std::memcpy(in + r * seq_len, window.data(), sizeof(int64_t) * seq_len);
     std::memcpy(lab + r * seq_len, window.data() + 1, sizeof(int64_t) * seq_len);
   }
-  return Batch{inputs, labels};
+  return Batch{inputs, labels, rows * seq_len};
 }
 
 TrainSampler::TrainSampler(const TokenSource& source, int64_t batch_size, int64_t seq_len,

@@ -84,11 +84,35 @@ class SplitMix64 {
   uint64_t state_;
 };
 
-/// One batch: `inputs` and `labels` are int64 [B, seq_len] on the CPU; labels[b][t] is the token
-/// that follows inputs[b][t] in the stream.
+/// The label of a position the loss skips (models::kIgnoreIndex, torch's cross_entropy default).
+inline constexpr int64_t kIgnoreLabel = -100;
+
+/// One batch: `inputs` and `labels` are int64 [B, T] on the CPU; labels[b][t] is the token that
+/// follows inputs[b][t] in the stream (token streams: T = seq_len), or -100 where the loss skips
+/// the position (chat data: untrained tokens and padding).
 struct Batch {
   at::Tensor inputs;
   at::Tensor labels;
+  int64_t tokens = 0;  ///< non-padding input positions (token streams: B * seq_len)
+};
+
+/// Training batches of any data format: an endless stream whose position is one integer, so a
+/// checkpoint stores it and a resumed run draws the same batches.
+class BatchSampler {
+ public:
+  virtual ~BatchSampler() = default;
+  virtual Batch next() = 0;
+  /// After set_state(state()) the sampler continues identically.
+  virtual uint64_t state() const = 0;
+  virtual void set_state(uint64_t state) = 0;
+};
+
+/// Evaluation batches of any data format: a finite sequence.
+class BatchReader {
+ public:
+  virtual ~BatchReader() = default;
+  /// The next batch, or nullopt after the last one.
+  virtual std::optional<Batch> next() = 0;
 };
 
 /// Draws training batches: each of the `batch_size` windows starts at a position drawn uniformly
@@ -98,18 +122,18 @@ struct Batch {
 ///   TrainSampler sampler(*source, /*batch_size=*/8, /*seq_len=*/256, /*seed=*/1234);
 ///   Batch batch = sampler.next();
 ///   uint64_t saved = sampler.state();   // checkpoint; sampler.set_state(saved) resumes
-class TrainSampler {
+class TrainSampler final : public BatchSampler {
  public:
   /// Throws c10::Error when the source holds fewer than seq_len + 1 tokens.
   TrainSampler(const TokenSource& source, int64_t batch_size, int64_t seq_len, uint64_t seed);
 
-  Batch next();
+  Batch next() override;
   /// Window starts of the next batch without building tensors (advances the state like next()).
   std::vector<int64_t> next_starts();
 
   /// The generator state: after set_state(state()) the sampler continues identically.
-  uint64_t state() const { return rng_.state(); }
-  void set_state(uint64_t state) { rng_.set_state(state); }
+  uint64_t state() const override { return rng_.state(); }
+  void set_state(uint64_t state) override { rng_.set_state(state); }
 
  private:
   const TokenSource& source_;
@@ -122,13 +146,12 @@ class TrainSampler {
 /// the source (window w starts at w * (seq_len + 1)), batch_size windows per batch; at most
 /// `max_batches` batches (0: all windows). The last batch may hold fewer windows.
 /// Thread-safety: not thread-safe (one owner). The source must outlive it.
-class EvalBatches {
+class EvalBatches final : public BatchReader {
  public:
   /// Throws c10::Error when the source holds fewer than seq_len + 1 tokens.
   EvalBatches(const TokenSource& source, int64_t batch_size, int64_t seq_len, int64_t max_batches);
 
-  /// The next batch, or nullopt after the last one.
-  std::optional<Batch> next();
+  std::optional<Batch> next() override;
   /// Starts over from the first window.
   void reset() { next_window_ = 0; }
   int64_t num_windows() const { return num_windows_; }

@@ -239,17 +239,17 @@ void run_plan(const LauncherConfig& config, std::ostream& out, const std::string
 }
 
 void run_eval(const LauncherConfig& config, std::ostream& out) {
-  LauncherModel pre = make_launcher_model(config);
   const std::string& path = config.data.valid.empty() ? config.data.train : config.data.valid;
-  std::unique_ptr<TokenSource> data = open_data(config, path, config.data.valid.empty() ? 0 : 1);
+  const LauncherData data = open_data(config, path, config.data.valid.empty() ? 0 : 1);  // bad data: before loading
+  LauncherModel pre = make_launcher_model(config);
   RoundPipe model(pre.model, round_pipe_options(config));
-  const double loss = evaluate(model, config, *data);
+  const double loss = evaluate(model, config, data);
   make_directories(config.out_dir);
   MetricsWriter metrics(config.out_dir, std::numeric_limits<int64_t>::max());
   metrics.log_eval({0, loss});
   char text[64];
   std::snprintf(text, sizeof(text), "%.6f", loss);
-  out << "evaluated " << data->describe() << "\n";
+  out << "evaluated " << data.describe() << "\n";
   out << "eval_loss=" << text << "\n";
 }
 

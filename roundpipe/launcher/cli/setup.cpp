@@ -15,6 +15,7 @@
 #include <nlohmann/json.hpp>
 
 #include "base/logging.h"
+#include "roundpipe/launcher/atomic_file.h"
 #include "roundpipe/devices.h"
 #include "roundpipe/models/layers.h"
 
@@ -37,6 +38,14 @@ namespace roundpipe::launcher {
 // equal to a straight one as long as that directory does not change.
 
 void check_supported(const LauncherConfig& config, const models::ModelConfig& model_config) {
+  if (config.data.format == DataFormat::kChat && model_config.is_moe()) {
+    // The router's load-balancing loss is weighted by every position of a microbatch, padding
+    // included, while chat losses are normalized by trained labels: the mix would not be
+    // transformers' (which masks padding out of the router statistics).
+    throw ConfigError("data.format: chat with a mixture-of-experts model (" + model_config.model_type +
+                      ") is not supported yet: the router's load-balancing loss would count padding; "
+                      "train it on token data (data.format: tokens) for now");
+  }
   std::optional<int64_t> data_vocab = data_vocab_size(config);
   if (data_vocab.has_value() && *data_vocab > model_config.vocab_size) {
     throw ConfigError("data.format: " + std::string(data_format_name(config.data.format)) +
@@ -246,34 +255,74 @@ RoundPipeOptions round_pipe_options(const LauncherConfig& config) {
       .measure_layer_times(false);  // Note [Deterministic plans]
 }
 
-std::unique_ptr<TokenSource> open_data(const LauncherConfig& config, const std::string& path,
-                                       uint64_t seed_offset) {
+std::string LauncherData::describe() const { return chat ? chat->describe() : tokens->describe(); }
+
+std::unique_ptr<BatchSampler> LauncherData::sampler(int64_t rows, uint64_t seed) const {
+  if (chat) return std::make_unique<ChatSampler>(*chat, rows, seed);
+  return std::make_unique<TrainSampler>(*tokens, rows, seq_len, seed);
+}
+
+std::unique_ptr<BatchReader> LauncherData::eval_batches(int64_t rows, int64_t max_batches) const {
+  if (chat) return std::make_unique<ChatEvalBatches>(*chat, rows, max_batches);
+  return std::make_unique<EvalBatches>(*tokens, rows, seq_len, max_batches);
+}
+
+LauncherData open_data(const LauncherConfig& config, const std::string& path, uint64_t seed_offset) {
+  LauncherData data;
+  data.seq_len = config.data.seq_len;
   switch (config.data.format) {
     case DataFormat::kTokens:
-      return open_token_file(path);
+      data.tokens = open_token_file(path);
+      return data;
     case DataFormat::kBytes:
-      return open_byte_file(path);
+      data.tokens = open_byte_file(path);
+      return data;
+    case DataFormat::kChat: {
+      const std::string& dir = config.model.pretrained;
+      std::optional<models::Tokenizer> tokenizer;
+      std::optional<models::ChatTemplate> chat_template;
+      try {
+        tokenizer = models::Tokenizer::from_file(join_path(dir, "tokenizer.json"));
+        chat_template = models::ChatTemplate::from_model_dir(dir);
+      } catch (const std::exception& e) {  // a file of the model directory; the message names it
+        throw ConfigError(std::string("model.pretrained (chat data needs its tokenizer and chat template): ") +
+                          e.what());
+      }
+      const int64_t model_vocab = resolve_model_config(config).vocab_size;
+      if (tokenizer->vocab_size() > model_vocab) {
+        throw ConfigError("model.pretrained: " + join_path(dir, "tokenizer.json") + " has " +
+                          std::to_string(tokenizer->vocab_size()) + " token ids but the model's vocab_size is " +
+                          std::to_string(model_vocab) + ": the tokenizer does not belong to this model (or set "
+                          "model.config.vocab_size >= " + std::to_string(tokenizer->vocab_size()) + ")");
+      }
+      ChatDataOptions options;
+      options.train_on = config.data.train_on;
+      options.seq_len = config.data.seq_len;
+      data.chat = std::make_unique<ChatDataset>(ChatDataset::load(path, *chat_template, *tokenizer, options));
+      return data;
+    }
     case DataFormat::kSynthetic:
       break;
   }
   const int64_t vocab = data_vocab_size(config).value_or(256);
   // Enough tokens for every training window to be fresh-looking; the stream is a pure function.
-  return make_synthetic_tokens(config.train.seed + seed_offset, vocab, int64_t{1} << 24);
+  data.tokens = make_synthetic_tokens(config.train.seed + seed_offset, vocab, int64_t{1} << 24);
+  return data;
 }
 
-double evaluate(RoundPipe& model, const LauncherConfig& config, const TokenSource& source) {
-  EvalBatches batches(source, config.train.batch_size, config.data.seq_len, config.eval.max_batches);
+double evaluate(RoundPipe& model, const LauncherConfig& config, const LauncherData& data) {
+  std::unique_ptr<BatchReader> batches = data.eval_batches(config.train.batch_size, config.eval.max_batches);
   at::NoGradGuard no_grad;
   model.module()->eval();
   double total = 0.0;
   int64_t count = 0;
-  while (std::optional<Batch> batch = batches.next()) {
+  while (std::optional<Batch> batch = batches->next()) {
     RunConfig run;
     run.num_microbatch = std::min<int64_t>(batch->inputs.size(0),
                                            config.run.num_microbatch.value_or(1));
     // The head given the labels returns each microbatch's summed loss; no logits are made.
     total += model.forward({batch->inputs}, batch->labels, run).sum().item<double>();
-    count += batch->labels.numel();
+    count += batch->labels.ne(kIgnoreLabel).sum().item<int64_t>();
   }
   model.module()->train();
   return total / static_cast<double>(count);

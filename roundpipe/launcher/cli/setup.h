@@ -10,6 +10,7 @@
 #include <string>
 
 #include "comm/process_group.h"
+#include "roundpipe/launcher/chat_data.h"
 #include "roundpipe/launcher/config.h"
 #include "roundpipe/launcher/token_data.h"
 #include "roundpipe/models/lora.h"
@@ -68,14 +69,33 @@ RoundPipeOptions round_pipe_options(const LauncherConfig& config);
 /// single process (docs/distributed.md).
 std::shared_ptr<comm::ProcessGroup> make_process_group(const LauncherConfig& config);
 
-/// The token source of `path` in data.format (synthetic: `seed_offset` selects the stream).
-std::unique_ptr<TokenSource> open_data(const LauncherConfig& config, const std::string& path,
-                                       uint64_t seed_offset);
+/// One split of the configured data (data.train or data.valid) in data.format: a token stream, or
+/// chat conversations (tokenized when opened). Owns what its samplers and readers read: keep it
+/// alive while they are used. Not synchronized (one owner).
+struct LauncherData {
+  std::unique_ptr<TokenSource> tokens;  ///< tokens, bytes, synthetic
+  std::unique_ptr<ChatDataset> chat;    ///< chat
+  int64_t seq_len = 0;
 
-/// Mean token cross-entropy (sum of every predicted token's loss / their count, in float32) over
-/// EvalBatches(source, train.batch_size, data.seq_len, eval.max_batches), with
+  /// "token file 'x.bin' ..." / "chat file 'x.jsonl' (N conversations, ...)".
+  std::string describe() const;
+  /// Training batches of `rows` rows each (TrainSampler windows / ChatSampler conversations).
+  std::unique_ptr<BatchSampler> sampler(int64_t rows, uint64_t seed) const;
+  /// Evaluation batches of `rows` rows, at most `max_batches` (0: all the data).
+  std::unique_ptr<BatchReader> eval_batches(int64_t rows, int64_t max_batches) const;
+};
+
+/// The data of `path` in data.format (synthetic: `seed_offset` selects the stream). Chat data is
+/// rendered and tokenized with model.pretrained's chat template and tokenizer; a bad line throws
+/// ConfigError naming the file and line, and a tokenizer larger than the model's vocabulary
+/// throws ConfigError.
+LauncherData open_data(const LauncherConfig& config, const std::string& path, uint64_t seed_offset);
+
+/// Mean token cross-entropy (the sum of every trained label's loss / their count, in float32:
+/// labels of -100 do not count) over data.eval_batches(train.batch_size, eval.max_batches), with
 /// RoundPipe::forward(inputs, labels) in eval mode without autograd: the LmHead returns each
-/// microbatch's summed loss, chunked (the logits never exist whole). Call synchronize() first when steps may be queued.
-double evaluate(RoundPipe& model, const LauncherConfig& config, const TokenSource& source);
+/// microbatch's summed loss, chunked (the logits never exist whole). Call synchronize() first when
+/// steps may be queued.
+double evaluate(RoundPipe& model, const LauncherConfig& config, const LauncherData& data);
 
 }  // namespace roundpipe::launcher

@@ -58,6 +58,15 @@ std::string plot_title(const LauncherConfig& config) { return "roundpipe train: 
 
 }  // namespace
 
+// Note [Loss normalization]:
+// The loss of an optimizer step is the sum of the cross-entropy of every trained label of the step
+// (every microbatch, every train.grad_accum pass, every data-parallel rank) divided by their count,
+// N. Each rank draws the step's global batches (train.batch_size rows per rank) before its first
+// pass, counts N over all of them, and divides its microbatches' summed losses by N / world; the
+// data-parallel gradient sync averages over the world, so the step's gradient is that of
+// sum / N whatever the split into microbatches, passes and ranks, and whatever padding the rows
+// carry (transformers' gradient-accumulation fix of 2024, num_items_in_batch, is the same rule).
+// Token streams label every position, so N = rows * seq_len as before.
 void run_training(const LauncherConfig& config, const std::optional<std::string>& resume) {
   const auto start_time = std::chrono::steady_clock::now();
   auto seconds_since_start = [&] {
@@ -69,14 +78,20 @@ void run_training(const LauncherConfig& config, const std::optional<std::string>
   const int64_t world = group ? group->world_size() : 1;
   const int64_t rank = group ? group->rank() : 0;
   const bool lead = rank == 0;
-  LauncherModel pre = make_launcher_model(config);
-  const models::LoraOptions* lora = pre.lora.has_value() ? &*pre.lora : nullptr;
-  const std::string parameter_line = describe_parameter_counts(count_parameters(*pre.model));
-  std::unique_ptr<TokenSource> train_data = open_data(config, config.data.train, 0);
-  std::unique_ptr<TokenSource> valid_data;
+  // The data first: a bad line of a chat file fails before the weights load.
+  const LauncherData train_data = open_data(config, config.data.train, 0);
+  std::optional<LauncherData> valid_data;
   if (!config.data.valid.empty() || config.data.format == DataFormat::kSynthetic) {
     valid_data = open_data(config, config.data.valid, 1);
   }
+  if (lead && train_data.chat) {
+    std::cerr << "train data: " << train_data.describe() << "\n";
+    if (valid_data) std::cerr << "valid data: " << valid_data->describe() << "\n";
+  }
+  ROUNDPIPE_LOG(launcher_log(), kInfo, "train data: ", train_data.describe());
+  LauncherModel pre = make_launcher_model(config);
+  const models::LoraOptions* lora = pre.lora.has_value() ? &*pre.lora : nullptr;
+  const std::string parameter_line = describe_parameter_counts(count_parameters(*pre.model));
   if (lead) {
     make_directories(join_path(config.out_dir, "checkpoints"));
     remove_stale_temporaries(join_path(config.out_dir, "checkpoints"));
@@ -91,7 +106,7 @@ void run_training(const LauncherConfig& config, const std::optional<std::string>
                              .growth_interval(config.amp.growth_interval));
   // The global batch (batch_size rows per rank) is drawn the same on every rank, whatever the world
   // size; rank r trains on rows [r * batch_size, (r + 1) * batch_size).
-  TrainSampler sampler(*train_data, config.train.batch_size * world, config.data.seq_len, config.train.seed);
+  const std::unique_ptr<BatchSampler> sampler = train_data.sampler(config.train.batch_size * world, config.train.seed);
   const LrSchedule schedule(config.optimizer.lr, config.schedule.min_lr, config.schedule.warmup_steps,
                             config.train.steps, config.schedule.decay);
 
@@ -107,7 +122,7 @@ void run_training(const LauncherConfig& config, const std::optional<std::string>
     }
     step = state.step;
     tokens = state.tokens;
-    sampler.set_state(state.sampler_state);
+    sampler->set_state(state.sampler_state);
     at::Generator cpu_generator = at::detail::getDefaultCPUGenerator();  // a handle: shares the state
     cpu_generator.set_state(state.cpu_rng_state);
     if (config.amp.scaler) scaler.load_state_dict(state.scaler);
@@ -137,7 +152,6 @@ void run_training(const LauncherConfig& config, const std::optional<std::string>
   ROUNDPIPE_LOG(launcher_log(), kInfo, "training ", config.train.steps, " steps on ", model.devices().size(),
                 " device(s); plan ", model.plan().to_string());
 
-  const int64_t step_tokens = config.train.batch_size * config.train.grad_accum * config.data.seq_len;
   // Mixture of experts: the heads report each microbatch's load-balancing loss here.
   std::shared_ptr<models::RouterLossLog> router_log;
   double aux_coef = 0.0;
@@ -148,13 +162,6 @@ void run_training(const LauncherConfig& config, const std::optional<std::string>
     aux_coef = head->router_aux_loss_coef();
   }
   double step_loss = 0.0;  // unscaled: the sum of forward_backward's results over the step's passes
-  // The LmHead returns each microbatch's summed token loss (RoundPipeOptions::label_to_last_layer:
-  // chunked, no logits); the step's loss is the mean over its tokens. No host read here: on a GPU
-  // worker a .item() per microbatch would synchronize the device.
-  const LossFn loss_fn = [&](const at::Tensor& summed_loss, const at::Tensor& /*labels*/) {
-    at::Tensor loss = summed_loss / static_cast<double>(step_tokens);
-    return scaler.is_enabled() ? scaler.scale(loss) : loss;
-  };
   const std::vector<at::Tensor> masters = model.optim_parameters();
   std::mutex norm_mutex;
   std::optional<double> grad_norm;  // of the last finished step (async: may lag by one)
@@ -178,7 +185,7 @@ void run_training(const LauncherConfig& config, const std::optional<std::string>
     state.iteration = model.iteration();
     state.step = step;
     state.tokens = tokens;
-    state.sampler_state = sampler.state();
+    state.sampler_state = sampler->state();
     state.cpu_rng_state = at::detail::getDefaultCPUGenerator().get_state();
     state.scaler = scaler.state_dict();
     last_checkpoint = save_checkpoint_dir({model, pre.config, *optimizer, config, state, lora});
@@ -197,8 +204,26 @@ void run_training(const LauncherConfig& config, const std::optional<std::string>
   while (step < config.train.steps) {
     const double lr = schedule.at(step);
     step_loss = 0.0;
+    // Every rank draws the step's global batches, so every rank knows the step's trained-label
+    // count without communicating: Note [Loss normalization].
+    std::vector<Batch> passes;
+    int64_t step_labels = 0;
+    int64_t step_tokens = 0;
     for (int64_t micro = 0; micro < config.train.grad_accum; ++micro) {
-      Batch batch = sampler.next();
+      passes.push_back(sampler->next());
+      step_labels += passes.back().labels.ne(kIgnoreLabel).sum().item<int64_t>();
+      step_tokens += passes.back().tokens;
+    }
+    TORCH_CHECK(step_labels > 0, "step ", step + 1, " has no trained label");
+    const double normalizer = static_cast<double>(step_labels) / static_cast<double>(world);
+    // The LmHead returns each microbatch's summed token loss (RoundPipeOptions::label_to_last_layer:
+    // chunked, no logits). No host read here: on a GPU worker a .item() per microbatch would
+    // synchronize the device.
+    const LossFn loss_fn = [&scaler, normalizer](const at::Tensor& summed_loss, const at::Tensor& /*labels*/) {
+      at::Tensor loss = summed_loss / normalizer;
+      return scaler.is_enabled() ? scaler.scale(loss) : loss;
+    };
+    for (Batch& batch : passes) {
       if (world > 1) {
         batch.inputs = batch.inputs.narrow(0, rank * config.train.batch_size, config.train.batch_size);
         batch.labels = batch.labels.narrow(0, rank * config.train.batch_size, config.train.batch_size);
@@ -242,8 +267,8 @@ void run_training(const LauncherConfig& config, const std::optional<std::string>
       if (step_aux) step_aux = sum[1].item<double>() / static_cast<double>(world);
     }
     ++step;
-    tokens += step_tokens * world;
-    window_tokens += step_tokens * world;
+    tokens += step_tokens;
+    window_tokens += step_tokens;
     TORCH_CHECK(std::isfinite(step_loss), "the training loss is ", step_loss, " at step ", step,
                 " (diverged): lower optimizer.lr, set train.clip_grad_norm or enable amp.scaler");
 
@@ -269,7 +294,7 @@ void run_training(const LauncherConfig& config, const std::optional<std::string>
       window_tokens = 0;
       window_start = now;
     }
-    if (valid_data != nullptr && config.eval.every > 0 && step % config.eval.every == 0 &&
+    if (valid_data && config.eval.every > 0 && step % config.eval.every == 0 &&
         step != config.train.steps) {
       run_eval();
     }
@@ -277,7 +302,7 @@ void run_training(const LauncherConfig& config, const std::optional<std::string>
       checkpoint();
     }
   }
-  if (valid_data != nullptr && (config.eval.every > 0 || !config.data.valid.empty())) run_eval();
+  if (valid_data && (config.eval.every > 0 || !config.data.valid.empty())) run_eval();
   checkpoint();
   progress.finish();
   // Every rank exits once the lead's final checkpoint is written (or fails naming it if it died).

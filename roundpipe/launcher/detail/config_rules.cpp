@@ -108,7 +108,7 @@ std::vector<Rule> build_rules() {
                      if (!value->empty()) {
                        config_fail(path, quoted(*value),
                                    "data.format is synthetic (generated data, no files): remove " +
-                                       std::string(path) + " or set data.format to tokens or bytes");
+                                       std::string(path) + " or set data.format to tokens, bytes or chat");
                      }
                      continue;
                    }
@@ -129,6 +129,42 @@ std::vector<Rule> build_rules() {
                                                      : "") +
                                      " (relative paths start at the working directory)");
                    }
+                 }
+               }});
+  r.push_back({"`chat` data needs `model.pretrained` (its tokenizer.json and chat template); "
+               "`data.train_on` and `data.packing` are for `chat` only, and packing is not "
+               "supported yet.",
+               [](const C& c) {
+                 if (c.data.format != DataFormat::kChat) {
+                   if (c.data.train_on != models::ChatTrainOn::kAssistant) {
+                     config_fail("data.train_on", train_on_name(c.data.train_on),
+                                 std::string("only chat data has turns to choose from (data.format is ") +
+                                     data_format_name(c.data.format) + "): remove data.train_on");
+                   }
+                   if (c.data.packing) {
+                     config_fail("data.packing", "true",
+                                 std::string("packing applies to chat data (data.format is ") +
+                                     data_format_name(c.data.format) +
+                                     "; token streams are already cut into full windows): remove data.packing");
+                   }
+                   return;
+                 }
+                 if (c.data.packing) {
+                   config_fail("data.packing", "true",
+                               "packing conversations into shared rows is not supported yet: set "
+                               "data.packing: false (one conversation a row, padded to the batch's longest)");
+                 }
+                 if (c.model.pretrained.empty()) {
+                   config_fail("data.format", "chat",
+                               "chat data is rendered with the model's chat template and tokenizer, "
+                               "read from model.pretrained (tokenizer.json, chat_template.jinja or "
+                               "tokenizer_config.json): set model.pretrained to a Hugging Face model "
+                               "directory");
+                 }
+                 if (!is_regular_file(join_path(c.model.pretrained, "tokenizer.json"))) {
+                   config_fail("model.pretrained", quoted(c.model.pretrained),
+                               "chat data needs the model's tokenizer.json in that directory (save it with "
+                               "transformers' tokenizer.save_pretrained(DIR))");
                  }
                }});
   r.push_back({"`data.vocab_size` is for `synthetic` only, which needs it or the model's "

