@@ -6,7 +6,10 @@
 #include <cmath>
 #include <string>
 
+#include "chat_test_util.h"
 #include "cli_test_util.h"
+#include "roundpipe/launcher/metrics.h"
+#include "roundpipe/models/pretrained.h"
 #include "roundpipe/models/safetensors.h"
 #include "tests/common/multi_process.h"
 #include "tests/common/tensor_compare.h"
@@ -65,6 +68,42 @@ TEST(DistributedCliTest, LaunchAndTorchrun_ExportTheSameWeightsAsOneProcessWithT
   const int status = std::system(cmd.c_str());
   ASSERT_EQ(status, 0) << read_file(dir.file("torchrun.out"));
   expect_same_weights(reference, export_weights(dir, "torchrun"), "torchrun --no-python");
+}
+
+// Chat data (rows of different lengths, padded per global batch): the step's loss is divided by
+// the trained labels of the whole global batch (Note [Loss normalization]), so 2 ranks of 2 rows
+// train as 1 process of 4 rows. A per-rank mean would weigh the ranks' conversations differently.
+TEST(DistributedCliTest, ChatData_TwoRanksTrainAsOneProcessWithTwiceTheBatch) {
+  ScratchDir dir;
+  const std::string model = write_byte_chat_model(dir, "model");
+  at::manual_seed(5);
+  const models::Pretrained random = models::build(models::parse_model_config(read_file(model + "/config.json")));
+  models::save_pretrained(random.model, random.config, model);
+  std::string jsonl;
+  for (int i = 0; i < 8; ++i) {
+    jsonl += chat_line({{"user", "question " + std::to_string(i) + std::string(static_cast<size_t>(i * 3), '?')},
+                        {"assistant", std::string(static_cast<size_t>(1 + (i * 5) % 7), static_cast<char>('a' + i))}});
+  }
+  dir.write("chat.jsonl", jsonl);
+  dir.write("chat.yaml", "out_dir: one\nmodel: {pretrained: " + model + "}\n"
+                         "data: {train: chat.jsonl, format: chat, seq_len: 64}\n"
+                         "optimizer: {name: sgd, lr: 0.5}\n"
+                         "train: {steps: 3, batch_size: 2, seed: 3}\n"
+                         "run: {devices: 1, num_microbatch: 1, step_mode: sync}\nlog: {every: 1}\n");
+  CliResult one = run_cli(dir, "train chat.yaml train.batch_size=4");
+  ASSERT_EQ(one.code, 0) << one.err;
+  const auto reference = export_weights(dir, "one");
+  CliResult launched = run_cli(dir, "launch --nproc-per-node 2 train chat.yaml out_dir=launched");
+  ASSERT_EQ(launched.code, 0) << launched.out << launched.err;
+  expect_same_weights(reference, export_weights(dir, "launched"), "chat data, 2 ranks");
+  MetricsLog l1 = read_metrics(dir.file("one/metrics.jsonl")), l2 = read_metrics(dir.file("launched/metrics.jsonl"));
+  ASSERT_EQ(l1.train.size(), 3u);
+  ASSERT_EQ(l2.train.size(), 3u);
+  for (size_t k = 0; k < 3; ++k) EXPECT_NEAR(l1.train[k].loss, l2.train[k].loss, 1e-5) << "step " << k + 1;
+  const auto initial = models::CheckpointReader::open(model);
+  double moved = 0.0;
+  for (const auto& [name, t] : reference) moved = std::max(moved, roundpipe::testing::max_abs_diff(t, initial.get(name)));
+  EXPECT_GT(moved, 1e-3) << "training did not move the weights: the comparison would be empty";
 }
 
 TEST(DistributedCliTest, ResumeWithAnotherWorldSize_FailsNamingBoth) {
