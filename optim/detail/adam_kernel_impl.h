@@ -284,24 +284,47 @@ inline void dequantize_block(const uint8_t* codes, float absmax, const QuantMapT
   }
 }
 
-/// quantize_code (quant_map.h) compiled for this ISA: #{k : thresholds[k] < x}, branch-free.
+/// The bucket of x's float bits (quant_map.h, kLutLowBits).
+inline uint32_t lut_bucket(uint32_t bits) {
+  uint32_t mag = bits & 0x7FFFFFFFu;
+  mag = mag < kLutLowBits ? kLutLowBits : (mag > kLutHighBits ? kLutHighBits : mag);
+  return (mag - kLutLowBits) >> (23 - kLutMantissaBits);
+}
+
+/// quantize_code (quant_map.h) compiled for this ISA: #{k : thresholds[k] < x} by the bucket
+/// lookup of Note [Dynamic quantization map].
 inline uint8_t nearest_code(const QuantMapTable& map, float x) {
-  uint32_t idx = 0;
-  for (uint32_t step = 128; step > 0; step >>= 1) {
-    idx += map.thresholds[idx + step - 1] < x ? step : 0;
+  const uint32_t bits = float_bits(x);
+  const uint32_t bucket = lut_bucket(bits);
+  const uint32_t base = map.lut[bits >> 31][bucket];
+  uint32_t code = base;
+  for (int k = 0; k < kLutProbes; ++k) {
+    code += static_cast<uint32_t>(map.thresholds[base + k] < x);
   }
-  return static_cast<uint8_t>(idx);
+  return static_cast<uint8_t>(code);
 }
 
 /// Quantizes x[0, n) into `codes`; returns the block's absmax (Note [8-bit Adam states]).
 inline float quantize_block(const float* x, int64_t n, const QuantMapTable& map, uint8_t* codes) {
-  float absmax = 0.0f;
-  for (int64_t j = 0; j < n; ++j) {
+  // Eight running maxima (the max of them is the same value): breaks the loop-carried chain.
+  float part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    for (int k = 0; k < 8; ++k) {
+      const float a = std::fabs(x[j + k]);
+      part[k] = part[k] < a ? a : part[k];
+    }
+  }
+  for (; j < n; ++j) {
     const float a = std::fabs(x[j]);
+    part[0] = part[0] < a ? a : part[0];
+  }
+  float absmax = 0.0f;
+  for (float a : part) {
     absmax = absmax < a ? a : absmax;
   }
   const float inv = absmax > 0.0f ? 1.0f / absmax : 0.0f;
-  for (int64_t j = 0; j < n; ++j) {
+  for (j = 0; j < n; ++j) {
     codes[j] = nearest_code(map, x[j] * inv);
   }
   return absmax;

@@ -1,11 +1,26 @@
 #include "optim/detail/quant_map.h"
 
 #include <algorithm>
+#include <cstdlib>
+#include <cstring>
 #include <limits>
 #include <vector>
 
 namespace roundpipe::optim::detail {
 namespace {
+
+// The bucket of x's float bits (quant_map.h); the kernel TUs have their own copy.
+inline uint32_t lut_bucket(uint32_t bits) {
+  uint32_t mag = bits & 0x7FFFFFFFu;
+  mag = mag < kLutLowBits ? kLutLowBits : (mag > kLutHighBits ? kLutHighBits : mag);
+  return (mag - kLutLowBits) >> (23 - kLutMantissaBits);
+}
+
+float float_of(uint32_t bits) {
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
 
 // Note [Dynamic quantization map]. Compiled with -ffp-contract=off: the Python reference in
 // tests/optim/adam_int8_test.cpp performs the same double operations and must get the same bits.
@@ -38,7 +53,28 @@ QuantMapTable build(bool is_signed) {
   for (int k = 0; k < 255; ++k) {
     table.thresholds[k] = (table.values[k] + table.values[k + 1]) * 0.5f;
   }
-  table.thresholds[255] = std::numeric_limits<float>::infinity();
+  for (int k = 255; k < 256 + kLutProbes; ++k) {
+    table.thresholds[k] = std::numeric_limits<float>::infinity();
+  }
+  // Each bucket's magnitudes [lo, hi]: base = #{thresholds < lo} (x >= 0), #{thresholds < -hi}
+  // (x < 0); the thresholds inside must fit in kLutProbes.
+  const auto count_below = [&](float x) {
+    return static_cast<int>(std::lower_bound(table.thresholds, table.thresholds + 256, x) - table.thresholds);
+  };
+  const auto count_upto = [&](float x) {
+    return static_cast<int>(std::upper_bound(table.thresholds, table.thresholds + 256, x) - table.thresholds);
+  };
+  for (int b = 0; b < kLutBuckets; ++b) {
+    const uint32_t first = kLutLowBits + (static_cast<uint32_t>(b) << (23 - kLutMantissaBits));
+    const float lo = b == 0 ? 0.0f : float_of(first);
+    const float hi = b == kLutBuckets - 1 ? std::numeric_limits<float>::infinity()
+                                          : float_of(first + (1u << (23 - kLutMantissaBits)) - 1);
+    table.lut[0][b] = static_cast<uint8_t>(count_below(lo));
+    table.lut[1][b] = static_cast<uint8_t>(count_below(-hi));
+    if (count_upto(hi) - count_below(lo) > kLutProbes || count_upto(-lo) - count_below(-hi) > kLutProbes) {
+      std::abort();  // a build-time property of the maps and kLutMantissaBits
+    }
+  }
   table.zero_code = quantize_code(table, 0.0f);
   return table;
 }
@@ -46,11 +82,15 @@ QuantMapTable build(bool is_signed) {
 }  // namespace
 
 uint8_t quantize_code(const QuantMapTable& map, float x) {
-  uint32_t idx = 0;
-  for (uint32_t step = 128; step > 0; step >>= 1) {
-    idx += map.thresholds[idx + step - 1] < x ? step : 0;
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  const uint32_t bucket = lut_bucket(bits);
+  const uint32_t base = map.lut[bits >> 31][bucket];
+  uint32_t code = base;
+  for (int k = 0; k < kLutProbes; ++k) {
+    code += static_cast<uint32_t>(map.thresholds[base + k] < x);
   }
-  return static_cast<uint8_t>(idx);
+  return static_cast<uint8_t>(code);
 }
 
 const QuantMapTable& signed_dynamic_map() {

@@ -10,6 +10,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <limits>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -240,6 +241,20 @@ TEST(AdamInt8Test, MatchesPythonReferenceOfTheSameQuantization_AdamAndAdamW_Ever
   }
 }
 
+// Map values, the midpoints between them, and the floats next to both (positive and negative), in
+// blocks that each start with 1.0 (absmax 1).
+torch::Tensor edges(QuantMap map) {
+  const auto v = dynamic_quant_map(map);
+  const auto mid = (v.slice(0, 0, 255) + v.slice(0, 1, 256)) * 0.5f;
+  const auto inf = torch::full({1}, std::numeric_limits<float>::infinity());
+  auto all = torch::cat({v, mid});
+  all = torch::cat({all, torch::nextafter(all, inf), torch::nextafter(all, -inf)});
+  all = torch::cat({all, -all}).clamp(-1, 1);
+  const int64_t blocks = (all.numel() + kQuantBlockSize - 2) / (kQuantBlockSize - 1);
+  const auto padded = torch::cat({all, torch::zeros({blocks * (kQuantBlockSize - 1) - all.numel()})});
+  return torch::cat({torch::ones({blocks, 1}), padded.view({blocks, kQuantBlockSize - 1})}, 1).reshape({-1});
+}
+
 TEST(AdamInt8Test, DynamicMapsEqualTheReferenceAndBitsandbytesFormula_QuantizeRoundTrips) {
   ROUNDPIPE_REQUIRE_ORACLE();
   torch::manual_seed(5);
@@ -252,7 +267,10 @@ for name, signed in (('signed', True), ('unsigned', False)):
 x = inputs['x'].numpy()
 codes, absmax = quant(x, True)
 outputs['codes'] = torch.from_numpy(codes); outputs['absmax'] = torch.from_numpy(absmax)
-)PY", {{"x", x}});
+for signed in (True, False):
+    e = inputs['edges_' + str(signed)].numpy()
+    outputs['edge_codes_' + str(signed)] = torch.from_numpy(quant(e, signed)[0])
+)PY", {{"x", x}, {"edges_True", edges(QuantMap::kSignedDynamic)}, {"edges_False", edges(QuantMap::kUnsignedDynamic)}});
   const auto s = dynamic_quant_map(QuantMap::kSignedDynamic);
   const auto u = dynamic_quant_map(QuantMap::kUnsignedDynamic);
   EXPECT_TRUE(torch::equal(s, ref.at("signed")));
@@ -266,6 +284,14 @@ outputs['codes'] = torch.from_numpy(codes); outputs['absmax'] = torch.from_numpy
   EXPECT_EQ(u[255].item<float>(), 1.0f);
   EXPECT_TRUE(torch::equal(std::get<0>(torch::sort(s)), s));
 
+  // Every map value, midpoint and their float neighbours (x / absmax exact: absmax 1): the code
+  // lookup equals numpy's searchsorted at the boundaries.
+  for (const auto map : {QuantMap::kSignedDynamic, QuantMap::kUnsignedDynamic}) {
+    const auto e = edges(map);
+    const std::string name = map == QuantMap::kSignedDynamic ? "edge_codes_True" : "edge_codes_False";
+    EXPECT_GT(e.numel(), 3000);
+    EXPECT_TRUE(torch::equal(quantize_blockwise(e, map).first, ref.at(name))) << name;
+  }
   const auto [codes, absmax] = quantize_blockwise(x, QuantMap::kSignedDynamic);
   EXPECT_TRUE(torch::equal(codes, ref.at("codes")));
   EXPECT_TRUE(torch::equal(absmax, ref.at("absmax")));
