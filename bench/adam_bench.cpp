@@ -8,7 +8,10 @@
 // Bytes counted (no write-allocate, like STREAM): Adam 28 B/param (read p, g, m, v; write p, m, v);
 // triad a[i] = b[i] + s*c[i] 12 B/element (16 B really move: the store's line is read first; Adam
 // reads every line it writes anyway, so its 28 B are all real). GB/s = bytes / seconds / 1e9.
-// The time per implementation is the median of --reps steps after one warm-up step.
+// 8-bit states (AdamStateDtype::kInt8): read p, g, the two code bytes and two absmax per 256;
+// write p, codes, absmax: 16 + 16/256 B/param (14 + 16/256 with bf16 gradients).
+// The time per implementation is the median of --reps steps after one warm-up step; elements/s
+// (G elem/s) = parameters updated per second.
 #include "optim/adam.h"
 #include "optim/lion.h"
 #include "optim/detail/parallel_tasks.h"
@@ -97,8 +100,8 @@ int main(int argc, char** argv) {
     }
   }
   torch::NoGradGuard no_grad;
-  std::printf("%-8s %-7s %-32s %10s %9s %12s\n", "params", "threads", "implementation", "ms/step",
-              "GB/s", "t / t_ours");
+  std::printf("%-8s %-7s %-32s %10s %9s %10s %12s\n", "params", "threads", "implementation", "ms/step",
+              "GB/s", "G elem/s", "t / t_ours");
   for (int64_t size_m : sizes_m) {
     const int64_t n = size_m << 20;
     torch::manual_seed(0);
@@ -144,6 +147,29 @@ int main(int argc, char** argv) {
             {param}, roundpipe::optim::AdamOptions(1e-3).weight_decay(0.01).decoupled_weight_decay(true));
         opt.set_kernel_isa(isa);
         rows.push_back({"roundpipe AdamW", median_seconds(reps, [&] { opt.step(); }), adam_bytes});
+      }
+      // 8-bit states: the same update, moments dequantized and re-quantized per 256-element block.
+      const double int8_bytes = (16.0 + 16.0 / 256) * n;
+      {
+        auto param = p.clone();
+        param.mutable_grad() = g;
+        roundpipe::optim::Adam opt(
+            {param}, roundpipe::optim::AdamOptions(1e-3).state_dtype(roundpipe::optim::AdamStateDtype::kInt8));
+        opt.set_kernel_isa(isa);
+        rows.push_back({"roundpipe Adam, 8-bit states", median_seconds(reps, [&] { opt.step(); }), int8_bytes});
+        param.mutable_grad() = g.to(torch::kBFloat16);
+        rows.push_back({"bf16 g: roundpipe Adam, 8-bit", median_seconds(reps, [&] { opt.step(); }),
+                        int8_bytes - 2.0 * n});
+      }
+      {
+        auto param = p.clone();
+        param.mutable_grad() = g;
+        roundpipe::optim::Adam opt({param}, roundpipe::optim::AdamOptions(1e-3)
+                                                .weight_decay(0.01)
+                                                .decoupled_weight_decay(true)
+                                                .state_dtype(roundpipe::optim::AdamStateDtype::kInt8));
+        opt.set_kernel_isa(isa);
+        rows.push_back({"roundpipe AdamW, 8-bit states", median_seconds(reps, [&] { opt.step(); }), int8_bytes});
       }
       {  // Lion (one state): reads p, g, m and writes p, m: 20 B/param (18 with bf16 gradients).
         auto param = p.clone();
@@ -212,9 +238,9 @@ int main(int argc, char** argv) {
       }
       const double ours = rows[1].seconds;
       for (const auto& row : rows) {
-        std::printf("%-8s %-7lld %-32s %10.2f %9.2f %11.2fx\n", (std::to_string(size_m) + "M").c_str(),
+        std::printf("%-8s %-7lld %-32s %10.2f %9.2f %10.3f %11.2fx\n", (std::to_string(size_m) + "M").c_str(),
                     static_cast<long long>(t), row.name.c_str(), row.seconds * 1e3,
-                    row.bytes / row.seconds / 1e9, row.seconds / ours);
+                    row.bytes / row.seconds / 1e9, n / row.seconds / 1e9, row.seconds / ours);
       }
       const auto time_of = [&](const std::string& name) {
         for (const auto& row : rows) {

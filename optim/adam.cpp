@@ -33,6 +33,100 @@ void check_options(const AdamOptions& o, const std::string& where) {
               beta2, " in ", where, "; betas must lie in [0, 1)");
   TORCH_CHECK(o.weight_decay() >= 0, "roundpipe::optim::Adam: invalid weight_decay=", o.weight_decay(),
               " in ", where, "; use weight_decay >= 0");
+  TORCH_CHECK(o.state_dtype() == AdamStateDtype::kFloat32 || o.state_dtype() == AdamStateDtype::kInt8,
+              "roundpipe::optim::Adam: invalid state_dtype=", static_cast<int>(o.state_dtype()), " in ", where,
+              "; use AdamStateDtype::kFloat32 or kInt8");
+  TORCH_CHECK(!(o.amsgrad() && o.state_dtype() == AdamStateDtype::kInt8),
+              "roundpipe::optim::Adam: amsgrad is not supported with state_dtype int8 (8-bit states) in ", where,
+              "; use amsgrad=false or state_dtype float32");
+}
+
+const char* dtype_name(AdamStateDtype d) { return d == AdamStateDtype::kInt8 ? "int8" : "float32"; }
+
+// Note [8-bit Adam states] in detail/adam_kernel_impl.h: tensors under kMin8bitNumel keep fp32.
+bool uses_8bit_states(const AdamOptions& o, const torch::Tensor& p) {
+  return o.state_dtype() == AdamStateDtype::kInt8 && p.numel() >= kMin8bitNumel;
+}
+
+int64_t num_blocks(const torch::Tensor& p) { return (p.numel() + kQuantBlockSize - 1) / kQuantBlockSize; }
+
+// The mismatch a state of the other state_dtype gives, with the fix.
+[[noreturn]] void state_dtype_mismatch(const torch::Tensor& p, const char* name, const char* found,
+                                       AdamStateDtype group_dtype) {
+  TORCH_CHECK(false, kWho, ": state '", name, "' of a parameter of shape ", p.sizes(), " holds ", found,
+              " but its param group has state_dtype ", dtype_name(group_dtype),
+              (p.numel() < kMin8bitNumel ? " (parameters under 4096 elements always keep float32 states)" : ""),
+              "; the state was made with the other state_dtype: keep the state_dtype an optimizer state "
+              "was created with (AdamOptions::state_dtype), or start from a fresh optimizer");
+}
+
+// An 8-bit code tensor (uint8, param's shape) or absmax tensor (float32, one per block) the kernel
+// can use; made contiguous on the CPU if it is not.
+torch::Tensor quantized_buffer(torch::Tensor t, const torch::Tensor& p, const char* name, bool absmax) {
+  TORCH_CHECK(t.defined(), kWho, ": state '", name, "' is missing for a parameter of shape ", p.sizes(),
+              "; the loaded state dict does not match this optimizer (8-bit states need exp_avg, exp_avg_sq, "
+              "exp_avg_absmax and exp_avg_sq_absmax)");
+  const auto want = absmax ? torch::kFloat : torch::kByte;
+  if (t.scalar_type() != want) {
+    state_dtype_mismatch(p, name, t.scalar_type() == torch::kFloat ? "float32 moments" : "another dtype",
+                         AdamStateDtype::kInt8);
+  }
+  const bool fits = absmax ? t.dim() == 1 && t.numel() == num_blocks(p) : t.sizes() == p.sizes();
+  TORCH_CHECK(fits, kWho, ": state '", name, "' has shape ", t.sizes(), " but a parameter of shape ", p.sizes(),
+              " needs ", (absmax ? "one float32 per " + std::to_string(kQuantBlockSize) + " elements" :
+                                   std::string("a uint8 code per element")),
+              "; the loaded state dict does not match the parameters");
+  if (!t.is_contiguous() || !t.device().is_cpu()) {
+    t = t.to(torch::kCPU).contiguous();
+  }
+  return t;
+}
+
+// Creates (first step) or checks `state`'s moments and points `job` at them: float32 or 8-bit.
+void bind_moments(AdamParamState& state, const torch::Tensor& p, const AdamOptions& options,
+                  detail::AdamTensor& job) {
+  if (!uses_8bit_states(options, p)) {
+    if (!state.exp_avg().defined() && !state.exp_avg_sq().defined()) {
+      state.exp_avg(torch::zeros_like(p, torch::MemoryFormat::Contiguous));
+      state.exp_avg_sq(torch::zeros_like(p, torch::MemoryFormat::Contiguous));
+    }
+    if (state.exp_avg_absmax().defined() ||
+        (state.exp_avg().defined() && state.exp_avg().scalar_type() == torch::kByte)) {
+      state_dtype_mismatch(p, "exp_avg", "8-bit moments", options.state_dtype());
+    }
+    state.exp_avg(detail::state_buffer(state.exp_avg(), p, "exp_avg", kWho));
+    state.exp_avg_sq(detail::state_buffer(state.exp_avg_sq(), p, "exp_avg_sq", kWho));
+    if (options.amsgrad()) {
+      if (!state.max_exp_avg_sq().defined()) {
+        state.max_exp_avg_sq(torch::zeros_like(p, torch::MemoryFormat::Contiguous));
+      }
+      state.max_exp_avg_sq(detail::state_buffer(state.max_exp_avg_sq(), p, "max_exp_avg_sq", kWho));
+    }
+    job.exp_avg = state.exp_avg().data_ptr<float>();
+    job.exp_avg_sq = state.exp_avg_sq().data_ptr<float>();
+    job.max_exp_avg_sq = options.amsgrad() ? state.max_exp_avg_sq().data_ptr<float>() : nullptr;
+    return;
+  }
+  const auto& signed_map = detail::signed_dynamic_map();
+  const auto& unsigned_map = detail::unsigned_dynamic_map();
+  if (!state.exp_avg().defined() && !state.exp_avg_sq().defined()) {
+    const auto codes = torch::TensorOptions().dtype(torch::kByte);
+    state.exp_avg(torch::full(p.sizes(), signed_map.zero_code, codes));
+    state.exp_avg_sq(torch::full(p.sizes(), unsigned_map.zero_code, codes));
+    state.exp_avg_absmax(torch::zeros({num_blocks(p)}, torch::kFloat));
+    state.exp_avg_sq_absmax(torch::zeros({num_blocks(p)}, torch::kFloat));
+  }
+  state.exp_avg(quantized_buffer(state.exp_avg(), p, "exp_avg", false));
+  state.exp_avg_sq(quantized_buffer(state.exp_avg_sq(), p, "exp_avg_sq", false));
+  state.exp_avg_absmax(quantized_buffer(state.exp_avg_absmax(), p, "exp_avg_absmax", true));
+  state.exp_avg_sq_absmax(quantized_buffer(state.exp_avg_sq_absmax(), p, "exp_avg_sq_absmax", true));
+  auto& q = job.quantized;
+  q.exp_avg_codes = state.exp_avg().data_ptr<uint8_t>();
+  q.exp_avg_sq_codes = state.exp_avg_sq().data_ptr<uint8_t>();
+  q.exp_avg_absmax = state.exp_avg_absmax().data_ptr<float>();
+  q.exp_avg_sq_absmax = state.exp_avg_sq_absmax().data_ptr<float>();
+  q.exp_avg_map = &signed_map;
+  q.exp_avg_sq_map = &unsigned_map;
 }
 
 }  // namespace
@@ -45,7 +139,7 @@ bool operator==(const AdamOptions& lhs, const AdamOptions& rhs) {
   return lhs.lr() == rhs.lr() && lhs.betas() == rhs.betas() && lhs.eps() == rhs.eps() &&
          lhs.weight_decay() == rhs.weight_decay() && lhs.amsgrad() == rhs.amsgrad() &&
          lhs.maximize() == rhs.maximize() &&
-         lhs.decoupled_weight_decay() == rhs.decoupled_weight_decay();
+         lhs.decoupled_weight_decay() == rhs.decoupled_weight_decay() && lhs.state_dtype() == rhs.state_dtype();
 }
 
 void AdamOptions::serialize(torch::serialize::OutputArchive& archive) const {
@@ -56,6 +150,10 @@ void AdamOptions::serialize(torch::serialize::OutputArchive& archive) const {
   _TORCH_OPTIM_SERIALIZE_TORCH_ARG(amsgrad);
   _TORCH_OPTIM_SERIALIZE_TORCH_ARG(maximize);
   _TORCH_OPTIM_SERIALIZE_TORCH_ARG(decoupled_weight_decay);
+  // Only when not the default, so float32 archives keep torch's layout.
+  if (state_dtype() != AdamStateDtype::kFloat32) {
+    archive.write("state_dtype", c10::IValue(static_cast<int64_t>(state_dtype())));
+  }
 }
 
 void AdamOptions::serialize(torch::serialize::InputArchive& archive) {
@@ -72,6 +170,8 @@ void AdamOptions::serialize(torch::serialize::InputArchive& archive) {
   if (archive.try_read("decoupled_weight_decay", ivalue)) {
     decoupled_weight_decay(ivalue.toBool());
   }
+  state_dtype(archive.try_read("state_dtype", ivalue) ? static_cast<AdamStateDtype>(ivalue.toInt())
+                                                      : AdamStateDtype::kFloat32);
 }
 
 double AdamOptions::get_lr() const { return lr(); }
@@ -85,7 +185,8 @@ bool operator==(const AdamParamState& lhs, const AdamParamState& rhs) {
     return a.defined() == b.defined() && (!a.defined() || torch::equal(a, b));
   };
   return lhs.step() == rhs.step() && same(lhs.exp_avg(), rhs.exp_avg()) &&
-         same(lhs.exp_avg_sq(), rhs.exp_avg_sq()) && same(lhs.max_exp_avg_sq(), rhs.max_exp_avg_sq());
+         same(lhs.exp_avg_sq(), rhs.exp_avg_sq()) && same(lhs.max_exp_avg_sq(), rhs.max_exp_avg_sq()) &&
+         same(lhs.exp_avg_absmax(), rhs.exp_avg_absmax()) && same(lhs.exp_avg_sq_absmax(), rhs.exp_avg_sq_absmax());
 }
 
 void AdamParamState::serialize(torch::serialize::OutputArchive& archive) const {
@@ -93,6 +194,8 @@ void AdamParamState::serialize(torch::serialize::OutputArchive& archive) const {
   _TORCH_OPTIM_SERIALIZE_TORCH_ARG(exp_avg);
   _TORCH_OPTIM_SERIALIZE_TORCH_ARG(exp_avg_sq);
   _TORCH_OPTIM_SERIALIZE_TORCH_ARG(max_exp_avg_sq);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(exp_avg_absmax);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(exp_avg_sq_absmax);
 }
 
 void AdamParamState::serialize(torch::serialize::InputArchive& archive) {
@@ -100,6 +203,8 @@ void AdamParamState::serialize(torch::serialize::InputArchive& archive) {
   _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(torch::Tensor, exp_avg);
   _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(torch::Tensor, exp_avg_sq);
   _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(torch::Tensor, max_exp_avg_sq);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(torch::Tensor, exp_avg_absmax);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(torch::Tensor, exp_avg_sq_absmax);
 }
 
 // ---- Adam ----------------------------------------------------------------------------------------
@@ -206,20 +311,11 @@ torch::Tensor Adam::step(LossClosure closure) {
 
       auto& slot = state_[p.unsafeGetTensorImpl()];
       if (!slot) {
-        auto fresh = std::make_unique<AdamParamState>();
-        fresh->exp_avg(torch::zeros_like(p, torch::MemoryFormat::Contiguous));
-        fresh->exp_avg_sq(torch::zeros_like(p, torch::MemoryFormat::Contiguous));
-        slot = std::move(fresh);
+        slot = std::make_unique<AdamParamState>();
       }
       auto& state = static_cast<AdamParamState&>(*slot);
-      state.exp_avg(detail::state_buffer(state.exp_avg(), p, "exp_avg", kWho));
-      state.exp_avg_sq(detail::state_buffer(state.exp_avg_sq(), p, "exp_avg_sq", kWho));
-      if (options.amsgrad()) {
-        if (!state.max_exp_avg_sq().defined()) {
-          state.max_exp_avg_sq(torch::zeros_like(p, torch::MemoryFormat::Contiguous));
-        }
-        state.max_exp_avg_sq(detail::state_buffer(state.max_exp_avg_sq(), p, "max_exp_avg_sq", kWho));
-      }
+      detail::AdamTensor job;
+      bind_moments(state, p, options, job);
       state.step(state.step() + 1);
 
       // Bias corrections in double, like _single_tensor_adam's Python floats; the kernel gets
@@ -227,13 +323,9 @@ torch::Tensor Adam::step(LossClosure closure) {
       const double step = static_cast<double>(state.step());
       const double bias_correction1 = 1 - std::pow(beta1, step);
       const double bias_correction2 = 1 - std::pow(beta2, step);
-      detail::AdamTensor job;
       job.param = p.data_ptr<float>();
       job.grad = grad.const_data_ptr();
       job.grad_dtype = detail::grad_dtype_of(grad);
-      job.exp_avg = state.exp_avg().data_ptr<float>();
-      job.exp_avg_sq = state.exp_avg_sq().data_ptr<float>();
-      job.max_exp_avg_sq = options.amsgrad() ? state.max_exp_avg_sq().data_ptr<float>() : nullptr;
       job.numel = p.numel();
       job.streaming_stores = streaming_stores_ && job.numel >= kStreamingMinElements;
       auto& s = job.scalars;
@@ -283,6 +375,44 @@ void Adam::serialize(Self& self, Archive& archive) {
 
 void Adam::save(torch::serialize::OutputArchive& archive) const { serialize(*this, archive); }
 
-void Adam::load(torch::serialize::InputArchive& archive) { serialize(*this, archive); }
+void Adam::load(torch::serialize::InputArchive& archive) {
+  // What we have, to restore if the archive does not fit: torch's loader overwrites the state of
+  // the archive's parameters and every group's options, and keeps the other states.
+  std::vector<std::unique_ptr<torch::optim::OptimizerOptions>> options_before;
+  for (const auto& group : param_groups_) {
+    options_before.push_back(group.options().clone());
+  }
+  auto state_before = std::move(state_);
+  state_.clear();
+  const auto restore = [&] {
+    state_ = std::move(state_before);
+    for (const auto g : c10::irange(param_groups_.size())) {
+      param_groups_[g].set_options(options_before[g]->clone());
+    }
+  };
+  try {
+    serialize(*this, archive);
+  } catch (...) {
+    restore();
+    throw;
+  }
+  for (const auto g : c10::irange(param_groups_.size())) {
+    const auto loaded = static_cast<const AdamOptions&>(param_groups_[g].options()).state_dtype();
+    const auto wanted = static_cast<const AdamOptions&>(*options_before[g]).state_dtype();
+    if (loaded != wanted) {
+      restore();
+      TORCH_CHECK(false, "roundpipe::optim::Adam::load: param group ", g, " of the archive has state_dtype ",
+                  dtype_name(loaded), " but this optimizer's group ", g, " has state_dtype ", dtype_name(wanted),
+                  "; construct the optimizer with AdamOptions().state_dtype(AdamStateDtype::",
+                  loaded == AdamStateDtype::kInt8 ? "kInt8" : "kFloat32",
+                  ") to resume from this archive (the optimizer was left unchanged)");
+    }
+  }
+  for (auto& [key, value] : state_before) {
+    if (state_.find(key) == state_.end()) {
+      state_[key] = std::move(value);
+    }
+  }
+}
 
 }  // namespace roundpipe::optim

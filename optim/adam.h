@@ -4,6 +4,8 @@
 // optimizer thread and can write the fp16/bf16 compute copy of each parameter in the same pass.
 #pragma once
 
+#include "optim/quantized_state.h"
+
 #include <torch/arg.h>
 #include <torch/optim/optimizer.h>
 
@@ -19,6 +21,18 @@ class InputArchive;
 }  // namespace torch::serialize
 
 namespace roundpipe::optim {
+
+/// How `Adam` stores exp_avg and exp_avg_sq (docs/optimizer.md, "8-bit states").
+enum class AdamStateDtype {
+  /// float32 tensors of the parameter's shape: torch's layout, 8 B/param.
+  kFloat32 = 0,
+  /// Block-wise 8-bit (Dettmers et al. 2021, bitsandbytes' 8-bit Adam): per moment a uint8 code
+  /// tensor of the parameter's shape plus one float32 absmax per kQuantBlockSize (256) elements,
+  /// dynamic maps (signed for exp_avg, unsigned for exp_avg_sq; optim/quantized_state.h):
+  /// 2 + 8/256 B/param. Parameters with fewer than kMin8bitNumel (4096) elements keep float32
+  /// states. Not combinable with amsgrad.
+  kInt8 = 1,
+};
 
 /// Hyper-parameters of `Adam` (per parameter group), the same names and defaults as
 /// torch::optim::AdamOptions plus PyTorch-Python's `maximize` and `decoupled_weight_decay`.
@@ -41,6 +55,9 @@ struct AdamOptions : public torch::optim::OptimizerCloneableOptions<AdamOptions>
   TORCH_ARG(bool, maximize) = false;
   /// AdamW: p *= 1 - lr * weight_decay instead of adding weight_decay * p to the gradient.
   TORCH_ARG(bool, decoupled_weight_decay) = false;
+  /// Storage of the moments. kInt8 is written to archives as "state_dtype" (kFloat32 is not,
+  /// so float32 archives keep torch's layout); loading an archive of the other dtype throws.
+  TORCH_ARG(AdamStateDtype, state_dtype) = AdamStateDtype::kFloat32;
 
  public:
   void serialize(torch::serialize::InputArchive& archive) override;
@@ -50,14 +67,21 @@ struct AdamOptions : public torch::optim::OptimizerCloneableOptions<AdamOptions>
   void set_lr(const double lr) override;
 };
 
-/// Per-parameter state; same fields and archive layout as torch::optim::AdamParamState.
-/// `step` counts this parameter's updates (parameters without a gradient do not advance).
+/// Per-parameter state; same fields and archive layout as torch::optim::AdamParamState (plus the
+/// two absmax tensors with 8-bit states). `step` counts this parameter's updates (parameters
+/// without a gradient do not advance).
 struct AdamParamState : public torch::optim::OptimizerCloneableParamState<AdamParamState> {
   TORCH_ARG(int64_t, step) = 0;
+  /// float32 of the parameter's shape; with 8-bit states uint8 codes of the parameter's shape
+  /// (dequantize_blockwise(exp_avg, exp_avg_absmax, QuantMap::kSignedDynamic) gives the values).
   TORCH_ARG(torch::Tensor, exp_avg);
+  /// As exp_avg; 8-bit: with exp_avg_sq_absmax and QuantMap::kUnsignedDynamic.
   TORCH_ARG(torch::Tensor, exp_avg_sq);
   /// Defined only with amsgrad.
   TORCH_ARG(torch::Tensor, max_exp_avg_sq);
+  /// Defined only with 8-bit states: float32 [ceil(numel / 256)], one scale per block.
+  TORCH_ARG(torch::Tensor, exp_avg_absmax);
+  TORCH_ARG(torch::Tensor, exp_avg_sq_absmax);
 
  public:
   void serialize(torch::serialize::InputArchive& archive) override;
@@ -67,6 +91,11 @@ struct AdamParamState : public torch::optim::OptimizerCloneableParamState<AdamPa
 
 /// Adam / AdamW for fp32 CPU parameters, numerically equal (to float rounding, <= 1e-6 in tests)
 /// to PyTorch's `torch.optim.Adam` / `torch.optim.AdamW` (single-tensor path).
+///
+/// With `AdamOptions::state_dtype(AdamStateDtype::kInt8)` the moments of parameters of at least
+/// kMin8bitNumel elements are stored block-wise in 8 bits (2 + 8/256 instead of 8 B/param;
+/// dequantized, updated and re-quantized in the same fused pass; docs/optimizer.md, "8-bit
+/// states"). Parameters and gradients are unchanged (fp32 masters).
 ///
 /// Each step is one pass per element: read p, g, m, v (and max_v), write p, m, v (and max_v, and
 /// optionally a compute copy). Gradients may be float32, float16 or bfloat16: fp16/bf16 ones are
@@ -103,6 +132,8 @@ class Adam : public torch::optim::Optimizer {
   /// gradient. Returns the closure's loss (undefined without a closure).
   torch::Tensor step(LossClosure closure = nullptr) override;
   void save(torch::serialize::OutputArchive& archive) const override;
+  /// Throws c10::Error (and leaves this optimizer unchanged) when a param group of the archive
+  /// has another state_dtype than this optimizer's group: resume with the dtype it was saved with.
   void load(torch::serialize::InputArchive& archive) override;
 
   /// Also writes `copy` = param (rounded to copy's dtype, nearest even) in the same pass on every

@@ -6,6 +6,8 @@
 
 #include <cstdint>
 
+#include "optim/detail/quant_map.h"
+
 namespace roundpipe::optim::detail {
 
 /// The instruction sets the kernel is compiled for, best last.
@@ -35,8 +37,21 @@ struct AdamScalars {
   bool maximize = false;
 };
 
+/// Block-wise 8-bit moments (Note [8-bit Adam states] in adam_kernel_impl.h): codes of
+/// `numel` elements, one absmax per kQuantBlock elements (the last block may be shorter).
+struct QuantizedMoments {
+  uint8_t* exp_avg_codes = nullptr;     ///< signed dynamic map
+  float* exp_avg_absmax = nullptr;
+  uint8_t* exp_avg_sq_codes = nullptr;  ///< unsigned dynamic map
+  float* exp_avg_sq_absmax = nullptr;
+  const QuantMapTable* exp_avg_map = nullptr;
+  const QuantMapTable* exp_avg_sq_map = nullptr;
+};
+
 /// One parameter's buffers (all contiguous, `numel` elements). `max_exp_avg_sq` is null unless
-/// amsgrad; `copy` is null unless a compute copy of dtype `copy_dtype` is to be written.
+/// amsgrad; `copy` is null unless a compute copy of dtype `copy_dtype` is to be written. With
+/// 8-bit states `quantized.exp_avg_codes` is set and exp_avg / exp_avg_sq / max_exp_avg_sq are
+/// null (no amsgrad).
 struct AdamTensor {
   float* param = nullptr;
   const void* grad = nullptr;  ///< `numel` elements of `grad_dtype`
@@ -51,9 +66,12 @@ struct AdamTensor {
   /// are mutually aligned (see Note [Streaming stores] in adam_kernel_impl.h).
   bool streaming_stores = false;
   AdamScalars scalars;
+  QuantizedMoments quantized;
 };
 
 /// Updates elements [begin, end) of `t` in one pass. All ISAs give bitwise-identical results.
+/// With 8-bit states it updates the blocks that start in [begin, end) (whole blocks, so that
+/// ranges splitting [0, numel) update every block exactly once).
 void adam_update_scalar(const AdamTensor& t, int64_t begin, int64_t end);
 void adam_update_avx2(const AdamTensor& t, int64_t begin, int64_t end);
 void adam_update_avx512(const AdamTensor& t, int64_t begin, int64_t end);

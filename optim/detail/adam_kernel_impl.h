@@ -21,6 +21,17 @@
 // addresses, so the kernel peels scalar elements until `param` is aligned and streams only when
 // exp_avg, exp_avg_sq (and max_exp_avg_sq) are then aligned too; the compute copy and small
 // tensors (whose lines we want to keep in cache) use ordinary stores. Results are bitwise the same.
+//
+// Note [8-bit Adam states]: with AdamStateDtype::kInt8 (docs/optimizer.md, "8-bit states"), m and
+// v live as one uint8 code per element plus one float absmax per kQuantBlock (256) elements, as
+// in bitsandbytes' block-wise 8-bit Adam. Per block: m = signed_map[code] * absmax and v =
+// unsigned_map[code] * absmax into two 256-float stack buffers; the fp32 update runs on the block
+// exactly as on fp32 states (same vector loop and element order, so p is bitwise what fp32 Adam
+// would compute from these m, v); then each buffer's new absmax = max |x| is stored and every
+// element re-quantized: code = nearest map value of x * (1 / absmax) (x * 0 when absmax is 0; Note
+// [Dynamic quantization map]). Codes and absmax are integers and IEEE float operations, so every
+// ISA gives the same bits. Threads split at any element: a range updates the blocks that start in
+// it, so each block is updated by exactly one thread.
 #pragma once
 
 #ifndef ROUNDPIPE_ADAM_ISA
@@ -29,6 +40,7 @@
 
 #include "optim/detail/adam_kernel.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -231,7 +243,7 @@ int64_t adam_vector_loop_any(const AdamTensor& t, int64_t i, int64_t end, float 
 /// div, sqrt, max (NaN-propagating, b on ties), neg, fmadd(a, b, c) = a*b + c, store_half,
 /// store_bf16; and static half_from_float / float_from_half for scalar elements.
 template <typename V>
-void adam_update(const AdamTensor& t, int64_t begin, int64_t end) {
+void adam_update_fp32(const AdamTensor& t, int64_t begin, int64_t end) {
   const AdamScalars& s = t.scalars;
   const float w = s.lerp_weight;
   const bool lerp_from_grad = !(std::fabs(w) < 0.5f);
@@ -261,6 +273,102 @@ void adam_update(const AdamTensor& t, int64_t begin, int64_t end) {
   for (; i < end; ++i) {
     adam_element<V>(t, i, lerp_coeff, lerp_from_grad, s.beta2, s.one_minus_beta2, s.neg_step_size,
                     s.bias_correction2_sqrt, s.eps);
+  }
+}
+
+/// out[j] = map.values[codes[j]] * absmax for j < n (Note [8-bit Adam states]).
+inline void dequantize_block(const uint8_t* codes, float absmax, const QuantMapTable& map, float* out,
+                             int64_t n) {
+  for (int64_t j = 0; j < n; ++j) {
+    out[j] = map.values[codes[j]] * absmax;
+  }
+}
+
+/// The bucket of x's float bits (quant_map.h, kLutLowBits).
+inline uint32_t lut_bucket(uint32_t bits) {
+  uint32_t mag = bits & 0x7FFFFFFFu;
+  mag = mag < kLutLowBits ? kLutLowBits : (mag > kLutHighBits ? kLutHighBits : mag);
+  return (mag - kLutLowBits) >> (23 - kLutMantissaBits);
+}
+
+/// quantize_code (quant_map.h) compiled for this ISA: #{k : thresholds[k] < x} by the bucket
+/// lookup of Note [Dynamic quantization map].
+inline uint8_t nearest_code(const QuantMapTable& map, float x) {
+  const uint32_t bits = float_bits(x);
+  const uint32_t bucket = lut_bucket(bits);
+  const uint32_t base = map.lut[bits >> 31][bucket];
+  uint32_t code = base;
+  for (int k = 0; k < kLutProbes; ++k) {
+    code += static_cast<uint32_t>(map.thresholds[base + k] < x);
+  }
+  return static_cast<uint8_t>(code);
+}
+
+/// Quantizes x[0, n) into `codes`; returns the block's absmax (Note [8-bit Adam states]).
+inline float quantize_block(const float* x, int64_t n, const QuantMapTable& map, uint8_t* codes) {
+  // Eight running maxima (the max of them is the same value): breaks the loop-carried chain.
+  float part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    for (int k = 0; k < 8; ++k) {
+      const float a = std::fabs(x[j + k]);
+      part[k] = part[k] < a ? a : part[k];
+    }
+  }
+  for (; j < n; ++j) {
+    const float a = std::fabs(x[j]);
+    part[0] = part[0] < a ? a : part[0];
+  }
+  float absmax = 0.0f;
+  for (float a : part) {
+    absmax = absmax < a ? a : absmax;
+  }
+  const float inv = absmax > 0.0f ? 1.0f / absmax : 0.0f;
+  for (j = 0; j < n; ++j) {
+    codes[j] = nearest_code(map, x[j] * inv);
+  }
+  return absmax;
+}
+
+/// Bytes of one element of the gradient / compute copy.
+inline int64_t grad_bytes(GradDtype d) { return d == GradDtype::kFloat ? 4 : 2; }
+inline int64_t copy_bytes(CopyDtype d) { return d == CopyDtype::kFloat ? 4 : 2; }
+
+/// Note [8-bit Adam states]: updates the blocks of `t` that start in [begin, end).
+template <typename V>
+void adam_update_quantized(const AdamTensor& t, int64_t begin, int64_t end) {
+  const QuantizedMoments& q = t.quantized;
+  alignas(64) float m[kQuantBlock];
+  alignas(64) float v[kQuantBlock];
+  const int64_t first = (begin + kQuantBlock - 1) / kQuantBlock;
+  const int64_t last = (end + kQuantBlock - 1) / kQuantBlock;
+  for (int64_t b = first; b < last; ++b) {
+    const int64_t lo = b * kQuantBlock;
+    const int64_t n = std::min<int64_t>(kQuantBlock, t.numel - lo);
+    dequantize_block(q.exp_avg_codes + lo, q.exp_avg_absmax[b], *q.exp_avg_map, m, n);
+    dequantize_block(q.exp_avg_sq_codes + lo, q.exp_avg_sq_absmax[b], *q.exp_avg_sq_map, v, n);
+    AdamTensor block = t;
+    block.param = t.param + lo;
+    block.grad = static_cast<const char*>(t.grad) + lo * grad_bytes(t.grad_dtype);
+    block.exp_avg = m;
+    block.exp_avg_sq = v;
+    block.max_exp_avg_sq = nullptr;
+    block.copy = t.copy == nullptr ? nullptr : static_cast<char*>(t.copy) + lo * copy_bytes(t.copy_dtype);
+    block.numel = n;
+    block.streaming_stores = false;
+    block.quantized = QuantizedMoments{};
+    adam_update_fp32<V>(block, 0, n);
+    q.exp_avg_absmax[b] = quantize_block(m, n, *q.exp_avg_map, q.exp_avg_codes + lo);
+    q.exp_avg_sq_absmax[b] = quantize_block(v, n, *q.exp_avg_sq_map, q.exp_avg_sq_codes + lo);
+  }
+}
+
+template <typename V>
+void adam_update(const AdamTensor& t, int64_t begin, int64_t end) {
+  if (t.quantized.exp_avg_codes != nullptr) {
+    adam_update_quantized<V>(t, begin, end);
+  } else {
+    adam_update_fp32<V>(t, begin, end);
   }
 }
 
