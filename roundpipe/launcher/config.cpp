@@ -599,6 +599,10 @@ const char* optimizer_name(OptimizerName name) {
   return "?";
 }
 
+const char* state_dtype_name(OptimizerStateDtype dtype) {
+  return dtype == OptimizerStateDtype::kInt8 ? "int8" : "float32";
+}
+
 const char* recompute_name(RecomputeGrain grain) {
   return grain == RecomputeGrain::kStage ? "stage" : "layer";
 }

@@ -29,6 +29,8 @@ class ConfigError : public std::runtime_error {
 
 enum class DataFormat { kTokens, kBytes, kSynthetic, kChat };
 enum class OptimizerName { kAdamW, kAdam, kSgd, kLion };
+/// How Adam(W) stores its moments: float32, or block-wise 8-bit (optim::AdamStateDtype::kInt8).
+enum class OptimizerStateDtype { kFloat32, kInt8 };
 
 /// model.lora: present (non-null) enables LoRA fine-tuning of model.pretrained.
 /// PEFT's names: rank = r, alpha = lora_alpha, dropout = lora_dropout, targets = target_modules.
@@ -66,6 +68,7 @@ struct OptimizerConfig {
   double eps;
   double weight_decay;
   double momentum;  ///< sgd only
+  OptimizerStateDtype state_dtype;  ///< adam / adamw only
 };
 
 struct ScheduleConfig {
@@ -169,6 +172,7 @@ std::optional<int64_t> data_vocab_size(const LauncherConfig& config);
 const char* data_format_name(DataFormat format);
 const char* train_on_name(models::ChatTrainOn train_on);
 const char* optimizer_name(OptimizerName name);
+const char* state_dtype_name(OptimizerStateDtype dtype);
 const char* recompute_name(RecomputeGrain grain);
 const char* step_mode_name(StepMode mode);
 const char* dtype_name(c10::ScalarType dtype);

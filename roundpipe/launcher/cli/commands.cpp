@@ -191,7 +191,10 @@ void run_plan(const LauncherConfig& config, std::ostream& out, const std::string
   switch (config.optimizer.name) {
     case OptimizerName::kAdam:
     case OptimizerName::kAdamW:
-      optimizer_state = 2 * master;
+      // 8-bit: a byte per moment plus a float32 scale per 256 elements (small tensors excepted).
+      optimizer_state = config.optimizer.state_dtype == OptimizerStateDtype::kInt8
+                            ? 2 * (counts.trainable + 4 * ((counts.trainable + 255) / 256))
+                            : 2 * master;
       break;
     case OptimizerName::kLion:
       optimizer_state = master;  // the momentum

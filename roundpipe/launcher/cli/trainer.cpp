@@ -51,7 +51,9 @@ std::unique_ptr<torch::optim::Optimizer> make_optimizer(RoundPipe& model, const 
                               .betas(std::make_tuple(o.betas[0], o.betas[1]))
                               .eps(o.eps)
                               .weight_decay(o.weight_decay)
-                              .decoupled_weight_decay(o.name == OptimizerName::kAdamW));
+                              .decoupled_weight_decay(o.name == OptimizerName::kAdamW)
+                              .state_dtype(o.state_dtype == OptimizerStateDtype::kInt8 ? optim::AdamStateDtype::kInt8
+                                                                                      : optim::AdamStateDtype::kFloat32));
 }
 
 std::string plot_title(const LauncherConfig& config) { return "roundpipe train: " + config.out_dir; }

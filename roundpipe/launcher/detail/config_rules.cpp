@@ -219,6 +219,14 @@ std::vector<Rule> build_rules() {
                                    ": remove it (use optimizer.betas for Adam)");
                  }
                }});
+  r.push_back({"`optimizer.state_dtype: int8` is for `adam` / `adamw` only.", [](const C& c) {
+                 const bool adam = c.optimizer.name == OptimizerName::kAdam || c.optimizer.name == OptimizerName::kAdamW;
+                 if (c.optimizer.state_dtype == OptimizerStateDtype::kInt8 && !adam) {
+                   config_fail("optimizer.state_dtype", "int8",
+                               std::string("8-bit states exist for adam and adamw only, optimizer.name is ") +
+                                   optimizer_name(c.optimizer.name) + ": use adamw, or state_dtype: float32");
+                 }
+               }});
   r.push_back({"`eval.every` > 0 needs evaluation data: `data.valid`, or `synthetic` data.",
                [](const C& c) {
                  if (c.eval.every > 0 && c.data.valid.empty() && c.data.format != DataFormat::kSynthetic) {

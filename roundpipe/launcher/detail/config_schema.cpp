@@ -285,6 +285,15 @@ std::vector<KeySpec> build_schema() {
   t.push_back(Key("optimizer.momentum", KeyKind::kFloat, "0.0", "SGD momentum (sgd only).")
                   .range(in_co(0, 1))
                   .field([](C& c) -> double& { return c.optimizer.momentum; }));
+  t.push_back(Key("optimizer.state_dtype", KeyKind::kChoice, "float32",
+                  "adam / adamw only: how the two moments are stored. `float32` (8 B/param); `int8`: "
+                  "block-wise 8-bit with dynamic quantization maps, as bitsandbytes' 8-bit Adam "
+                  "(2 + 8/256 B/param; parameters under 4,096 elements stay float32; "
+                  "docs/optimizer.md, \"8-bit states\").")
+                  .one_of({"float32", "int8"})
+                  .enum_field([](C& c) -> OptimizerStateDtype& { return c.optimizer.state_dtype; },
+                              std::vector<OptimizerStateDtype>{OptimizerStateDtype::kFloat32,
+                                                               OptimizerStateDtype::kInt8}));
 
   // ---- schedule ----
   t.push_back(Key("schedule", KeyKind::kSection, "{}",
