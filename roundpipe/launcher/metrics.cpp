@@ -60,6 +60,7 @@ std::string eval_line(const EvalRecord& r) {
   Json j = Json::object();
   j["step"] = r.step;
   j["eval_loss"] = number(r.eval_loss);
+  if (r.eval_accuracy) j["eval_accuracy"] = number(*r.eval_accuracy);
   return j.dump() + "\n";
 }
 
@@ -108,7 +109,9 @@ MetricsLog parse_metrics(const std::string& text, const std::string& source) {
                 line_number, ": a metrics record needs an integer \"step\"; fix or delete the line");
     try {
       if (j.contains("eval_loss")) {
-        log.eval.push_back({j["step"].get<int64_t>(), read_number(j, "eval_loss")});
+        EvalRecord r{j["step"].get<int64_t>(), read_number(j, "eval_loss"), std::nullopt};
+        if (j.contains("eval_accuracy")) r.eval_accuracy = read_number(j, "eval_accuracy");
+        log.eval.push_back(r);
       } else {
         TrainRecord r;
         r.step = j["step"].get<int64_t>();

@@ -33,6 +33,8 @@ struct TrainRecord {
 struct EvalRecord {
   int64_t step = 0;
   double eval_loss = 0.0;
+  /// Token accuracy: the share of trained labels whose most likely token is the label.
+  std::optional<double> eval_accuracy;
 };
 
 /// The records of a metrics.jsonl file, each kind in file order.

@@ -9,6 +9,7 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/linear.h>
 #include <ATen/ops/rsqrt.h>
+#include <ATen/ops/stack.h>
 #include <ATen/ops/scaled_dot_product_attention.h>
 #include <ATen/ops/silu.h>
 #include <ATen/ops/softmax.h>
@@ -350,14 +351,20 @@ void LmHeadImpl::reset() {
 }
 
 at::Tensor LmHeadImpl::cross_entropy_sum(const at::Tensor& h, const at::Tensor& targets) {
+  const bool with_correct = report_correct_ && !is_training() && !at::GradMode::is_enabled();
   if (lm_head->has_lora() || lm_head->bias.defined()) {
     // The fused path multiplies by the weight alone; the adapters' and the bias' terms would need
     // their own products per chunk. The same summed loss from full logits.
-    const at::Tensor logits = lm_head(h);
-    return at::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}).to(at::kFloat),
-                                  targets.reshape({-1}).to(at::kLong), /*weight=*/{}, at::Reduction::Sum, kIgnoreIndex);
+    const at::Tensor logits = lm_head(h).reshape({-1, lm_head->weight.size(0)}).to(at::kFloat);
+    const at::Tensor t = targets.reshape({-1}).to(at::kLong);
+    const at::Tensor loss = at::cross_entropy_loss(logits, t, /*weight=*/{}, at::Reduction::Sum, kIgnoreIndex);
+    if (!with_correct) return loss;
+    const at::Tensor correct = (logits.argmax(1).eq(t) & t.ne(kIgnoreIndex)).sum().to(at::kFloat);
+    return at::stack({loss, correct}).unsqueeze(0);
   }
-  return linear_cross_entropy(h, lm_head->weight, targets, LinearCrossEntropyOptions().chunk_bytes(loss_chunk_bytes_));
+  const auto options = LinearCrossEntropyOptions().chunk_bytes(loss_chunk_bytes_);
+  if (with_correct) return linear_cross_entropy_and_correct(h, lm_head->weight, targets, options).unsqueeze(0);
+  return linear_cross_entropy(h, lm_head->weight, targets, options);
 }
 
 at::Tensor LmHeadImpl::forward(const at::Tensor& hidden, const at::Tensor& second, const at::Tensor& third) {

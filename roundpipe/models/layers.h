@@ -204,6 +204,13 @@ class LmHeadImpl : public torch::nn::Cloneable<LmHeadImpl> {
   void set_loss_chunk_bytes(int64_t bytes);
   int64_t loss_chunk_bytes() const { return loss_chunk_bytes_; }
 
+  /// Evaluation with targets (eval mode, no autograd): return [1, 2] {summed loss, number of
+  /// correctly predicted targets} instead of the 0-dim summed loss, so RoundPipe::forward(inputs,
+  /// label) gives [microbatches, 2] (token accuracy = correct / trained tokens). Training is
+  /// unchanged. Default off; kept by clones.
+  void set_report_correct(bool on) { report_correct_ = on; }
+  bool report_correct() const { return report_correct_; }
+
   /// Mixture-of-experts models: the weight of the load-balancing loss (default: the config's
   /// router_aux_loss_coef). Kept by clones.
   void set_router_aux_loss_coef(double coef);
@@ -224,6 +231,7 @@ class LmHeadImpl : public torch::nn::Cloneable<LmHeadImpl> {
   ModelConfig config_;
   at::TensorOptions options_;
   int64_t loss_chunk_bytes_ = int64_t{256} << 20;
+  bool report_correct_ = false;
   double router_aux_loss_coef_ = 0.0;
   std::shared_ptr<RouterLossLog> router_loss_log_;
 };

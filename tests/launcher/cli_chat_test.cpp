@@ -34,13 +34,15 @@ std::string run_oracle(const ScratchDir& dir, const std::string& args) {
   return read_file(out);
 }
 
-// Five conversations: a system prompt and two turns, non-ASCII text and whitespace, one without an
-// assistant turn (dropped), one longer than seq_len 48 (truncated: the end of its answer is cut),
-// one whose answer starts past token 49 (dropped by truncation) — so 4 remain.
+// Seven conversations: a system prompt and two turns, repeated words (some tokens the tiny model
+// predicts), non-ASCII text and whitespace, one without an assistant turn (dropped), one longer
+// than seq_len 48 (truncated: the end of its answer is cut), one whose answer starts past token 49
+// (dropped by truncation) — so 5 remain.
 std::string conversations() {
   return chat_line({{"system", "You are a concise assistant."}, {"user", "What is 2 + 2?"}, {"assistant", "4"},
                     {"user", "And 3 + 3?"}, {"assistant", "6, of course."}}) +
          chat_line({{"user", "Name a colour."}, {"assistant", "Blue."}}) + "\n" +
+         chat_line({{"user", "Laugh."}, {"assistant", "ha ha ha ha ha, very very very very funny"}}) +
          chat_line({{"user", "\\u00c9cris \\u00ab bonjour \\u00bb \\ud83d\\ude00"},
                     {"assistant", "bonjour \\ud83d\\udc4b\\n  indented\\ttab"}}) +
          chat_line({{"user", "Only a question, no answer?"}}) +
@@ -84,15 +86,20 @@ TEST(CliChatTest, Eval_MatchesTransformersMaskedLoss_EveryTrainOn) {
     CliResult r = run_cli(dir, "eval eval.yaml");
     ASSERT_EQ(r.code, 0) << r.err;
     if (std::string(train_on) == "assistant") {
-      EXPECT_NE(r.out.find("(4 conversations"), std::string::npos) << r.out;
+      EXPECT_NE(r.out.find("(5 conversations"), std::string::npos) << r.out;
       EXPECT_NE(r.out.find("2 dropped with nothing to train (1 of them by truncation)"), std::string::npos) << r.out;
     }
     EXPECT_NEAR(eval_loss(r), ref[train_on]["loss"].get<double>(), 1e-4);
+    const size_t at = r.out.find("eval_accuracy=");
+    ASSERT_NE(at, std::string::npos) << r.out;
+    EXPECT_NEAR(std::stod(r.out.substr(at + 14)), ref[train_on]["accuracy"].get<double>(), 1e-6);
   }
   EXPECT_LT(ref["last_assistant"]["labels"].get<int64_t>(), ref["assistant"]["labels"].get<int64_t>());
+  EXPECT_GT(ref["assistant"]["accuracy"].get<double>(), 0.0) << "no correct prediction: accuracy would be untested";
 }
 
-// One SGD step over all 4 conversations (one epoch), split four ways. With a per-pass or
+// One SGD step over all 5 conversations (one epoch), split four ways (microbatches of 3 and 2 rows
+// in one of them). With a per-pass or
 // per-microbatch mean instead of Note [Loss normalization], the splits would weigh the
 // conversations differently and the weights would differ.
 TEST(CliChatTest, Train_OneStepIsTheSameForAnySplit_AndItsLossIsTransformers) {
@@ -106,8 +113,8 @@ TEST(CliChatTest, Train_OneStepIsTheSameForAnySplit_AndItsLossIsTransformers) {
     const char* name;
     int batch_size, grad_accum, microbatches, devices;
   };
-  const std::vector<Split> splits = {{"rows4", 4, 1, 1, 1}, {"accum4", 1, 4, 1, 2}, {"micro4", 4, 1, 4, 2},
-                                     {"accum2_micro2", 2, 2, 2, 2}};
+  const std::vector<Split> splits = {{"rows5", 5, 1, 1, 1}, {"accum5", 1, 5, 1, 2}, {"micro5", 5, 1, 5, 2},
+                                     {"micro2", 5, 1, 2, 2}};
   std::vector<std::shared_ptr<models::SafetensorsFile>> weights;
   for (const Split& s : splits) {
     SCOPED_TRACE(s.name);

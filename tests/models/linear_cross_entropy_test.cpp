@@ -196,6 +196,52 @@ TEST(LinearCrossEntropyTest, LmHead_GivenTargetsEqualsCrossEntropyOfItsLogits_Lo
   }
 }
 
+// Token accuracy without logits: the number of trained positions whose argmax is the target, per
+// chunk, == that of the full logits; ignored positions count in neither. Through the LmHead in eval
+// mode with report_correct (the LoRA fallback too) and in training mode (unchanged 0-dim loss).
+TEST(LinearCrossEntropyTest, Correct_CountsArgmaxHitsLikeFullLogits) {
+  Problem p = make_problem(at::kFloat);
+  at::NoGradGuard no_grad;
+  // Make some predictions right: targets = argmax at half of the positions.
+  const at::Tensor logits = torch::matmul(p.hidden, p.weight.t());
+  const at::Tensor argmax = logits.argmax(-1);
+  at::Tensor targets = p.targets.clone();
+  for (int64_t i = 0; i < 7; i += 2) targets.index_put_({0, i}, argmax.index({0, i}));
+  targets.index_put_({0, 3}, models::kIgnoreIndex);
+  const at::Tensor valid = targets.ne(models::kIgnoreIndex);
+  const double expected = (argmax.eq(targets) & valid).sum().item<double>();
+  ASSERT_GE(expected, 3.0);
+  for (int64_t tokens : {3, 14}) {
+    const at::Tensor got = models::linear_cross_entropy_and_correct(p.hidden, p.weight, targets, chunk_of(tokens, at::kFloat));
+    ASSERT_EQ(got.sizes(), at::IntArrayRef({2}));
+    EXPECT_TRUE(close_rel(got[0], full_logits_loss(p.hidden, p.weight, targets), 1e-6));
+    EXPECT_EQ(got[1].item<double>(), expected) << tokens << " tokens a chunk";
+  }
+  for (bool lora : {false, true}) {
+    SCOPED_TRACE(lora ? "LoRA on lm_head" : "plain head");
+    torch::manual_seed(13);
+    models::Pretrained pre = models::build(tiny_config(/*tied=*/false));
+    auto head = pre.model->ptr<models::LmHeadImpl>(pre.model->size() - 1);
+    if (lora) {
+      head->lm_head->enable_lora(2, 4.0, 0.0);
+      for (const auto& q : head->parameters()) q.normal_(0, 0.1);
+    }
+    head->set_loss_chunk_bytes(3 * kVocab * 4);
+    head->set_report_correct(true);
+    head->eval();
+    const at::Tensor hidden = torch::randn({2, 5, 16});
+    const at::Tensor head_logits = head->forward(hidden);
+    at::Tensor t = models::shift_labels(torch::randint(0, kVocab, {2, 5}, torch::kLong));
+    t.index_put_({0, 1}, head_logits.argmax(-1).index({0, 1}));
+    const at::Tensor got = head->forward(hidden, t);
+    ASSERT_EQ(got.sizes(), at::IntArrayRef({1, 2}));
+    EXPECT_TRUE(close_rel(got[0][0], ce_of_logits(head_logits, t), 1e-6));
+    EXPECT_EQ(got[0][1].item<double>(), (head_logits.argmax(-1).eq(t) & t.ne(models::kIgnoreIndex)).sum().item<double>());
+    head->train();
+    EXPECT_EQ(head->forward(hidden, t).dim(), 0);
+  }
+}
+
 // RoundPipe evaluation without logits: forward(inputs, label) with the head given the label
 // returns each microbatch's summed loss, equal to the loss of the full logits of forward(inputs).
 TEST(LinearCrossEntropyTest, RoundPipeForwardWithLabel_PerMicrobatchSummedLossOfTheLogits) {

@@ -246,14 +246,16 @@ void run_eval(const LauncherConfig& config, std::ostream& out) {
   const LauncherData data = open_data(config, path, config.data.valid.empty() ? 0 : 1);  // bad data: before loading
   LauncherModel pre = make_launcher_model(config);
   RoundPipe model(pre.model, round_pipe_options(config));
-  const double loss = evaluate(model, config, data);
+  const EvalResult result = evaluate(model, config, data);
   make_directories(config.out_dir);
   MetricsWriter metrics(config.out_dir, std::numeric_limits<int64_t>::max());
-  metrics.log_eval({0, loss});
-  char text[64];
-  std::snprintf(text, sizeof(text), "%.6f", loss);
+  metrics.log_eval({0, result.loss, result.accuracy});
+  char text[96];
   out << "evaluated " << data.describe() << "\n";
-  out << "eval_loss=" << text << "\n";
+  std::snprintf(text, sizeof(text), "eval_accuracy=%.6f\n", result.accuracy);
+  out << text;
+  std::snprintf(text, sizeof(text), "eval_loss=%.6f\n", result.loss);
+  out << text;
 }
 
 void run_export(const std::string& checkpoint_dir, const std::string& out_dir, std::ostream& out,

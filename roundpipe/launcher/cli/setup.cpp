@@ -148,6 +148,7 @@ LauncherModel make_launcher_model(const LauncherConfig& config, bool allocate_on
   models::Pretrained pre = make_base_model(config, model_config, allocate_only);
   auto head = pre.model->ptr<models::LmHeadImpl>(pre.model->size() - 1);
   head->set_loss_chunk_bytes(config.run.loss_chunk_mib << 20);
+  head->set_report_correct(true);  // evaluate() reports token accuracy; training is unchanged
   if (model_config.is_moe()) {
     // model.config may override the checkpoint's coefficient.
     pre.config.router_aux_loss_coef = model_config.router_aux_loss_coef;
@@ -310,22 +311,26 @@ LauncherData open_data(const LauncherConfig& config, const std::string& path, ui
   return data;
 }
 
-double evaluate(RoundPipe& model, const LauncherConfig& config, const LauncherData& data) {
+EvalResult evaluate(RoundPipe& model, const LauncherConfig& config, const LauncherData& data) {
   std::unique_ptr<BatchReader> batches = data.eval_batches(config.train.batch_size, config.eval.max_batches);
   at::NoGradGuard no_grad;
   model.module()->eval();
   double total = 0.0;
+  double correct = 0.0;
   int64_t count = 0;
   while (std::optional<Batch> batch = batches->next()) {
     RunConfig run;
     run.num_microbatch = std::min<int64_t>(batch->inputs.size(0),
                                            config.run.num_microbatch.value_or(1));
-    // The head given the labels returns each microbatch's summed loss; no logits are made.
-    total += model.forward({batch->inputs}, batch->labels, run).sum().item<double>();
+    // The head given the labels returns each microbatch's {summed loss, correct predictions}
+    // (LmHead::set_report_correct); no logits are made.
+    const at::Tensor sums = model.forward({batch->inputs}, batch->labels, run).to(at::kDouble).sum(0);
+    total += sums[0].item<double>();
+    correct += sums[1].item<double>();
     count += batch->labels.ne(kIgnoreLabel).sum().item<int64_t>();
   }
   model.module()->train();
-  return total / static_cast<double>(count);
+  return {total / static_cast<double>(count), correct / static_cast<double>(count)};
 }
 
 }  // namespace roundpipe::launcher

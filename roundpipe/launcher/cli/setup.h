@@ -92,10 +92,15 @@ struct LauncherData {
 LauncherData open_data(const LauncherConfig& config, const std::string& path, uint64_t seed_offset);
 
 /// Mean token cross-entropy (the sum of every trained label's loss / their count, in float32:
-/// labels of -100 do not count) over data.eval_batches(train.batch_size, eval.max_batches), with
+/// labels of -100 do not count) and token accuracy (the share of those labels that are the argmax
+/// of their logits) over data.eval_batches(train.batch_size, eval.max_batches), with
 /// RoundPipe::forward(inputs, labels) in eval mode without autograd: the LmHead returns each
 /// microbatch's summed loss, chunked (the logits never exist whole). Call synchronize() first when
 /// steps may be queued.
-double evaluate(RoundPipe& model, const LauncherConfig& config, const LauncherData& data);
+struct EvalResult {
+  double loss = 0.0;
+  double accuracy = 0.0;  ///< token accuracy: the share of trained labels predicted (argmax)
+};
+EvalResult evaluate(RoundPipe& model, const LauncherConfig& config, const LauncherData& data);
 
 }  // namespace roundpipe::launcher

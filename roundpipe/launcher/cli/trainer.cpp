@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <iostream>
 #include <memory>
 #include <mutex>
@@ -196,11 +197,14 @@ void run_training(const LauncherConfig& config, const std::optional<std::string>
   };
   auto run_eval = [&] {
     model.synchronize();
-    const double loss = evaluate(model, config, *valid_data);  // the same on every rank
+    const EvalResult result = evaluate(model, config, *valid_data);  // the same on every rank
     if (!lead) return;
-    metrics->log_eval({step, loss});
-    ROUNDPIPE_LOG(launcher_log(), kInfo, "step ", step, " eval_loss ", loss);
-    progress.print_above("step " + std::to_string(step) + " | eval loss " + std::to_string(loss));
+    metrics->log_eval({step, result.loss, result.accuracy});
+    ROUNDPIPE_LOG(launcher_log(), kInfo, "step ", step, " eval_loss ", result.loss, " eval_accuracy ", result.accuracy);
+    char accuracy[32];
+    std::snprintf(accuracy, sizeof(accuracy), "%.1f%%", 100.0 * result.accuracy);
+    progress.print_above("step " + std::to_string(step) + " | eval loss " + std::to_string(result.loss) +
+                         " | token accuracy " + accuracy);
   };
 
   while (step < config.train.steps) {
