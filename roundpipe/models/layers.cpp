@@ -22,6 +22,7 @@
 #include <limits>
 #include <optional>
 #include <set>
+#include <tuple>
 #include <vector>
 
 #include "roundpipe/models/detail/param_options.h"
@@ -71,12 +72,26 @@ at::Tensor sliding_window_attention(const at::Tensor& q, const at::Tensor& k, co
 // window's band), so no [T, T] score matrix exists; autograd differentiates it (the sinks too).
 constexpr int64_t kSinkQueryBlock = 256;
 
+// One block of Note [Attention sinks]: queries q [B, heads, Q, d] against keys k, v [B, heads, K, d],
+// `allowed` [Q, K] saying which key each query may see.
+at::Tensor sink_block(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& allowed,
+                      const at::Tensor& sinks, double dropout, bool training) {
+  const int64_t batch = q.size(0), heads = q.size(1), rows = q.size(2);
+  const double scaling = 1.0 / std::sqrt(static_cast<double>(q.size(3)));
+  const at::Tensor sink_column = sinks.to(q.scalar_type()).view({1, heads, 1, 1});
+  at::Tensor scores = at::matmul(q, k.transpose(2, 3)) * scaling;
+  scores = scores.masked_fill(allowed.logical_not(), -std::numeric_limits<double>::infinity());
+  at::Tensor combined = at::cat({scores, sink_column.expand({batch, heads, rows, 1})}, -1);
+  combined = combined - std::get<0>(combined.max(-1, /*keepdim=*/true));
+  at::Tensor probs = at::softmax(combined, -1).narrow(-1, 0, k.size(2));
+  if (dropout > 0) probs = at::dropout(probs, dropout, training);
+  return at::matmul(probs.to(v.scalar_type()), v);
+}
+
 at::Tensor sink_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& sinks,
                           std::optional<int64_t> window, double dropout, bool training) {
-  const int64_t batch = q.size(0), heads = q.size(1), seq = q.size(2);
-  const double scaling = 1.0 / std::sqrt(static_cast<double>(q.size(3)));
+  const int64_t seq = q.size(2);
   const auto positions = at::TensorOptions().dtype(at::kLong).device(q.device());
-  const at::Tensor sink_column = sinks.to(q.scalar_type()).view({1, heads, 1, 1});
   std::vector<at::Tensor> outputs;
   for (int64_t s = 0; s < seq; s += kSinkQueryBlock) {
     const int64_t e = std::min(seq, s + kSinkQueryBlock);
@@ -85,15 +100,22 @@ at::Tensor sink_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
     const at::Tensor k_pos = at::arange(ks, e, positions).unsqueeze(0);
     at::Tensor allowed = k_pos.le(q_pos);
     if (window) allowed = allowed.logical_and(k_pos.gt(q_pos - *window));
-    at::Tensor scores = at::matmul(q.narrow(2, s, e - s), k.narrow(2, ks, e - ks).transpose(2, 3)) * scaling;
-    scores = scores.masked_fill(allowed.logical_not(), -std::numeric_limits<double>::infinity());
-    at::Tensor combined = at::cat({scores, sink_column.expand({batch, heads, e - s, 1})}, -1);
-    combined = combined - std::get<0>(combined.max(-1, /*keepdim=*/true));
-    at::Tensor probs = at::softmax(combined, -1).narrow(-1, 0, e - ks);
-    if (dropout > 0) probs = at::dropout(probs, dropout, training);
-    outputs.push_back(at::matmul(probs.to(v.scalar_type()), v.narrow(2, ks, e - ks)));
+    outputs.push_back(sink_block(q.narrow(2, s, e - s), k.narrow(2, ks, e - ks), v.narrow(2, ks, e - ks), allowed,
+                                 sinks, dropout, training));
   }
   return at::cat(outputs, 2);
+}
+
+// Which of the keys at positions [k_start, k_start + K) the queries at positions
+// [q_start, q_start + Q) see: [Q, K] boolean, key j visible from query i iff i - window < j <= i.
+at::Tensor visible_keys(int64_t q_start, int64_t q_len, int64_t k_start, int64_t k_len,
+                        std::optional<int64_t> window, c10::Device device) {
+  const auto positions = at::TensorOptions().dtype(at::kLong).device(device);
+  const at::Tensor q_pos = at::arange(q_start, q_start + q_len, positions).unsqueeze(1);
+  const at::Tensor k_pos = at::arange(k_start, k_start + k_len, positions).unsqueeze(0);
+  at::Tensor allowed = k_pos.le(q_pos);
+  if (window) allowed = allowed.logical_and(k_pos.gt(q_pos - *window));
+  return allowed;
 }
 
 }  // namespace
@@ -247,7 +269,7 @@ void AttentionImpl::reset() {
   }
 }
 
-at::Tensor AttentionImpl::forward(const at::Tensor& x) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> AttentionImpl::project(const at::Tensor& x, int64_t start) {
   TORCH_CHECK(x.dim() == 3 && x.size(2) == config_.hidden_size, "Attention (layer ", layer_index_,
               "): expected hidden states [batch, seq, ", config_.hidden_size, "], got ", x.sizes());
   const int64_t batch = x.size(0);
@@ -265,10 +287,17 @@ at::Tensor AttentionImpl::forward(const at::Tensor& x) {
   at::Tensor cos, sin;
   {
     at::NoGradGuard no_grad;
-    std::tie(cos, sin) = detail::rotary_cos_sin(config_.rope, d, seq, x.device(), x.scalar_type());
+    std::tie(cos, sin) = detail::rotary_cos_sin(config_.rope, d, seq, x.device(), x.scalar_type(), start);
   }
-  q = detail::apply_rotary(q, cos, sin);
-  k = detail::apply_rotary(k, cos, sin);
+  return {detail::apply_rotary(q, cos, sin), detail::apply_rotary(k, cos, sin), v};
+}
+
+std::optional<int64_t> AttentionImpl::window() const {
+  return config_.layer_uses_sliding_window(layer_index_) ? config_.sliding_window : std::nullopt;
+}
+
+at::Tensor AttentionImpl::attend_causal(at::Tensor q, at::Tensor k, at::Tensor v) {
+  const int64_t seq = q.size(2);
   const int64_t groups = config_.num_attention_heads / config_.num_key_value_heads;
   const double dropout = is_training() ? config_.attention_dropout : 0.0;
   if (sinks.defined()) {
@@ -276,25 +305,63 @@ at::Tensor AttentionImpl::forward(const at::Tensor& x) {
       k = k.repeat_interleave(groups, 1);
       v = v.repeat_interleave(groups, 1);
     }
-    const std::optional<int64_t> window =
-        config_.layer_uses_sliding_window(layer_index_) ? config_.sliding_window : std::nullopt;
-    const at::Tensor attn = sink_attention(q, k, v, sinks, window, dropout, is_training());
-    return o_proj(attn.transpose(1, 2).reshape({batch, seq, -1}));
+    return sink_attention(q, k, v, sinks, window(), dropout, is_training());
   }
   const bool windowed = config_.layer_uses_sliding_window(layer_index_) && seq > *config_.sliding_window;
   // Like transformers' sdpa path: CUDA lets SDPA broadcast the key/value heads (enable_gqa);
   // elsewhere they are repeated, which every SDPA backend accepts. The windowed path passes masks,
   // which not every CUDA kernel combines with enable_gqa, so it repeats them too.
-  const bool gqa_in_sdpa = groups > 1 && x.is_cuda() && !windowed;
+  const bool gqa_in_sdpa = groups > 1 && q.is_cuda() && !windowed;
   if (groups > 1 && !gqa_in_sdpa) {
     k = k.repeat_interleave(groups, 1);
     v = v.repeat_interleave(groups, 1);
   }
-  const at::Tensor attn =
-      windowed ? sliding_window_attention(q, k, v, *config_.sliding_window, dropout)
-               : at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, dropout, /*is_causal=*/true,
-                                                  /*scale=*/std::nullopt, /*enable_gqa=*/gqa_in_sdpa);
-  return o_proj(attn.transpose(1, 2).reshape({batch, seq, -1}));
+  return windowed ? sliding_window_attention(q, k, v, *config_.sliding_window, dropout)
+                  : at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, dropout, /*is_causal=*/true,
+                                                     /*scale=*/std::nullopt, /*enable_gqa=*/gqa_in_sdpa);
+}
+
+at::Tensor AttentionImpl::forward(const at::Tensor& x) {
+  auto [q, k, v] = project(x, /*start=*/0);
+  const at::Tensor attn = attend_causal(q, k, v);
+  return o_proj(attn.transpose(1, 2).reshape({x.size(0), x.size(1), -1}));
+}
+
+// Note [Cached attention]: the first forward into an empty cache (the prompt) computes exactly as
+// forward() does (so its logits are those of a plain forward) and keeps its keys and values.
+// Later forwards attend from their positions [start, start + T) to the cached keys followed by
+// their own, with the mask of visible_keys (causal, and the window on sliding layers; the sinks of
+// gpt-oss through the same block as training). A sliding layer then keeps only its last
+// window - 1 keys: no later query can see an older one, so its cache never grows past the window.
+at::Tensor AttentionImpl::forward_cached(const at::Tensor& x, LayerKvCache& cache) {
+  const int64_t start = cache.length;
+  auto [q, k, v] = project(x, start);
+  const int64_t seq = q.size(2);
+  at::Tensor attn;
+  if (start == 0) {
+    attn = attend_causal(q, k, v);
+  } else {
+    TORCH_CHECK(cache.k.defined() && cache.k.size(0) == x.size(0), "Attention (layer ", layer_index_, "): the cache of ", start,
+                " tokens holds no keys of batch size ", x.size(0));
+    k = at::cat({cache.k, k}, 2);
+    v = at::cat({cache.v, v}, 2);
+    const int64_t key_start = start + seq - k.size(2);
+    const at::Tensor allowed = visible_keys(start, seq, key_start, k.size(2), window(), x.device());
+    const int64_t groups = config_.num_attention_heads / config_.num_key_value_heads;
+    const at::Tensor keys = groups > 1 ? k.repeat_interleave(groups, 1) : k;
+    const at::Tensor values = groups > 1 ? v.repeat_interleave(groups, 1) : v;
+    attn = sinks.defined() ? sink_block(q, keys, values, allowed, sinks, /*dropout=*/0.0, /*training=*/false)
+                           : at::scaled_dot_product_attention(q, keys, values, allowed);
+  }
+  cache.length = start + seq;
+  if (const std::optional<int64_t> w = window()) {
+    const int64_t keep = std::min(k.size(2), *w - 1);
+    k = k.narrow(2, k.size(2) - keep, keep);
+    v = v.narrow(2, v.size(2) - keep, keep);
+  }
+  cache.k = k;
+  cache.v = v;
+  return o_proj(attn.transpose(1, 2).reshape({x.size(0), seq, -1}));
 }
 
 // ---- Mlp -----------------------------------------------------------------------------------------
@@ -334,6 +401,11 @@ void DecoderLayerImpl::reset() {
 
 at::Tensor DecoderLayerImpl::forward(const at::Tensor& hidden) {
   const at::Tensor h = hidden + self_attn(input_layernorm(hidden));
+  return h + mlp(post_attention_layernorm(h));
+}
+
+at::Tensor DecoderLayerImpl::forward_cached(const at::Tensor& hidden, LayerKvCache& cache) {
+  const at::Tensor h = hidden + self_attn->forward_cached(input_layernorm(hidden), cache);
   return h + mlp(post_attention_layernorm(h));
 }
 

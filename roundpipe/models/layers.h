@@ -13,6 +13,8 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
+#include <tuple>
 
 #include "roundpipe/models/model_config.h"
 
@@ -117,6 +119,16 @@ class EmbeddingImpl : public torch::nn::Cloneable<EmbeddingImpl> {
 };
 TORCH_MODULE(Embedding);
 
+/// The keys and values one attention layer has seen, for generation with a KV cache (generate.h;
+/// docs/models.md, "Generation"). Owned by the caller; one
+/// cache per decoder layer and sequence, used by one thread at a time.
+struct LayerKvCache {
+  /// [B, kv_heads, S, head_dim] after the rotary embedding, for positions [length - S, length):
+  /// every position seen, or on a sliding-window layer the last window - 1. Undefined when empty.
+  at::Tensor k, v;
+  int64_t length = 0;  ///< tokens seen so far: the position of the next token
+};
+
 /// Causal self-attention with rotary embeddings and grouped-query heads. Children: q_proj,
 /// k_proj, v_proj, o_proj, and for Qwen3 and Qwen3-MoE q_norm, k_norm (RMSNorm over head_dim).
 /// gpt_oss adds the parameter `sinks` [heads]: a learned logit per head that joins every row's
@@ -128,12 +140,24 @@ class AttentionImpl : public torch::nn::Cloneable<AttentionImpl> {
   void reset() override;
   /// x [B, T, hidden] -> [B, T, hidden], positions 0..T-1, causal.
   at::Tensor forward(const at::Tensor& x);
+  /// x [B, T, hidden] at positions cache.length .. cache.length + T - 1 -> [B, T, hidden]: attends
+  /// to the cached keys and its own (causal; the last `sliding_window` positions on a sliding
+  /// layer), then appends its keys and values to `cache`. Inference only (no dropout). Into an
+  /// empty cache it computes exactly as forward(x).
+  at::Tensor forward_cached(const at::Tensor& x, LayerKvCache& cache);
 
   Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
   RMSNorm q_norm{nullptr}, k_norm{nullptr};  ///< Qwen3 and Qwen3-MoE only
   at::Tensor sinks;                           ///< gpt_oss only
 
  private:
+  // q [B, heads, T, d], k and v [B, kv_heads, T, d] of x at positions start..start+T-1.
+  std::tuple<at::Tensor, at::Tensor, at::Tensor> project(const at::Tensor& x, int64_t start);
+  // Causal attention of T queries on their own T keys -> [B, heads, T, d].
+  at::Tensor attend_causal(at::Tensor q, at::Tensor k, at::Tensor v);
+  // This layer's sliding window, or nullopt for full attention.
+  std::optional<int64_t> window() const;
+
   ModelConfig config_;
   int64_t layer_index_;
   at::TensorOptions options_;
@@ -162,6 +186,8 @@ class DecoderLayerImpl : public torch::nn::Cloneable<DecoderLayerImpl> {
   DecoderLayerImpl(const ModelConfig& config, int64_t layer_index, const at::TensorOptions& options = {});
   void reset() override;
   at::Tensor forward(const at::Tensor& hidden);
+  /// forward() through Attention::forward_cached (generation, inference only).
+  at::Tensor forward_cached(const at::Tensor& hidden, LayerKvCache& cache);
 
   RMSNorm input_layernorm{nullptr}, post_attention_layernorm{nullptr};
   Attention self_attn{nullptr};

@@ -208,6 +208,12 @@ std::vector<at::Tensor> MoeDecoderLayerImpl::forward(const at::Tensor& hidden, c
   return {h + out[0], before + out[1]};
 }
 
+at::Tensor MoeDecoderLayerImpl::forward_cached(const at::Tensor& hidden, LayerKvCache& cache) {
+  const at::Tensor h = hidden + self_attn->forward_cached(input_layernorm(hidden), cache);
+  if (!moe) return h + mlp(post_attention_layernorm(h));
+  return h + moe(post_attention_layernorm(h))[0];
+}
+
 // ---- RouterLossLog -------------------------------------------------------------------------------
 
 void RouterLossLog::add(const at::Tensor& tokens_times_aux, int64_t tokens) {

@@ -103,6 +103,9 @@ class MoeDecoderLayerImpl : public torch::nn::Cloneable<MoeDecoderLayerImpl> {
   MoeDecoderLayerImpl(const ModelConfig& config, int64_t layer_index, const at::TensorOptions& options = {});
   void reset() override;
   std::vector<at::Tensor> forward(const at::Tensor& hidden, const at::Tensor& stats = {});
+  /// hidden [B, T, H] -> hidden through Attention::forward_cached (generation, inference only; the
+  /// router statistics are not computed into anything).
+  at::Tensor forward_cached(const at::Tensor& hidden, LayerKvCache& cache);
 
   RMSNorm input_layernorm{nullptr}, post_attention_layernorm{nullptr};
   Attention self_attn{nullptr};

@@ -14,6 +14,13 @@ Usage:
       trained tokens come from tests/models/chat_tokens_oracle.py (transformers' rendering plus the
       prefix rule); each conversation keeps its first SEQ_LEN + 1 tokens and is dropped when none
       of them is trained; each runs alone (no padding).
+  chat_oracle.py generate MODEL_DIR MAX_NEW_TOKENS LINE [LINE ...]
+      Prints {"turns": [{"ids": [...], "text": ...}, ...], "margin": M}: a conversation of one user
+      message per LINE, each answered by transformers' greedy generate (stopping at eos_token_id)
+      on apply_chat_template(add_generation_prompt=True) of the conversation so far, the answer's
+      text (decoded without the eos token) kept as the assistant message. One LINE is
+      `roundpipe generate`, several are `roundpipe chat`. M: the smallest top-1 / top-2 logit
+      margin of all steps (a near tie could round either way).
 """
 import json
 import os
@@ -91,8 +98,36 @@ def masked_losses(model_dir, jsonl, seq_len, modes):
     print(json.dumps({m: masked_loss(tok, model, template, jsonl, seq_len, m) for m in modes.split(",")}))
 
 
+def generate(model_dir, max_new_tokens, lines):
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+    tok = PreTrainedTokenizerFast(tokenizer_file=os.path.join(model_dir, "tokenizer.json"),
+                                  eos_token="<|im_end|>")
+    template = open(TEMPLATE).read()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    eos = model.config.eos_token_id
+    messages, turns, margin = [], [], float("inf")
+    for line in lines:
+        messages.append({"role": "user", "content": line})
+        text = tok.apply_chat_template(messages, chat_template=template, add_generation_prompt=True, tokenize=False)
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        with torch.no_grad():
+            out = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=max_new_tokens,
+                                 eos_token_id=eos, pad_token_id=eos, output_scores=True,
+                                 return_dict_in_generate=True)
+        for s in out.scores:
+            top2 = s[0].float().topk(2).values
+            margin = min(margin, (top2[0] - top2[1]).item())
+        new = out.sequences[0, len(ids):].tolist()
+        answer = tok.decode([t for t in new if t != eos])
+        turns.append({"ids": new, "text": answer})
+        messages.append({"role": "assistant", "content": answer})
+    print(json.dumps({"turns": turns, "margin": margin}))
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "model":
         make_model(sys.argv[2])
+    elif sys.argv[1] == "generate":
+        generate(sys.argv[2], int(sys.argv[3]), sys.argv[4:])
     else:
         masked_losses(sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5])

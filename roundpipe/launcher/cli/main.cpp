@@ -1,5 +1,5 @@
-// The `roundpipe` executable: train, eval, plan, export and validate subcommands over a YAML
-// configuration, and launch (start the ranks of a distributed job) with its diagnostic env
+// The `roundpipe` executable: train, eval, plan, export, validate, generate and chat subcommands
+// over a YAML configuration, and launch (start the ranks of a distributed job) with its diagnostic env
 // (docs/launcher.md). Exit codes: 0 ok, 2 usage or configuration error, 1 runtime
 // error. Errors print one line on stderr; the detail (with LibTorch's backtrace) goes to the log
 // file <out_dir>/train.log (train) when it is open.
@@ -15,6 +15,7 @@
 #include "base/logging.h"
 #include "roundpipe/launcher/atomic_file.h"
 #include "roundpipe/launcher/cli/commands.h"
+#include "roundpipe/launcher/cli/generate.h"
 #include "roundpipe/launcher/cli/launch.h"
 #include "roundpipe/launcher/cli/trainer.h"
 #include "roundpipe/launcher/config.h"
@@ -27,6 +28,22 @@ struct ConfigArgs {
   std::string path;
   std::vector<std::string> overrides;
 };
+
+// The sampling and model options shared by `generate` and `chat`.
+void add_generate_args(CLI::App* command, GenerateCommandOptions& options) {
+  command->add_option("--max-new-tokens", options.max_new_tokens, "tokens to generate at most per answer")
+      ->capture_default_str();
+  command->add_option("--temperature", options.temperature, "0 = greedy; > 0 samples from softmax(logits / T)")
+      ->capture_default_str();
+  command->add_option("--top-p", options.top_p, "nucleus sampling: keep the most probable tokens up to this "
+                      "cumulative probability (1 = off)")->capture_default_str();
+  command->add_option("--top-k", options.top_k, "keep the K most probable tokens (0 = off)")->capture_default_str();
+  command->add_option("--seed", options.seed, "seed of the sampling")->capture_default_str();
+  command->add_option("--checkpoint", options.checkpoint,
+                      "a checkpoint directory of `roundpipe train` (full or LoRA) instead of model.pretrained's "
+                      "weights; the tokenizer and chat template still come from model.pretrained");
+  command->add_flag("--print-ids", options.print_ids, "after each answer, print `ids: ...` (the generated token ids)");
+}
 
 void add_config_args(CLI::App* command, ConfigArgs& args) {
   command->add_option("CONFIG", args.path, "YAML configuration file (docs/config-reference.md)")
@@ -97,6 +114,21 @@ int main(int argc, char** argv) {
   CLI::App* validate = app.add_subcommand("validate", "check a configuration and print it resolved");
   add_config_args(validate, validate_args);
 
+  ConfigArgs generate_args, chat_args;
+  std::vector<std::string> prompts;
+  GenerateCommandOptions generate_options, chat_options;
+  CLI::App* generate = app.add_subcommand("generate", "answer prompts with the configured model (model.pretrained's "
+                                                      "tokenizer and chat template), streaming the text");
+  add_config_args(generate, generate_args);
+  generate->add_option("--prompt", prompts, "a prompt (repeat for several); rendered as one user message")
+      ->required()->expected(1)->take_all();
+  generate->add_flag("--raw", generate_options.raw, "tokenize the prompt as it is, without the chat template");
+  add_generate_args(generate, generate_options);
+  CLI::App* chat = app.add_subcommand("chat", "talk to the configured model: one user message per stdin line; "
+                                              "/reset forgets the conversation, /exit or end of input ends");
+  add_config_args(chat, chat_args);
+  add_generate_args(chat, chat_options);
+
   LaunchOptions launch_options;
   CLI::App* launch = app.add_subcommand(
       "launch", "start the local ranks of a distributed job (torchrun's environment), e.g. "
@@ -153,6 +185,10 @@ int main(int argc, char** argv) {
       run_export(checkpoint_dir, export_dir, std::cout, export_options);
     } else if (*validate) {
       run_validate(load_config(validate_args.path, validate_args.overrides), std::cout);
+    } else if (*generate) {
+      run_generate(load_config(generate_args.path, generate_args.overrides), prompts, generate_options, std::cout);
+    } else if (*chat) {
+      run_chat(load_config(chat_args.path, chat_args.overrides), chat_options, std::cin, std::cout);
     } else if (*launch) {
       launch_options.command = launch->remaining();
       launch_options.prefix_output = !no_prefix;

@@ -104,10 +104,10 @@ at::Tensor rotary_inv_freq(const RopeParameters& rope, int64_t head_dim, c10::De
 }
 
 std::pair<at::Tensor, at::Tensor> rotary_cos_sin(const RopeParameters& rope, int64_t head_dim, int64_t seq_len,
-                                                 c10::Device device, c10::ScalarType dtype) {
+                                                 c10::Device device, c10::ScalarType dtype, int64_t start) {
   const auto fp32 = at::TensorOptions().dtype(at::kFloat).device(device);
   const at::Tensor inv_freq = rotary_inv_freq(rope, head_dim, device);
-  const at::Tensor freqs = at::arange(seq_len, fp32).unsqueeze(-1) * inv_freq;  // [T, head_dim / 2]
+  const at::Tensor freqs = at::arange(start, start + seq_len, fp32).unsqueeze(-1) * inv_freq;  // [T, head_dim / 2]
   const at::Tensor emb = at::cat({freqs, freqs}, -1);
   const double attention_factor = rotary_attention_factor(rope);
   if (attention_factor == 1.0) return {emb.cos().to(dtype), emb.sin().to(dtype)};  // HF's `* 1.0` is exact

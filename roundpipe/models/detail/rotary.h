@@ -22,12 +22,13 @@ at::Tensor rotary_inv_freq(const RopeParameters& rope, int64_t head_dim, c10::De
 /// mscale_all_dim as _compute_yarn_parameters does (gpt-oss: 0.1 ln 32 + 1 = 1.3466).
 double rotary_attention_factor(const RopeParameters& rope);
 
-/// (cos, sin), each [seq_len, head_dim] in `dtype` on `device`, for positions 0..seq_len-1:
+/// (cos, sin), each [seq_len, head_dim] in `dtype` on `device`, for positions
+/// start..start+seq_len-1 (each position's values do not depend on the others):
 /// computed in fp32, multiplied by rotary_attention_factor(rope) in fp32 and cast, as
 /// LlamaRotaryEmbedding.forward (and GptOssRotaryEmbedding, whose [seq_len, head_dim / 2] halves
 /// these repeat) does.
 std::pair<at::Tensor, at::Tensor> rotary_cos_sin(const RopeParameters& rope, int64_t head_dim, int64_t seq_len,
-                                                 c10::Device device, c10::ScalarType dtype);
+                                                 c10::Device device, c10::ScalarType dtype, int64_t start = 0);
 
 /// q * cos + rotate_half(q) * sin for x [B, heads, T, head_dim] and cos/sin [T, head_dim].
 at::Tensor apply_rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);

@@ -1,0 +1,107 @@
+// Text generation for the models of roundpipe::models (pretrained.h): greedy or sampled decoding
+// of one sequence with a KV cache, the prompt prefilled in one forward and then one token per
+// step, each token streamed to a callback. Sampling follows transformers' generate (temperature,
+// top-k, top-p). docs/models.md, "Generation".
+#pragma once
+
+#include <ATen/core/Generator.h>
+#include <ATen/core/Tensor.h>
+#include <torch/arg.h>
+#include <torch/nn/modules/container/sequential.h>
+
+#include <cstdint>
+#include <functional>
+#include <vector>
+
+#include "roundpipe/models/layers.h"
+#include "roundpipe/models/model_config.h"
+
+namespace roundpipe::models {
+
+/// Options of generate(). check_generate_options() states what is refused.
+struct GenerateOptions {
+  /// Tokens to generate at most (>= 1); fewer when a stop token comes first or the sequence
+  /// reaches the model's max_position_embeddings.
+  TORCH_ARG(int64_t, max_new_tokens) = 128;
+  /// 0: greedy (the argmax, the first on ties, as torch.argmax); > 0: sample from
+  /// softmax(logits / temperature) after top_k and top_p.
+  TORCH_ARG(double, temperature) = 0.0;
+  /// Nucleus sampling in (0, 1] (1: off): keep the most probable tokens whose cumulative
+  /// probability reaches top_p, at least one (transformers' TopPLogitsWarper).
+  TORCH_ARG(double, top_p) = 1.0;
+  /// Keep the top_k most probable tokens, ties at the k-th kept (0: off; transformers'
+  /// TopKLogitsWarper). transformers' GenerationConfig defaults to 50; here the default is off.
+  TORCH_ARG(int64_t, top_k) = 0;
+  /// Seed of the CPU generator the samples are drawn from (same seed, same tokens).
+  TORCH_ARG(uint64_t, seed) = 0;
+  /// Generation stops after emitting any of these (it is returned and streamed too, as
+  /// transformers includes the eos token in its output).
+  TORCH_ARG(std::vector<int64_t>, stop_token_ids) = {};
+};
+
+/// Throws c10::Error naming the option and value: max_new_tokens < 1, temperature < 0 or not
+/// finite, top_p outside (0, 1], top_k < 0.
+void check_generate_options(const GenerateOptions& options);
+
+/// The KV caches of one sequence: a LayerKvCache per decoder layer (layers.h). Not synchronized:
+/// one thread uses it, with one model.
+class KvCache {
+ public:
+  explicit KvCache(const ModelConfig& config);
+  /// Tokens the model has seen through this cache (the position of the next one).
+  int64_t length() const;
+  LayerKvCache& layer(int64_t index);
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+  /// Forgets everything (length 0).
+  void clear();
+
+ private:
+  std::vector<LayerKvCache> layers_;
+};
+
+/// Which positions forward_cached computes logits for.
+enum class CachedLogits {
+  kLastPosition,   ///< [B, 1, vocab]: the LmHead on the last position only (generation)
+  kEveryPosition,  ///< [B, T, vocab]
+};
+
+/// Runs `input_ids` [B, T] at positions cache.length() .. cache.length() + T - 1 through `model`
+/// ([Embedding, DecoderLayer or MoeDecoderLayer x N, LmHead] of `cache`'s config), attending to
+/// what the cache holds and appending to it (Attention::forward_cached). Returns logits in the
+/// model's dtype. Call it without autograd and in eval mode (generate() does both).
+at::Tensor forward_cached(const torch::nn::Sequential& model, const at::Tensor& input_ids, KvCache& cache,
+                          CachedLogits which = CachedLogits::kLastPosition);
+
+/// The distribution a sampled token is drawn from, float32 [vocab], for logits [vocab] (any float
+/// dtype; computed in float32 as transformers does): logits / temperature, then top_k, then
+/// top_p filtering (filtered tokens get probability 0), then softmax. temperature must be > 0.
+at::Tensor sampling_probs(const at::Tensor& logits, const GenerateOptions& options);
+
+/// The next token for logits [vocab]: the argmax when temperature is 0, else one draw
+/// (at::multinomial) from sampling_probs with `generator` (a CPU generator).
+int64_t next_token(const at::Tensor& logits, const GenerateOptions& options, at::Generator& generator);
+
+/// Receives each generated token as soon as it is chosen.
+using TokenCallback = std::function<void(int64_t token)>;
+
+/// Generates up to options.max_new_tokens tokens after `prompt` (token ids of one sequence: batch
+/// size 1) and returns them (the stop token included when one ended generation). The prompt goes
+/// through the model in one causal forward that fills a KvCache, then each new token in a forward
+/// of one position; only the last position's logits are computed. The model runs in eval mode
+/// without autograd (its training flag is restored after). Stops after a stop token, after
+/// max_new_tokens, or when prompt + generated tokens reach config.max_position_embeddings (a
+/// documented choice: no position past the model's range). Throws c10::Error for bad options, an
+/// empty prompt, a prompt of max_position_embeddings tokens or more, and ids outside the
+/// vocabulary. Caller thread; the model must not run elsewhere meanwhile if it is in training
+/// mode (the mode is switched).
+///
+///   auto pre = load_pretrained(dir);
+///   std::vector<int64_t> ids = tokenizer.encode(prompt_text);
+///   std::vector<int64_t> out = generate(pre.model, pre.config, ids,
+///                                       GenerateOptions().max_new_tokens(64).stop_token_ids({eos}),
+///                                       [&](int64_t t) { std::cout << tokenizer.decode({t}); });
+std::vector<int64_t> generate(const torch::nn::Sequential& model, const ModelConfig& config,
+                              const std::vector<int64_t>& prompt, const GenerateOptions& options = {},
+                              const TokenCallback& on_token = {});
+
+}  // namespace roundpipe::models
