@@ -54,6 +54,53 @@ struct VecAvx2 {
     return static_cast<uint16_t>(_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT));
   }
   static float float_from_half(uint16_t h) { return _cvtsh_ss(h); }
+
+  // 8-bit states (Note [8-bit Adam states], Note [Fine code lookup]): the *_scalar results, 8
+  // elements at a time, table lookups by gathers.
+  static void dequantize_block(const uint8_t* codes, float absmax, const QuantMapTable& map, float* out, int64_t n) {
+    const __m256 scale = _mm256_set1_ps(absmax);
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+      const __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + j)));
+      _mm256_storeu_ps(out + j, _mm256_mul_ps(_mm256_i32gather_ps(map.values, idx, 4), scale));
+    }
+    dequantize_block_scalar(codes + j, absmax, map, out + j, n - j);
+  }
+
+  static float quantize_block(const float* x, int64_t n, const QuantMapTable& map, uint8_t* codes) {
+    const __m256i abs_mask = _mm256_set1_epi32(0x7FFFFFFF);
+    __m256 part = _mm256_setzero_ps();
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+      const __m256 a = _mm256_and_ps(_mm256_loadu_ps(x + j), _mm256_castsi256_ps(abs_mask));
+      part = _mm256_max_ps(a, part);  // a > part ? a : part: a NaN |x| leaves part
+    }
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, part);
+    const float absmax = fold_absmax_scalar(x + j, n - j, fold_absmax_scalar(lanes, 8, 0.0f));
+    const float inv = inverse_scale(absmax);
+    const __m256 vinv = _mm256_set1_ps(inv);
+    const __m256i low = _mm256_set1_epi32(static_cast<int>(kFineLowBits));
+    const __m256i high = _mm256_set1_epi32(static_cast<int>(kFineHighBits));
+    const __m256i negative_offset = _mm256_set1_epi32(kFineBuckets);
+    const __m256i low16 = _mm256_set1_epi32(0xFFFF);
+    for (j = 0; j + 8 <= n; j += 8) {
+      const __m256i bits = _mm256_castps_si256(_mm256_mul_ps(_mm256_loadu_ps(x + j), vinv));
+      const __m256i sign = _mm256_srai_epi32(bits, 31);
+      const __m256i mag = _mm256_min_epu32(_mm256_max_epu32(_mm256_and_si256(bits, abs_mask), low), high);
+      const __m256i index = _mm256_add_epi32(_mm256_srli_epi32(_mm256_sub_epi32(mag, low), kFineShift),
+                                             _mm256_and_si256(sign, negative_offset));
+      const __m256i entry = _mm256_i32gather_epi32(reinterpret_cast<const int*>(map.fine), index, 4);
+      const __m256i key = _mm256_and_si256(_mm256_xor_si256(bits, sign), low16);
+      // key, limit <= 0xFFFF: the signed compare is the unsigned one; true lanes are -1.
+      const __m256i above = _mm256_cmpgt_epi32(key, _mm256_and_si256(entry, low16));
+      const __m256i code = _mm256_sub_epi32(_mm256_srli_epi32(entry, 16), above);
+      const __m128i words = _mm_packus_epi32(_mm256_castsi256_si128(code), _mm256_extracti128_si256(code, 1));
+      _mm_storel_epi64(reinterpret_cast<__m128i*>(codes + j), _mm_packus_epi16(words, words));
+    }
+    quantize_scaled_scalar(x + j, n - j, inv, map, codes + j);
+    return absmax;
+  }
 };
 
 }  // namespace

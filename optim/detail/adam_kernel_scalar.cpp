@@ -31,6 +31,12 @@ struct NoVec {
   static constexpr int kWidth = 0;
   static uint16_t half_from_float(float f) { return half_from_float_soft(f); }
   static float float_from_half(uint16_t h) { return float_from_half_soft(h); }
+  static void dequantize_block(const uint8_t* codes, float absmax, const QuantMapTable& map, float* out, int64_t n) {
+    dequantize_block_scalar(codes, absmax, map, out, n);
+  }
+  static float quantize_block(const float* x, int64_t n, const QuantMapTable& map, uint8_t* codes) {
+    return quantize_block_scalar(x, n, map, codes);
+  }
 };
 
 }  // namespace
