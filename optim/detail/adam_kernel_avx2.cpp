@@ -92,9 +92,7 @@ struct VecAvx2 {
                                              _mm256_and_si256(sign, negative_offset));
       const __m256i entry = _mm256_i32gather_epi32(reinterpret_cast<const int*>(map.fine), index, 4);
       const __m256i key = _mm256_and_si256(_mm256_xor_si256(bits, sign), low16);
-      // key, limit <= 0xFFFF: the signed compare is the unsigned one; true lanes are -1.
-      const __m256i above = _mm256_cmpgt_epi32(key, _mm256_and_si256(entry, low16));
-      const __m256i code = _mm256_sub_epi32(_mm256_srli_epi32(entry, 16), above);
+      const __m256i code = _mm256_srli_epi32(_mm256_add_epi32(entry, key), 16);
       const __m128i words = _mm_packus_epi32(_mm256_castsi256_si128(code), _mm256_extracti128_si256(code, 1));
       _mm_storel_epi64(reinterpret_cast<__m128i*>(codes + j), _mm_packus_epi16(words, words));
     }

@@ -103,7 +103,6 @@ struct VecAvx512 {
     const __m512i high = _mm512_set1_epi32(static_cast<int>(kFineHighBits));
     const __m512i negative_offset = _mm512_set1_epi32(kFineBuckets);
     const __m512i low16 = _mm512_set1_epi32(0xFFFF);
-    const __m512i one = _mm512_set1_epi32(1);
     for (j = 0; j + 16 <= n; j += 16) {
       const __m512i bits = _mm512_castps_si512(_mm512_mul_ps(_mm512_loadu_ps(x + j), vinv));
       const __m512i sign = _mm512_srai_epi32(bits, 31);
@@ -112,9 +111,7 @@ struct VecAvx512 {
                                              _mm512_and_si512(sign, negative_offset));
       const __m512i entry = _mm512_i32gather_epi32(index, map.fine, 4);
       const __m512i key = _mm512_and_si512(_mm512_xor_si512(bits, sign), low16);
-      const __mmask16 above = _mm512_cmpgt_epu32_mask(key, _mm512_and_si512(entry, low16));
-      const __m512i base = _mm512_srli_epi32(entry, 16);
-      const __m512i code = _mm512_mask_add_epi32(base, above, base, one);
+      const __m512i code = _mm512_srli_epi32(_mm512_add_epi32(entry, key), 16);
       _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + j), _mm512_cvtepi32_epi8(code));
     }
     quantize_scaled_scalar(x + j, n - j, inv, map, codes + j);

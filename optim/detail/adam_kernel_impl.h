@@ -293,7 +293,7 @@ inline uint8_t nearest_code(const QuantMapTable& map, uint32_t bits) {
   const uint32_t index = ((mag - kFineLowBits) >> kFineShift) + (bits >> 31) * static_cast<uint32_t>(kFineBuckets);
   const uint32_t key = (bits ^ static_cast<uint32_t>(static_cast<int32_t>(bits) >> 31)) & 0xFFFFu;
   const uint32_t entry = map.fine[index];
-  return static_cast<uint8_t>((entry >> 16) + static_cast<uint32_t>(key > (entry & 0xFFFFu)));
+  return static_cast<uint8_t>((entry + key) >> 16);
 }
 
 /// max |x[j]| over j < n folded into `absmax` as `absmax < |x| ? |x| : absmax` (NaN ignored); the

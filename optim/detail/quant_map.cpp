@@ -16,7 +16,7 @@ uint8_t fine_code(const QuantMapTable& map, uint32_t bits) {
   const uint32_t index = ((mag - kFineLowBits) >> kFineShift) + (bits >> 31) * static_cast<uint32_t>(kFineBuckets);
   const uint32_t key = (bits ^ static_cast<uint32_t>(static_cast<int32_t>(bits) >> 31)) & 0xFFFFu;
   const uint32_t entry = map.fine[index];
-  return static_cast<uint8_t>((entry >> 16) + static_cast<uint32_t>(key > (entry & 0xFFFFu)));
+  return static_cast<uint8_t>((entry + key) >> 16);
 }
 
 float float_of(uint32_t bits) {
@@ -88,7 +88,7 @@ QuantMapTable build(bool is_signed) {
         const uint32_t t = bits_of(table.thresholds[base]) & 0xFFFFu;
         limit = negative ? 0xFFFFu - t : t;
       }
-      table.fine[negative * kFineBuckets + b] = (static_cast<uint32_t>(base) << 16) | limit;
+      table.fine[negative * kFineBuckets + b] = (static_cast<uint32_t>(base) << 16) | (0xFFFFu - limit);
     }
   }
   table.zero_code = quantize_code(table, 0.0f);

@@ -36,7 +36,7 @@ inline constexpr int kFineBuckets = static_cast<int>((kFineHighBits - kFineLowBi
 struct QuantMapTable {
   float values[256];
   float thresholds[256];  ///< thresholds[255] = +inf
-  /// [sign bit of x * kFineBuckets + fine bucket of |x|] -> base << 16 | limit (Note [Fine code lookup]).
+  /// [sign bit of x * kFineBuckets + fine bucket of |x|] -> base << 16 | (0xFFFF - limit) (Note [Fine code lookup]).
   uint32_t fine[2 * kFineBuckets];
   uint8_t zero_code;  ///< code of 0.0 (127 signed, 0 unsigned)
 };
@@ -46,10 +46,10 @@ struct QuantMapTable {
 /// patterns of |x| (7 mantissa bits, 2^-23..2; below and above clamp to the end buckets), fine
 /// enough that each holds at most one threshold (checked when built; the end buckets none). With
 /// key = the low 16 bits of |x|'s bits, complemented (0xFFFF - key) when x is negative:
-///   code = (entry >> 16) + (key > (entry & 0xFFFF))
-/// where entry >> 16 = #{thresholds below the bucket} (x >= 0: below its smallest magnitude; x < 0:
-/// below -(its largest magnitude)) and entry & 0xFFFF = the key of the bucket's threshold, or
-/// 0xFFFF when it has none (no key exceeds it). Within a bucket a threshold t < x compares as its
+///   code = base + (key > limit) = (entry + key) >> 16,  entry = base << 16 | (0xFFFF - limit)
+/// (the sum carries into bit 16 exactly when key > limit) where base = #{thresholds below the
+/// bucket} (x >= 0: below its smallest magnitude; x < 0: below -(its largest magnitude)) and limit =
+/// the key of the bucket's threshold, or 0xFFFF when it has none (no key exceeds it). Within a bucket a threshold t < x compares as its
 /// key < x's key (x >= 0) or as |x|'s low bits < |t|'s (x < 0, hence the complement); a tie is not
 /// counted. Verified equal to the previous lookup (a coarser bucket table, then up to three
 /// threshold compares) for all 2^32 floats of both maps when it was written (a throw-away
@@ -58,6 +58,7 @@ struct QuantMapTable {
 ///   mag = bits & 0x7FFFFFFF, clamped to [kFineLowBits, kFineHighBits]
 ///   entry = fine[((mag - kFineLowBits) >> kFineShift) + (bits >> 31) * kFineBuckets]
 ///   key = (bits ^ (bits >> 31 arithmetic)) & 0xFFFF
+///   code = (entry + key) >> 16
 /// Signed dynamic map (exp_avg).
 const QuantMapTable& signed_dynamic_map();
 /// Unsigned dynamic map (exp_avg_sq).
