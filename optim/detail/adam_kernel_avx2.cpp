@@ -99,6 +99,12 @@ struct VecAvx2 {
     quantize_scaled_scalar(x + j, n - j, inv, map, codes + j);
     return absmax;
   }
+  static void quantize_pair(const float* m, const float* v, int64_t n, const QuantMapTable& m_map,
+                            const QuantMapTable& v_map, uint8_t* m_codes, uint8_t* v_codes, float* m_absmax,
+                            float* v_absmax) {
+    *m_absmax = quantize_block(m, n, m_map, m_codes);
+    *v_absmax = quantize_block(v, n, v_map, v_codes);
+  }
 };
 
 }  // namespace

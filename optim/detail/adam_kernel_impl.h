@@ -242,7 +242,8 @@ int64_t adam_vector_loop_any(const AdamTensor& t, int64_t i, int64_t end, float 
 /// load_bf16 (widening loads), store, stream (non-temporal store), fence, set1, add, sub, mul,
 /// div, sqrt, max (NaN-propagating, b on ties), neg, fmadd(a, b, c) = a*b + c, store_half,
 /// store_bf16; static half_from_float / float_from_half for scalar elements; and for 8-bit states
-/// dequantize_block / quantize_block with the results of the *_scalar versions below.
+/// dequantize_block (as dequantize_block_scalar) and quantize_pair (quantize_block_scalar of m and
+/// of v, their absmax stored through the two pointers).
 template <typename V>
 void adam_update_fp32(const AdamTensor& t, int64_t begin, int64_t end) {
   const AdamScalars& s = t.scalars;
@@ -351,8 +352,8 @@ void adam_update_quantized(const AdamTensor& t, int64_t begin, int64_t end) {
     block.streaming_stores = false;
     block.quantized = QuantizedMoments{};
     adam_update_fp32<V>(block, 0, n);
-    q.exp_avg_absmax[b] = V::quantize_block(m, n, *q.exp_avg_map, q.exp_avg_codes + lo);
-    q.exp_avg_sq_absmax[b] = V::quantize_block(v, n, *q.exp_avg_sq_map, q.exp_avg_sq_codes + lo);
+    V::quantize_pair(m, v, n, *q.exp_avg_map, *q.exp_avg_sq_map, q.exp_avg_codes + lo, q.exp_avg_sq_codes + lo,
+                     q.exp_avg_absmax + b, q.exp_avg_sq_absmax + b);
   }
 }
 
