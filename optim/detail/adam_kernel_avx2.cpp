@@ -54,6 +54,68 @@ struct VecAvx2 {
     return static_cast<uint16_t>(_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT));
   }
   static float float_from_half(uint16_t h) { return _cvtsh_ss(h); }
+
+  // 8-bit states (Note [8-bit Adam states], Note [Fine code lookup]): the *_scalar results, 8
+  // elements at a time, table lookups by gathers.
+  static void dequantize_block(const uint8_t* codes, float absmax, const QuantMapTable& map, float* out, int64_t n) {
+    const __m256 scale = _mm256_set1_ps(absmax);
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+      const __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + j)));
+      _mm256_storeu_ps(out + j, _mm256_mul_ps(_mm256_i32gather_ps(map.values, idx, 4), scale));
+    }
+    dequantize_block_scalar(codes + j, absmax, map, out + j, n - j);
+  }
+
+  /// max |x[j]|, j < n, as fold_absmax_scalar.
+  static float block_absmax(const float* x, int64_t n) {
+    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    __m256 part = _mm256_setzero_ps();
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+      part = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(x + j), abs_mask), part);  // a NaN |x| leaves part
+    }
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, part);
+    return fold_absmax_scalar(x + j, n - j, fold_absmax_scalar(lanes, 8, 0.0f));
+  }
+
+  /// Stores the codes of 8 scaled values (nearest_code).
+  static void codes8(__m256 scaled, const QuantMapTable& map, uint8_t* out) {
+    const __m256i bits = _mm256_castps_si256(scaled);
+    const __m256i sign = _mm256_srai_epi32(bits, 31);
+    const __m256i low = _mm256_set1_epi32(static_cast<int>(kFineLowBits));
+    const __m256i mag = _mm256_min_epu32(_mm256_max_epu32(_mm256_and_si256(bits, _mm256_set1_epi32(0x7FFFFFFF)), low),
+                                         _mm256_set1_epi32(static_cast<int>(kFineHighBits)));
+    const __m256i index = _mm256_add_epi32(_mm256_srli_epi32(_mm256_sub_epi32(mag, low), kFineShift),
+                                           _mm256_and_si256(sign, _mm256_set1_epi32(kFineBuckets)));
+    const __m256i entry = _mm256_i32gather_epi32(reinterpret_cast<const int*>(map.fine), index, 4);
+    const __m256i key = _mm256_and_si256(_mm256_xor_si256(bits, sign), _mm256_set1_epi32(0xFFFF));
+    const __m256i code = _mm256_srli_epi32(_mm256_add_epi32(entry, key), 16);
+    const __m128i words = _mm_packus_epi32(_mm256_castsi256_si128(code), _mm256_extracti128_si256(code, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(out), _mm_packus_epi16(words, words));
+  }
+
+  /// Both moments of a block in one loop (two independent gathers per iteration).
+  static void quantize_pair(const float* m, const float* v, int64_t n, const QuantMapTable& m_map,
+                            const QuantMapTable& v_map, uint8_t* m_codes, uint8_t* v_codes, float* m_absmax,
+                            float* v_absmax) {
+    const float m_max = block_absmax(m, n);
+    const float v_max = block_absmax(v, n);
+    const float m_inv = inverse_scale(m_max);
+    const float v_inv = inverse_scale(v_max);
+    const __m256 m_scale = _mm256_set1_ps(m_inv);
+    const __m256 v_scale = _mm256_set1_ps(v_inv);
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+      codes8(_mm256_mul_ps(_mm256_loadu_ps(m + j), m_scale), m_map, m_codes + j);
+      codes8(_mm256_mul_ps(_mm256_loadu_ps(v + j), v_scale), v_map, v_codes + j);
+    }
+    quantize_scaled_scalar(m + j, n - j, m_inv, m_map, m_codes + j);
+    quantize_scaled_scalar(v + j, n - j, v_inv, v_map, v_codes + j);
+    *m_absmax = m_max;
+    *v_absmax = v_max;
+  }
 };
 
 }  // namespace

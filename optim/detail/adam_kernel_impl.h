@@ -241,7 +241,9 @@ int64_t adam_vector_loop_any(const AdamTensor& t, int64_t i, int64_t end, float 
 /// The kernel. `V` provides: kWidth (0 = no vector loop), kAlignBytes, reg, load, load_half and
 /// load_bf16 (widening loads), store, stream (non-temporal store), fence, set1, add, sub, mul,
 /// div, sqrt, max (NaN-propagating, b on ties), neg, fmadd(a, b, c) = a*b + c, store_half,
-/// store_bf16; and static half_from_float / float_from_half for scalar elements.
+/// store_bf16; static half_from_float / float_from_half for scalar elements; and for 8-bit states
+/// dequantize_block (as dequantize_block_scalar) and quantize_pair (quantize_block_scalar of m and
+/// of v, their absmax stored through the two pointers).
 template <typename V>
 void adam_update_fp32(const AdamTensor& t, int64_t begin, int64_t end) {
   const AdamScalars& s = t.scalars;
@@ -276,57 +278,49 @@ void adam_update_fp32(const AdamTensor& t, int64_t begin, int64_t end) {
   }
 }
 
-/// out[j] = map.values[codes[j]] * absmax for j < n (Note [8-bit Adam states]).
-inline void dequantize_block(const uint8_t* codes, float absmax, const QuantMapTable& map, float* out,
-                             int64_t n) {
+/// out[j] = map.values[codes[j]] * absmax for j < n (Note [8-bit Adam states]); the scalar
+/// version, and the vector ones' tail.
+inline void dequantize_block_scalar(const uint8_t* codes, float absmax, const QuantMapTable& map, float* out,
+                                    int64_t n) {
   for (int64_t j = 0; j < n; ++j) {
     out[j] = map.values[codes[j]] * absmax;
   }
 }
 
-/// The bucket of x's float bits (quant_map.h, kLutLowBits).
-inline uint32_t lut_bucket(uint32_t bits) {
+/// Note [Fine code lookup] (quant_map.h), this ISA's copy: the code of the float with bits `bits`.
+inline uint8_t nearest_code(const QuantMapTable& map, uint32_t bits) {
   uint32_t mag = bits & 0x7FFFFFFFu;
-  mag = mag < kLutLowBits ? kLutLowBits : (mag > kLutHighBits ? kLutHighBits : mag);
-  return (mag - kLutLowBits) >> (23 - kLutMantissaBits);
+  mag = mag < kFineLowBits ? kFineLowBits : (mag > kFineHighBits ? kFineHighBits : mag);
+  const uint32_t index = ((mag - kFineLowBits) >> kFineShift) + (bits >> 31) * static_cast<uint32_t>(kFineBuckets);
+  const uint32_t key = (bits ^ static_cast<uint32_t>(static_cast<int32_t>(bits) >> 31)) & 0xFFFFu;
+  const uint32_t entry = map.fine[index];
+  return static_cast<uint8_t>((entry + key) >> 16);
 }
 
-/// quantize_code (quant_map.h) compiled for this ISA: #{k : thresholds[k] < x} by the bucket
-/// lookup of Note [Dynamic quantization map].
-inline uint8_t nearest_code(const QuantMapTable& map, float x) {
-  const uint32_t bits = float_bits(x);
-  const uint32_t bucket = lut_bucket(bits);
-  const uint32_t base = map.lut[bits >> 31][bucket];
-  uint32_t code = base;
-  for (int k = 0; k < kLutProbes; ++k) {
-    code += static_cast<uint32_t>(map.thresholds[base + k] < x);
-  }
-  return static_cast<uint8_t>(code);
-}
-
-/// Quantizes x[0, n) into `codes`; returns the block's absmax (Note [8-bit Adam states]).
-inline float quantize_block(const float* x, int64_t n, const QuantMapTable& map, uint8_t* codes) {
-  // Eight running maxima (the max of them is the same value): breaks the loop-carried chain.
-  float part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  int64_t j = 0;
-  for (; j + 8 <= n; j += 8) {
-    for (int k = 0; k < 8; ++k) {
-      const float a = std::fabs(x[j + k]);
-      part[k] = part[k] < a ? a : part[k];
-    }
-  }
-  for (; j < n; ++j) {
+/// max |x[j]| over j < n folded into `absmax` as `absmax < |x| ? |x| : absmax` (NaN ignored); the
+/// maximum is one value whatever the order, so the vector versions may fold in any order.
+inline float fold_absmax_scalar(const float* x, int64_t n, float absmax) {
+  for (int64_t j = 0; j < n; ++j) {
     const float a = std::fabs(x[j]);
-    part[0] = part[0] < a ? a : part[0];
-  }
-  float absmax = 0.0f;
-  for (float a : part) {
     absmax = absmax < a ? a : absmax;
   }
-  const float inv = absmax > 0.0f ? 1.0f / absmax : 0.0f;
-  for (j = 0; j < n; ++j) {
-    codes[j] = nearest_code(map, x[j] * inv);
+  return absmax;
+}
+
+/// 1 / absmax, or 0 for an all-zero block (its codes become the code of 0).
+inline float inverse_scale(float absmax) { return absmax > 0.0f ? 1.0f / absmax : 0.0f; }
+
+/// codes[j] = code of x[j] * inv for j < n.
+inline void quantize_scaled_scalar(const float* x, int64_t n, float inv, const QuantMapTable& map, uint8_t* codes) {
+  for (int64_t j = 0; j < n; ++j) {
+    codes[j] = nearest_code(map, float_bits(x[j] * inv));
   }
+}
+
+/// Quantizes x[0, n) into `codes`; returns the block's absmax (Note [8-bit Adam states]). Scalar.
+inline float quantize_block_scalar(const float* x, int64_t n, const QuantMapTable& map, uint8_t* codes) {
+  const float absmax = fold_absmax_scalar(x, n, 0.0f);
+  quantize_scaled_scalar(x, n, inverse_scale(absmax), map, codes);
   return absmax;
 }
 
@@ -345,8 +339,8 @@ void adam_update_quantized(const AdamTensor& t, int64_t begin, int64_t end) {
   for (int64_t b = first; b < last; ++b) {
     const int64_t lo = b * kQuantBlock;
     const int64_t n = std::min<int64_t>(kQuantBlock, t.numel - lo);
-    dequantize_block(q.exp_avg_codes + lo, q.exp_avg_absmax[b], *q.exp_avg_map, m, n);
-    dequantize_block(q.exp_avg_sq_codes + lo, q.exp_avg_sq_absmax[b], *q.exp_avg_sq_map, v, n);
+    V::dequantize_block(q.exp_avg_codes + lo, q.exp_avg_absmax[b], *q.exp_avg_map, m, n);
+    V::dequantize_block(q.exp_avg_sq_codes + lo, q.exp_avg_sq_absmax[b], *q.exp_avg_sq_map, v, n);
     AdamTensor block = t;
     block.param = t.param + lo;
     block.grad = static_cast<const char*>(t.grad) + lo * grad_bytes(t.grad_dtype);
@@ -358,8 +352,8 @@ void adam_update_quantized(const AdamTensor& t, int64_t begin, int64_t end) {
     block.streaming_stores = false;
     block.quantized = QuantizedMoments{};
     adam_update_fp32<V>(block, 0, n);
-    q.exp_avg_absmax[b] = quantize_block(m, n, *q.exp_avg_map, q.exp_avg_codes + lo);
-    q.exp_avg_sq_absmax[b] = quantize_block(v, n, *q.exp_avg_sq_map, q.exp_avg_sq_codes + lo);
+    V::quantize_pair(m, v, n, *q.exp_avg_map, *q.exp_avg_sq_map, q.exp_avg_codes + lo, q.exp_avg_sq_codes + lo,
+                     q.exp_avg_absmax + b, q.exp_avg_sq_absmax + b);
   }
 }
 

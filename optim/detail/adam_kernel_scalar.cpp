@@ -31,6 +31,15 @@ struct NoVec {
   static constexpr int kWidth = 0;
   static uint16_t half_from_float(float f) { return half_from_float_soft(f); }
   static float float_from_half(uint16_t h) { return float_from_half_soft(h); }
+  static void dequantize_block(const uint8_t* codes, float absmax, const QuantMapTable& map, float* out, int64_t n) {
+    dequantize_block_scalar(codes, absmax, map, out, n);
+  }
+  static void quantize_pair(const float* m, const float* v, int64_t n, const QuantMapTable& m_map,
+                            const QuantMapTable& v_map, uint8_t* m_codes, uint8_t* v_codes, float* m_absmax,
+                            float* v_absmax) {
+    *m_absmax = quantize_block_scalar(m, n, m_map, m_codes);
+    *v_absmax = quantize_block_scalar(v, n, v_map, v_codes);
+  }
 };
 
 }  // namespace

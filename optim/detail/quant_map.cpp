@@ -9,11 +9,14 @@
 namespace roundpipe::optim::detail {
 namespace {
 
-// The bucket of x's float bits (quant_map.h); the kernel TUs have their own copy.
-inline uint32_t lut_bucket(uint32_t bits) {
+// Note [Fine code lookup] (quant_map.h).
+uint8_t fine_code(const QuantMapTable& map, uint32_t bits) {
   uint32_t mag = bits & 0x7FFFFFFFu;
-  mag = mag < kLutLowBits ? kLutLowBits : (mag > kLutHighBits ? kLutHighBits : mag);
-  return (mag - kLutLowBits) >> (23 - kLutMantissaBits);
+  mag = mag < kFineLowBits ? kFineLowBits : (mag > kFineHighBits ? kFineHighBits : mag);
+  const uint32_t index = ((mag - kFineLowBits) >> kFineShift) + (bits >> 31) * static_cast<uint32_t>(kFineBuckets);
+  const uint32_t key = (bits ^ static_cast<uint32_t>(static_cast<int32_t>(bits) >> 31)) & 0xFFFFu;
+  const uint32_t entry = map.fine[index];
+  return static_cast<uint8_t>((entry + key) >> 16);
 }
 
 float float_of(uint32_t bits) {
@@ -53,26 +56,39 @@ QuantMapTable build(bool is_signed) {
   for (int k = 0; k < 255; ++k) {
     table.thresholds[k] = (table.values[k] + table.values[k + 1]) * 0.5f;
   }
-  for (int k = 255; k < 256 + kLutProbes; ++k) {
-    table.thresholds[k] = std::numeric_limits<float>::infinity();
-  }
-  // Each bucket's magnitudes [lo, hi]: base = #{thresholds < lo} (x >= 0), #{thresholds < -hi}
-  // (x < 0); the thresholds inside must fit in kLutProbes.
+  table.thresholds[255] = std::numeric_limits<float>::infinity();
   const auto count_below = [&](float x) {
     return static_cast<int>(std::lower_bound(table.thresholds, table.thresholds + 256, x) - table.thresholds);
   };
   const auto count_upto = [&](float x) {
     return static_cast<int>(std::upper_bound(table.thresholds, table.thresholds + 256, x) - table.thresholds);
   };
-  for (int b = 0; b < kLutBuckets; ++b) {
-    const uint32_t first = kLutLowBits + (static_cast<uint32_t>(b) << (23 - kLutMantissaBits));
+  // Each bucket's magnitudes [lo, hi]: base = #{thresholds < lo} (x >= 0), #{thresholds < -hi}
+  // (x < 0); at most one threshold inside.
+  const auto bits_of = [](float f) {
+    uint32_t u;
+    std::memcpy(&u, &f, sizeof(u));
+    return u;
+  };
+  for (int b = 0; b < kFineBuckets; ++b) {
+    const uint32_t first = kFineLowBits + (static_cast<uint32_t>(b) << kFineShift);
+    const bool end_bucket = b == 0 || b == kFineBuckets - 1;
     const float lo = b == 0 ? 0.0f : float_of(first);
-    const float hi = b == kLutBuckets - 1 ? std::numeric_limits<float>::infinity()
-                                          : float_of(first + (1u << (23 - kLutMantissaBits)) - 1);
-    table.lut[0][b] = static_cast<uint8_t>(count_below(lo));
-    table.lut[1][b] = static_cast<uint8_t>(count_below(-hi));
-    if (count_upto(hi) - count_below(lo) > kLutProbes || count_upto(-lo) - count_below(-hi) > kLutProbes) {
-      std::abort();  // a build-time property of the maps and kLutMantissaBits
+    // The top bucket takes every larger magnitude; thresholds[255..] = inf are not thresholds.
+    const float hi = b == kFineBuckets - 1 ? std::numeric_limits<float>::max()
+                                           : float_of(first + (1u << kFineShift) - 1);
+    for (int negative = 0; negative < 2; ++negative) {
+      const int base = negative ? count_below(-hi) : count_below(lo);
+      const int inside = negative ? count_upto(-lo) - base : count_upto(hi) - base;
+      if (inside > 1 || (inside == 1 && end_bucket)) {
+        std::abort();  // a build-time property of the maps and kFineShift
+      }
+      uint32_t limit = 0xFFFFu;
+      if (inside == 1) {
+        const uint32_t t = bits_of(table.thresholds[base]) & 0xFFFFu;
+        limit = negative ? 0xFFFFu - t : t;
+      }
+      table.fine[negative * kFineBuckets + b] = (static_cast<uint32_t>(base) << 16) | (0xFFFFu - limit);
     }
   }
   table.zero_code = quantize_code(table, 0.0f);
@@ -84,13 +100,7 @@ QuantMapTable build(bool is_signed) {
 uint8_t quantize_code(const QuantMapTable& map, float x) {
   uint32_t bits;
   std::memcpy(&bits, &x, sizeof(bits));
-  const uint32_t bucket = lut_bucket(bits);
-  const uint32_t base = map.lut[bits >> 31][bucket];
-  uint32_t code = base;
-  for (int k = 0; k < kLutProbes; ++k) {
-    code += static_cast<uint32_t>(map.thresholds[base + k] < x);
-  }
-  return static_cast<uint8_t>(code);
+  return fine_code(map, bits);
 }
 
 const QuantMapTable& signed_dynamic_map() {

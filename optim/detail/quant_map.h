@@ -9,15 +9,13 @@ namespace roundpipe::optim::detail {
 /// Elements per quantization block (one float32 absmax each).
 inline constexpr int64_t kQuantBlock = 256;
 
-/// Bucket lookup of Note [Dynamic quantization map]: |x| clamped to [2^-27, 2], its float bits
-/// above the top kLutMantissaBits mantissa bits select a bucket:
-/// bucket = (clamp(bits & 0x7FFFFFFF, kLutLowBits, kLutHighBits) - kLutLowBits) >> (23 - kLutMantissaBits).
-inline constexpr int kLutMantissaBits = 6;
-inline constexpr uint32_t kLutLowBits = 100u << 23;   ///< bits of 2^-27
-inline constexpr uint32_t kLutHighBits = 128u << 23;  ///< bits of 2.0f
-inline constexpr int kLutBuckets = static_cast<int>((kLutHighBits - kLutLowBits) >> (23 - kLutMantissaBits)) + 1;
-/// Thresholds compared after the bucket lookup (the most any bucket holds; checked when built).
-inline constexpr int kLutProbes = 3;
+/// The code lookup (Note [Fine code lookup]): |x| clamped to [2^-23, 2], its float bits
+/// above the low kFineShift bits select a bucket holding at most one threshold:
+/// bucket = (clamp(bits & 0x7FFFFFFF, kFineLowBits, kFineHighBits) - kFineLowBits) >> kFineShift.
+inline constexpr int kFineShift = 16;  ///< 7 mantissa bits select the bucket; the low 16 are the key
+inline constexpr uint32_t kFineLowBits = 104u << 23;   ///< bits of 2^-23
+inline constexpr uint32_t kFineHighBits = 128u << 23;  ///< bits of 2.0f
+inline constexpr int kFineBuckets = static_cast<int>((kFineHighBits - kFineLowBits) >> kFineShift) + 1;
 
 /// A 256-entry quantization map and its decision thresholds.
 ///
@@ -31,25 +29,43 @@ inline constexpr int kLutProbes = 3;
 /// differ from ours in the last bit; tests compare both). A value x (already divided by its
 /// block's absmax) is quantized to the nearest map value: code = #{k : thresholds[k] < x} where
 /// thresholds[k] = (values[k] + values[k + 1]) * 0.5f (float) and thresholds[255..] = +inf; a tie
-/// goes to the lower code. Fast path (same result): the bucket of |x| (kLutMantissaBits mantissa
-/// bits) gives base = #{thresholds below the bucket} from lut[sign bit of x], then
-/// code = base + #{k < kLutProbes : thresholds[base + k] < x}. Branch-free: a binary search whose
-/// `?:` GCC compiled to branches made the first version 100x slower than fp32 Adam, a branch-free
-/// binary search 25x.
+/// goes to the lower code. Fast path (same result): Note [Fine code lookup]. History: a binary
+/// search whose `?:` GCC compiled to branches made the first version 100x slower than fp32 Adam,
+/// a branch-free binary search 25x, a coarser bucket table (6 mantissa bits, then up to 3
+/// threshold compares) 11x; the fine table with vector kernels: see docs/optimizer.md.
 struct QuantMapTable {
   float values[256];
-  float thresholds[256 + kLutProbes];
-  uint8_t lut[2][kLutBuckets];  ///< [sign bit of x][bucket of |x|] -> base
+  float thresholds[256];  ///< thresholds[255] = +inf
+  /// [sign bit of x * kFineBuckets + fine bucket of |x|] -> base << 16 | (0xFFFF - limit) (Note [Fine code lookup]).
+  uint32_t fine[2 * kFineBuckets];
   uint8_t zero_code;  ///< code of 0.0 (127 signed, 0 unsigned)
 };
 
+/// Note [Fine code lookup]: the code of Note [Dynamic quantization map] from one table entry (one
+/// gather per vector in the kernels, one load per element in scalar code). The buckets are 2^16 consecutive float bit
+/// patterns of |x| (7 mantissa bits, 2^-23..2; below and above clamp to the end buckets), fine
+/// enough that each holds at most one threshold (checked when built; the end buckets none). With
+/// key = the low 16 bits of |x|'s bits, complemented (0xFFFF - key) when x is negative:
+///   code = base + (key > limit) = (entry + key) >> 16,  entry = base << 16 | (0xFFFF - limit)
+/// (the sum carries into bit 16 exactly when key > limit) where base = #{thresholds below the
+/// bucket} (x >= 0: below its smallest magnitude; x < 0: below -(its largest magnitude)) and limit =
+/// the key of the bucket's threshold, or 0xFFFF when it has none (no key exceeds it). Within a bucket a threshold t < x compares as its
+/// key < x's key (x >= 0) or as |x|'s low bits < |t|'s (x < 0, hence the complement); a tie is not
+/// counted. Verified equal to the previous lookup (a coarser bucket table, then up to three
+/// threshold compares) for all 2^32 floats of both maps when it was written (a throw-away
+/// program); the tests pin the codes. In code (each kernel TU has its own copy, Note [Per-ISA
+/// namespaces]; quant_map.cpp's quantize_code is the reference):
+///   mag = bits & 0x7FFFFFFF, clamped to [kFineLowBits, kFineHighBits]
+///   entry = fine[((mag - kFineLowBits) >> kFineShift) + (bits >> 31) * kFineBuckets]
+///   key = (bits ^ (bits >> 31 arithmetic)) & 0xFFFF
+///   code = (entry + key) >> 16
 /// Signed dynamic map (exp_avg).
 const QuantMapTable& signed_dynamic_map();
 /// Unsigned dynamic map (exp_avg_sq).
 const QuantMapTable& unsigned_dynamic_map();
 
-/// The code of `x` under `map` (Note [Dynamic quantization map]). Out of line on purpose: the
-/// per-ISA kernel TUs use their own copy (nearest_code, Note [Per-ISA namespaces]).
+/// The code of `x` under `map` (Note [Dynamic quantization map]): fine_code of x's bits. Out of
+/// line on purpose: the per-ISA kernel TUs use their own copy (Note [Per-ISA namespaces]).
 uint8_t quantize_code(const QuantMapTable& map, float x);
 
 }  // namespace roundpipe::optim::detail

@@ -464,5 +464,54 @@ TEST(AdamInt8Test, MismatchedStateDtype_ClearErrorAndOptimizerUnchanged) {
                "absmax must be a float32 CPU tensor of 2 elements");
 }
 
+
+// Every ISA's kernel quantizes exactly as quantize_blockwise (the scalar reference of Note [Fine
+// code lookup]) on hard inputs: with beta1 = 0 the new exp_avg is the gradient itself and with
+// beta2 = 0 the new exp_avg_sq is g * g, so the kernel quantizes values we choose. Blocks that
+// start with 1.0 (absmax 1) holding random float bit patterns of magnitude <= 1 (denormals and
+// signed zeros included), the map values, midpoints and their neighbours, and blocks with NaNs
+// and huge values (absmax 3e38: x / absmax underflows to denormals); the last block partial.
+TEST(AdamInt8Test, EveryIsaQuantizesLikeTheScalarReference_RandomBitsAndEdges) {
+  torch::manual_seed(11);
+  const int64_t random_blocks = 600;
+  auto bits = torch::randint(0, int64_t{1} << 31, {random_blocks, kQuantBlockSize - 1}, torch::kLong);
+  // |x| bits in [0, bits of 1.0]; a set sign bit as the int32 of the same bits (mag - 2^31).
+  bits = bits.remainder(int64_t{0x3F800001}) - torch::randint(0, 2, bits.sizes(), torch::kLong) * (int64_t{1} << 31);
+  const auto random = bits.to(torch::kInt).view(torch::kFloat);
+  auto g = torch::cat({torch::ones({random_blocks, 1}), random}, 1).reshape({-1});
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  auto special = torch::randn({3 * kQuantBlockSize});
+  special[3] = nan;
+  special[7] = -nan;
+  special[kQuantBlockSize + 5] = 1e38f;  // not inf: the lerp would make it NaN (0 * inf)
+  special[2 * kQuantBlockSize + 1] = -3e38f;
+  special[2 * kQuantBlockSize + 2] = 1e-45f;
+  g = torch::cat({g, edges(QuantMap::kSignedDynamic), edges(QuantMap::kUnsignedDynamic), special,
+                  torch::randn({100})});
+  const auto m_ref = quantize_blockwise(g, QuantMap::kSignedDynamic);
+  const auto v_ref = quantize_blockwise(g * g, QuantMap::kUnsignedDynamic);
+  std::vector<std::string> isas = {"scalar"};
+  for (const char* isa : {"avx2", "avx512"}) {
+    Adam probe({torch::zeros({1})});
+    try {
+      probe.set_kernel_isa(isa);
+      isas.push_back(isa);
+    } catch (const c10::Error&) {
+    }
+  }
+  for (const auto& isa : isas) {
+    auto param = torch::zeros_like(g);
+    param.mutable_grad() = g;
+    Adam opt({param}, AdamOptions(1e-3).betas({0.0, 0.0}).state_dtype(AdamStateDtype::kInt8));
+    opt.set_kernel_isa(isa);
+    opt.step();
+    const auto& st = static_cast<const AdamParamState&>(*opt.state().at(param.unsafeGetTensorImpl()));
+    EXPECT_TRUE(torch::equal(st.exp_avg(), m_ref.first)) << isa << ": exp_avg codes";
+    EXPECT_TRUE(torch::equal(st.exp_avg_absmax(), m_ref.second)) << isa << ": exp_avg absmax";
+    EXPECT_TRUE(torch::equal(st.exp_avg_sq(), v_ref.first)) << isa << ": exp_avg_sq codes";
+    EXPECT_TRUE(torch::equal(st.exp_avg_sq_absmax(), v_ref.second)) << isa << ": exp_avg_sq absmax";
+  }
+}
+
 }  // namespace
 }  // namespace roundpipe::optim
