@@ -92,17 +92,34 @@ function(roundpipe_add_module module)
   endif()
 endfunction()
 
-# roundpipe_add_gtest(<name> SOURCES ... [NO_TORCH] [LIBS ...] [SHARDS n] [LABELS ...])
+# roundpipe_test_timeout(<out-var> <seconds>): the CTest TIMEOUT of a test whose budget in a plain
+# build is <seconds> (about 3x its measured time there, docs/getting-started.md, "Timeouts"): at
+# least 120 s, times ROUNDPIPE_TEST_TIMEOUT_SCALE (sanitizer builds).
+function(roundpipe_test_timeout out seconds)
+  if(NOT ROUNDPIPE_TEST_TIMEOUT_SCALE MATCHES "^[1-9][0-9]*$")
+    message(FATAL_ERROR "ROUNDPIPE_TEST_TIMEOUT_SCALE='${ROUNDPIPE_TEST_TIMEOUT_SCALE}' must be a positive integer")
+  endif()
+  if(seconds LESS 120)
+    set(seconds 120)
+  endif()
+  math(EXPR seconds "${seconds} * ${ROUNDPIPE_TEST_TIMEOUT_SCALE}")
+  set(${out} ${seconds} PARENT_SCOPE)
+endfunction()
+
+# roundpipe_add_gtest(<name> SOURCES ... TIMEOUT s [NO_TORCH] [LIBS ...] [SHARDS n] [LABELS ...])
 # One test binary; registered per shard (GTEST_TOTAL_SHARDS) because every LibTorch process costs
-# ~1 s to start, or per case with ROUNDPIPE_TEST_PER_CASE=ON (gtest_discover_tests).
+# ~1 s to start, or per case with ROUNDPIPE_TEST_PER_CASE=ON (gtest_discover_tests). TIMEOUT: the
+# budget of one shard in a plain build, ~3x its measured time (roundpipe_test_timeout).
 function(roundpipe_add_gtest name)
   cmake_parse_arguments(ARG "NO_TORCH" "SHARDS;TIMEOUT" "SOURCES;LIBS;LABELS" ${ARGN})
   if(NOT ARG_SHARDS)
     set(ARG_SHARDS 1)
   endif()
   if(NOT ARG_TIMEOUT)
-    set(ARG_TIMEOUT 900)
+    message(FATAL_ERROR "roundpipe_add_gtest(${name}): TIMEOUT <seconds> is required: about 3x one shard's "
+      "time in a plain build (at least 120; sanitizer builds scale it, ROUNDPIPE_TEST_TIMEOUT_SCALE)")
   endif()
+  roundpipe_test_timeout(ARG_TIMEOUT ${ARG_TIMEOUT})
   add_executable(${name} ${ARG_SOURCES})
   if(ARG_NO_TORCH)
     # Tests of the c10-only modules: GoogleTest's main, no LibTorch, no PCH.

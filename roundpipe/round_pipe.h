@@ -13,6 +13,8 @@
 #include <utility>
 #include <vector>
 
+#include "roundpipe/layer_seed.h"
+#include "roundpipe/loss_fn.h"
 #include "roundpipe/run_config.h"
 #include "scheduler/partitioner.h"
 
@@ -98,15 +100,6 @@ struct DataParallelStats {
   /// finished (the communication not hidden behind the backward).
   double wait_ms = 0.0;
 };
-
-/// Computes a microbatch's loss from the model output and that microbatch's rows of the label.
-/// Runs on a device worker thread. Normalize inside it (e.g. sum-reduced loss / full batch size).
-using LossFn = std::function<torch::Tensor(const torch::Tensor& output, const torch::Tensor& label)>;
-
-/// The seed a layer's forward on a microbatch runs with (docs/user-guide.md, "Dropout and reproducibility"). A plain loop that
-/// calls torch::manual_seed(layer_seed(seed, iteration, microbatch, layer)) before each layer
-/// reproduces RoundPipe's dropout masks exactly. `iteration` counts forward_backward calls from 0.
-uint64_t layer_seed(uint64_t base_seed, int64_t iteration, int64_t microbatch, int64_t layer);
 
 /// A pipeline-parallel wrapper of a torch::nn::Sequential.
 ///

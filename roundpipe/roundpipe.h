@@ -9,6 +9,8 @@
 #include "comm/launch_env.h"
 #include "optim/adam.h"
 #include "roundpipe/devices.h"
+#include "roundpipe/layer_seed.h"
+#include "roundpipe/loss_fn.h"
 #include "roundpipe/recompute_data.h"
 #include "roundpipe/round_pipe.h"
 #include "roundpipe/run_config.h"

@@ -10,7 +10,7 @@
 #include <optional>
 
 #include "base/config.h"
-#include "roundpipe/round_pipe.h"
+#include "roundpipe/layer_seed.h"
 #if ROUNDPIPE_WITH_CUDA
 #include <ATen/cuda/CUDAGeneratorImpl.h>
 #endif

@@ -17,6 +17,7 @@
 #include "amp/grad_scaler.h"
 #include "roundpipe/detail/device_io.h"
 #include "roundpipe/detail/layer_rng.h"
+#include "roundpipe/layer_seed.h"
 
 namespace roundpipe::detail {
 namespace {

@@ -16,9 +16,10 @@
 
 #include "amp/autocast_guard.h"
 #include "roundpipe/detail/layer_call.h"
-#include "roundpipe/recompute_data.h"
 #include "roundpipe/detail/layer_shells.h"
-#include "roundpipe/round_pipe.h"
+#include "roundpipe/loss_fn.h"
+#include "roundpipe/recompute_data.h"
+#include "roundpipe/run_config.h"
 #include "scheduler/execute_plan.h"
 
 namespace roundpipe::amp {

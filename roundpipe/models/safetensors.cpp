@@ -2,6 +2,7 @@
 #include "roundpipe/models/safetensors.h"
 
 #include "roundpipe/models/detail/safetensors_format.h"
+#include "roundpipe/models/detail/tokenizer_text.h"
 
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>

@@ -1,6 +1,7 @@
 // save_safetensors: the header exactly as the reference crate serializes it, then the tensor bytes,
 // written atomically.
 #include "roundpipe/models/detail/safetensors_format.h"
+#include "roundpipe/models/detail/tokenizer_text.h"
 #include "roundpipe/models/safetensors.h"
 
 #include <c10/util/Exception.h>

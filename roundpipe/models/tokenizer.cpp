@@ -1,7 +1,6 @@
 #include "roundpipe/models/tokenizer.h"
 
 #include <nlohmann/json.hpp>
-#include <utf8proc.h>
 
 #include <algorithm>
 #include <array>
@@ -366,18 +365,6 @@ bool is_white_space(char32_t c) {
          (c >= 0x2000 && c <= 0x200A) || c == 0x2028 || c == 0x2029 || c == 0x202F || c == 0x205F || c == 0x3000;
 }
 
-std::vector<char32_t> code_points(std::string_view s) {
-  std::vector<char32_t> out;
-  for (size_t i = 0; i < s.size();) {
-    utf8proc_int32_t cp = 0;
-    const auto n = utf8proc_iterate(reinterpret_cast<const utf8proc_uint8_t*>(s.data() + i),
-                                    static_cast<utf8proc_ssize_t>(s.size() - i), &cp);
-    out.push_back(n > 0 ? static_cast<char32_t>(cp) : 0xFFFD);
-    i += n > 0 ? static_cast<size_t>(n) : 1;
-  }
-  return out;
-}
-
 bool is_continuation(char c) { return (static_cast<unsigned char>(c) & 0xC0) == 0x80; }
 
 }  // namespace
@@ -387,7 +374,7 @@ bool is_continuation(char c) { return (static_cast<unsigned char>(c) & 0xC0) == 
 void Tokenizer::Impl::trim(std::string_view text, Encoding& encoding) const {
   constexpr char32_t kSpaceChar = 0x120;  // "Ġ", the ByteLevel character of ' '
   for (size_t i = 0; i < encoding.ids.size(); ++i) {
-    const std::vector<char32_t> chars = code_points(token_text(encoding.ids[i]));
+    const std::vector<char32_t> chars = detail::decode_utf8(token_text(encoding.ids[i]));
     const auto trimmable = [](char32_t c) { return c == kSpaceChar || is_white_space(c); };
     size_t leading = 0;
     while (leading < chars.size() && trimmable(chars[leading])) ++leading;
@@ -517,16 +504,14 @@ std::string Tokenizer::decode(const std::vector<int64_t>& ids, bool skip_special
     }
     // ByteLevel decoder: a token all of whose characters are byte characters becomes those bytes,
     // any other token (e.g. an added "<think>" with no byte form) its own UTF-8.
+    // (A byte that is not UTF-8 decodes to U+FFFD, which is no byte character.)
     std::string token_bytes;
     bool all_mapped = true;
-    for (size_t i = 0; i < token.size() && all_mapped;) {
-      utf8proc_int32_t cp = 0;
-      const auto n = utf8proc_iterate(reinterpret_cast<const utf8proc_uint8_t*>(token.data() + i),
-                                      static_cast<utf8proc_ssize_t>(token.size() - i), &cp);
-      const int byte = n > 0 ? detail::char_to_byte(static_cast<char32_t>(cp)) : -1;
+    for (const char32_t c : detail::decode_utf8(token)) {
+      const int byte = detail::char_to_byte(c);
       all_mapped = byte >= 0;
+      if (!all_mapped) break;
       token_bytes += static_cast<char>(byte);
-      i += n > 0 ? static_cast<size_t>(n) : 1;
     }
     bytes += all_mapped ? token_bytes : std::string(token);
   }

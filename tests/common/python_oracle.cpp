@@ -62,11 +62,6 @@ bool python_oracle_available() {
   return available;
 }
 
-bool oracle_required() {
-  const char* ci = std::getenv("CI");
-  return ci != nullptr && std::string(ci) == "true";
-}
-
 TensorMap run_python(const std::string& snippet, const TensorMap& inputs) {
   const std::string dir = make_temp_dir();
   auto file = [&](const char* name) { return dir + "/" + name; };

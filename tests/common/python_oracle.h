@@ -8,6 +8,8 @@
 #include <map>
 #include <string>
 
+#include "tests/common/oracle_rule.h"
+
 namespace roundpipe::testing {
 
 using TensorMap = std::map<std::string, at::Tensor>;
@@ -24,28 +26,8 @@ TensorMap run_python(const std::string& snippet, const TensorMap& inputs = {});
 /// True when the oracle interpreter exists and imports torch (tests use ROUNDPIPE_REQUIRE_ORACLE).
 bool python_oracle_available();
 
-/// True when the environment variable CI is "true": a missing oracle then fails the test.
-bool oracle_required();
-
 }  // namespace roundpipe::testing
 
-/// Skips the calling test (or returns from the calling helper) when `available` is false, naming
-/// `what` is missing; fails instead when CI=true, so that CI cannot pass by skipping the
-/// comparisons it exists to run.
-#define ROUNDPIPE_ORACLE_OR_SKIP(available, what)                                       \
-  do {                                                                                  \
-    if (!(available)) {                                                                 \
-      if (::roundpipe::testing::oracle_required()) {                                    \
-        FAIL() << "CI=true but " << what << " is missing (run scripts/setup.sh)";       \
-      }                                                                                 \
-      GTEST_SKIP() << what << " is missing (run scripts/setup.sh)";                     \
-    }                                                                                   \
-  } while (false)
-
-/// ROUNDPIPE_ORACLE_OR_SKIP for the Python oracle itself (the venv's Python with torch).
+/// ROUNDPIPE_ORACLE_OR_SKIP (tests/common/oracle_rule.h) for the Python oracle itself (the venv's Python with torch).
 #define ROUNDPIPE_REQUIRE_ORACLE() \
   ROUNDPIPE_ORACLE_OR_SKIP(::roundpipe::testing::python_oracle_available(), "the Python oracle (venv with torch)")
-
-namespace roundpipe::testing {
-
-}  // namespace roundpipe::testing

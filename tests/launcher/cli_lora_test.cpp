@@ -261,8 +261,7 @@ TEST(CliLoraTest, PlanAndExport_LoraSpecifics) {
 TEST(CliLoraTest, DefaultLoraConfig_AdaptsTheDefaultModel) {
   const std::string fortunes = "/usr/share/games/fortunes/fortunes";
   if (!is_regular_file(fortunes) || !is_regular_file("/usr/share/games/fortunes/literature")) {
-    if (roundpipe::testing::running_in_ci()) FAIL() << "CI=true but fortunes-min is not installed";
-    GTEST_SKIP() << "Debian's fortunes-min is not installed (scripts/setup.sh)";
+    ROUNDPIPE_ORACLE_MISSING("Debian's fortunes-min is not installed (scripts/setup.sh)");
   }
   ScratchDir dir;
   const std::string configs = std::string(ROUNDPIPE_SOURCE_DIR) + "/configs/";

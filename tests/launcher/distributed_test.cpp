@@ -12,6 +12,7 @@
 #include "roundpipe/models/pretrained.h"
 #include "roundpipe/models/safetensors.h"
 #include "tests/common/multi_process.h"
+#include "tests/common/oracle_rule.h"
 #include "tests/common/tensor_compare.h"
 #include "tests/common/test_config.h"
 
@@ -59,8 +60,7 @@ TEST(DistributedCliTest, LaunchAndTorchrun_ExportTheSameWeightsAsOneProcessWithT
   const std::string torchrun = std::string(ROUNDPIPE_TEST_PYTHON).substr(0, std::string(ROUNDPIPE_TEST_PYTHON).rfind('/')) +
                                "/torchrun";
   if (!path_exists(torchrun)) {
-    if (std::getenv("CI") != nullptr) FAIL() << "torchrun not found at " << torchrun << " (run scripts/setup.sh)";
-    GTEST_SKIP() << "torchrun not found at " << torchrun;
+    ROUNDPIPE_ORACLE_MISSING("torchrun not found at " + torchrun + " (run scripts/setup.sh)");
   }
   const std::string port = std::to_string(roundpipe::testing::free_port());
   const std::string cmd = "cd '" + dir.path() + "' && '" + torchrun + "' --no-python --nproc-per-node=2 --master-port=" +

@@ -54,13 +54,7 @@ TEST(LrScheduleTest, Constructor_RejectsBadSettings) {
 }
 
 TEST(LrScheduleTest, EveryStep_MatchesPythonReference) {
-  if (!roundpipe::testing::python_oracle_available()) {
-    const char* ci = std::getenv("CI");
-    if (ci != nullptr && std::string(ci) == "true") {
-      FAIL() << "no Python oracle on CI";
-    }
-    GTEST_SKIP() << "no Python oracle";
-  }
+  ROUNDPIPE_REQUIRE_ORACLE();
   const int64_t warmup = 7, total = 53, steps = 60;
   const double lr = 3e-4, min_lr = 2e-5;
   auto out = roundpipe::testing::run_python(R"(

@@ -1,5 +1,5 @@
 // Helpers of the models tests: a scratch directory, whole-file reads/writes, and the skip rule for
-// tests that need Python modules (skip locally, fail when CI=true). POSIX only (see Note [No
+// tests that need Python modules (tests/common/oracle_rule.h: skip locally, fail when CI=true). POSIX only (see Note [No
 // std::filesystem here] in tests/common/python_oracle.cpp).
 #pragma once
 
@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "tests/common/oracle_rule.h"
 #include "tests/common/test_config.h"
 
 namespace roundpipe::testing {
@@ -122,20 +123,13 @@ inline bool python_has_modules(const std::string& modules) {
   return cache[modules] = std::system(cmd.c_str()) == 0;
 }
 
-inline bool running_in_ci() {
-  const char* ci = std::getenv("CI");
-  return ci != nullptr && std::string(ci) == "true";
-}
-
 }  // namespace roundpipe::testing
 
 /// Skips the test when the oracle Python lacks `modules` (fails instead when CI=true).
-#define ROUNDPIPE_REQUIRE_PYTHON(modules)                                                          \
-  do {                                                                                             \
-    if (!::roundpipe::testing::python_has_modules(modules)) {                                      \
-      if (::roundpipe::testing::running_in_ci()) {                                                 \
-        FAIL() << "CI=true but the oracle Python cannot import: " << (modules);                    \
-      }                                                                                            \
-      GTEST_SKIP() << "oracle Python cannot import " << (modules) << " (pip install -r requirements.txt)"; \
-    }                                                                                              \
+#define ROUNDPIPE_REQUIRE_PYTHON(modules)                                                                \
+  do {                                                                                                   \
+    if (!::roundpipe::testing::python_has_modules(modules)) {                                            \
+      ROUNDPIPE_ORACLE_MISSING(std::string("the oracle Python cannot import ") + (modules) +             \
+                               " (pip install -r requirements.txt)");                                    \
+    }                                                                                                    \
   } while (false)

@@ -499,31 +499,6 @@ Value from_json(const nlohmann::ordered_json& j) {
   }
 }
 
-std::vector<char32_t> decode_utf8(std::string_view s) {
-  std::vector<char32_t> out;
-  out.reserve(s.size());
-  size_t i = 0;
-  while (i < s.size()) {
-    utf8proc_int32_t c = 0;
-    const auto n = utf8proc_iterate(reinterpret_cast<const utf8proc_uint8_t*>(s.data() + i),
-                                    static_cast<utf8proc_ssize_t>(s.size() - i), &c);
-    if (n <= 0) {  // not UTF-8: keep the byte as U+FFFD's stand-in so that lengths stay finite
-      out.push_back(0xFFFD);
-      ++i;
-    } else {
-      out.push_back(static_cast<char32_t>(c));
-      i += static_cast<size_t>(n);
-    }
-  }
-  return out;
-}
-
-void append_utf8(std::string& out, char32_t c) {
-  utf8proc_uint8_t buf[4];
-  const auto n = utf8proc_encode_char(static_cast<utf8proc_int32_t>(c), buf);
-  out.append(reinterpret_cast<const char*>(buf), static_cast<size_t>(n));
-}
-
 size_t code_point_count(std::string_view s) {
   size_t n = 0;
   for (char ch : s) n += (static_cast<unsigned char>(ch) & 0xC0) != 0x80;

@@ -15,6 +15,8 @@
 #include <utility>
 #include <vector>
 
+#include "roundpipe/models/detail/tokenizer_text.h"
+
 namespace roundpipe::models::detail {
 
 /// A template error without its location; the interpreter adds the template name and line.
@@ -142,9 +144,8 @@ std::string to_json(const Value& v, const DumpOptions& options);
 /// A JSON document (order kept) as a Value; integers beyond int64 are refused.
 Value from_json(const nlohmann::ordered_json& j);
 
-// UTF-8 helpers: Python strings index by code point.
-std::vector<char32_t> decode_utf8(std::string_view s);
-void append_utf8(std::string& out, char32_t c);
+// UTF-8 helpers: Python strings index by code point (decode_utf8 and append_utf8 are the
+// tokenizer's, tokenizer_text.h).
 /// Number of code points (Python's len(str)).
 size_t code_point_count(std::string_view s);
 /// Python's str.isspace() for one code point.

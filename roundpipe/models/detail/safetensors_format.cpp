@@ -96,42 +96,6 @@ FileMapping::~FileMapping() {
   }
 }
 
-size_t invalid_utf8_at(std::string_view text) {
-  size_t i = 0;
-  const auto byte = [&](size_t k) { return static_cast<uint8_t>(text[k]); };
-  while (i < text.size()) {
-    const uint8_t c = byte(i);
-    size_t len = 0;
-    uint8_t lo = 0x80, hi = 0xBF;  // allowed range of the second byte
-    if (c < 0x80) {
-      ++i;
-      continue;
-    } else if (c >= 0xC2 && c <= 0xDF) {
-      len = 2;
-    } else if (c >= 0xE0 && c <= 0xEF) {
-      len = 3;
-      lo = c == 0xE0 ? 0xA0 : 0x80;
-      hi = c == 0xED ? 0x9F : 0xBF;
-    } else if (c >= 0xF0 && c <= 0xF4) {
-      len = 4;
-      lo = c == 0xF0 ? 0x90 : 0x80;
-      hi = c == 0xF4 ? 0x8F : 0xBF;
-    } else {
-      return i;
-    }
-    if (i + len > text.size() || byte(i + 1) < lo || byte(i + 1) > hi) {
-      return i;
-    }
-    for (size_t k = 2; k < len; ++k) {
-      if (byte(i + k) < 0x80 || byte(i + k) > 0xBF) {
-        return i;
-      }
-    }
-    i += len;
-  }
-  return std::string_view::npos;
-}
-
 std::string errno_text(int err) {
   char buffer[256];
   // GNU strerror_r: returns a pointer to the message (maybe not `buffer`).

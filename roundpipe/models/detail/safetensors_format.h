@@ -51,10 +51,6 @@ struct FileMapping {
   size_t bytes = 0;
 };
 
-/// Offset of the first byte of `text` that is not valid UTF-8 (RFC 3629: no overlongs, no
-/// surrogates, at most U+10FFFF), or std::string_view::npos.
-size_t invalid_utf8_at(std::string_view text);
-
 /// strerror_r text for `err`.
 std::string errno_text(int err);
 

@@ -43,12 +43,6 @@ size_t valid_prefix(std::string_view s, size_t pos, const LeadRule& rule) {
   return k;
 }
 
-void append_utf8(std::string& out, char32_t cp) {
-  utf8proc_uint8_t buf[4];
-  const auto n = utf8proc_encode_char(static_cast<utf8proc_int32_t>(cp), buf);
-  out.append(reinterpret_cast<const char*>(buf), static_cast<size_t>(n));
-}
-
 struct ByteTables {
   std::array<std::string, 256> chars;
   std::unordered_map<char32_t, int> bytes;
@@ -96,13 +90,39 @@ struct MatchDataDeleter {
 
 }  // namespace
 
-bool is_valid_utf8(std::string_view text) {
+size_t invalid_utf8_at(std::string_view text) {
   for (size_t i = 0; i < text.size();) {
     const LeadRule rule = lead_rule(static_cast<unsigned char>(text[i]));
-    if (rule.length == 0 || valid_prefix(text, i, rule) != rule.length) return false;
+    if (rule.length == 0 || valid_prefix(text, i, rule) != rule.length) return i;
     i += rule.length;
   }
-  return true;
+  return std::string_view::npos;
+}
+
+bool is_valid_utf8(std::string_view text) { return invalid_utf8_at(text) == std::string_view::npos; }
+
+std::vector<char32_t> decode_utf8(std::string_view text) {
+  std::vector<char32_t> out;
+  out.reserve(text.size());
+  for (size_t i = 0; i < text.size();) {
+    utf8proc_int32_t cp = 0;
+    const auto n = utf8proc_iterate(reinterpret_cast<const utf8proc_uint8_t*>(text.data() + i),
+                                    static_cast<utf8proc_ssize_t>(text.size() - i), &cp);
+    if (n <= 0) {
+      out.push_back(0xFFFD);
+      ++i;
+    } else {
+      out.push_back(static_cast<char32_t>(cp));
+      i += static_cast<size_t>(n);
+    }
+  }
+  return out;
+}
+
+void append_utf8(std::string& out, char32_t cp) {
+  utf8proc_uint8_t buf[4];
+  const auto n = utf8proc_encode_char(static_cast<utf8proc_int32_t>(cp), buf);
+  out.append(reinterpret_cast<const char*>(buf), static_cast<size_t>(n));
 }
 
 std::string utf8_lossy(std::string_view bytes) {

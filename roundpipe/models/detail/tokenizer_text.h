@@ -1,6 +1,7 @@
-// Text primitives of the tokenizer (roundpipe/models/tokenizer.h): UTF-8 checks, GPT-2's
+// Text primitives of the tokenizer (roundpipe/models/tokenizer.h): UTF-8 checks and decoding
+// (also the chat template's and the safetensors reader's: one validator, one decoder), GPT-2's
 // byte <-> character table of the ByteLevel pre-tokenizer and decoder, NFC (utf8proc) and a
-// PCRE2 regex with Oniguruma's `\s` (the engine of Hugging Face `tokenizers`).
+// PCRE2 regex with Oniguruma's `\s` (the engine of Hugging Face `tokenizers`). No LibTorch.
 #pragma once
 
 #include <array>
@@ -14,8 +15,20 @@
 
 namespace roundpipe::models::detail {
 
-/// True when `text` is well-formed UTF-8 (no surrogates, no overlong forms, <= U+10FFFF).
+/// Offset of the first byte of `text` that does not start a well-formed UTF-8 sequence (RFC 3629:
+/// no surrogates, no overlong forms, <= U+10FFFF), or std::string_view::npos when there is none.
+size_t invalid_utf8_at(std::string_view text);
+
+/// True when `text` is well-formed UTF-8 (invalid_utf8_at(text) == npos).
 bool is_valid_utf8(std::string_view text);
+
+/// The code points of `text`; a byte that does not start a well-formed sequence decodes to one
+/// U+FFFD and decoding resumes at the next byte (so lengths stay finite). The chat template
+/// indexes strings by these (Python's str), the tokenizer trims offsets by them.
+std::vector<char32_t> decode_utf8(std::string_view text);
+
+/// Appends code point `cp` to `out`, UTF-8 encoded.
+void append_utf8(std::string& out, char32_t cp);
 
 /// `bytes` as UTF-8 with each ill-formed subsequence replaced by one U+FFFD (the rule of Rust's
 /// String::from_utf8_lossy, which `tokenizers`' ByteLevel decoder uses).
