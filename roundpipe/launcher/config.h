@@ -108,6 +108,7 @@ struct CheckpointConfig {
 struct EvalConfig {
   int64_t every;        ///< steps between evaluations; 0 = never (but at the end with data.valid)
   int64_t max_batches;  ///< 0 = the whole validation set
+  bool at_start;        ///< also before the first step (not on resume)
 };
 
 struct DistributedConfig {

@@ -207,6 +207,7 @@ void run_training(const LauncherConfig& config, const std::optional<std::string>
                          " | token accuracy " + accuracy);
   };
 
+  if (valid_data && config.eval.at_start && !resume.has_value()) run_eval();  // step 0: before training
   while (step < config.train.steps) {
     const double lr = schedule.at(step);
     step_loss = 0.0;

@@ -227,8 +227,12 @@ std::vector<Rule> build_rules() {
                                    optimizer_name(c.optimizer.name) + ": use adamw, or state_dtype: float32");
                  }
                }});
-  r.push_back({"`eval.every` > 0 needs evaluation data: `data.valid`, or `synthetic` data.",
+  r.push_back({"`eval.every` > 0 and `eval.at_start` need evaluation data: `data.valid`, or `synthetic` data.",
                [](const C& c) {
+                 if (c.eval.at_start && c.data.valid.empty() && c.data.format != DataFormat::kSynthetic) {
+                   config_fail("eval.at_start", "true",
+                               "there is no evaluation data: set data.valid (or remove eval.at_start)");
+                 }
                  if (c.eval.every > 0 && c.data.valid.empty() && c.data.format != DataFormat::kSynthetic) {
                    config_fail("eval.every", std::to_string(c.eval.every),
                                "evaluation needs data.valid: set it, or set eval.every: 0");

@@ -431,6 +431,10 @@ std::vector<KeySpec> build_schema() {
                   "Batches (of train.batch_size windows) per evaluation; 0: all of data.valid.")
                   .range(ge(0))
                   .field([](C& c) -> int64_t& { return c.eval.max_batches; }));
+  t.push_back(Key("eval.at_start", KeyKind::kBool, "false",
+                  "Also evaluate before the first step (logged as step 0; not on --resume), so the "
+                  "run shows the loss before and after training. Needs evaluation data.")
+                  .field([](C& c) -> bool& { return c.eval.at_start; }));
   t.push_back(Key("distributed", KeyKind::kSection, "{}",
                   "Data parallelism across processes, when started by `roundpipe launch` or torchrun "
                   "(docs/distributed.md); ignored in a single-process run.")
