@@ -142,6 +142,27 @@ TEST(CliTest, Int8OptimizerStates_TrainAndResumeBitwise) {
   EXPECT_NE(other.err.find("state_dtype"), std::string::npos) << other.err;
 }
 
+// eval.at_start: an evaluation before the first step, logged as step 0 (with its token accuracy),
+// and none on --resume.
+TEST(CliTest, EvalAtStart_LogsStepZero_NotOnResume) {
+  ScratchDir dir;
+  dir.write("run.yaml", tiny_config("run"));
+  CliResult r = run_cli(dir, "train run.yaml train.steps=2 eval.every=2 eval.at_start=true");
+  ASSERT_EQ(r.code, 0) << r.err;
+  MetricsLog log = read_metrics(dir.file("run/metrics.jsonl"));
+  ASSERT_EQ(log.eval.size(), 2u);  // step 0 and the end
+  EXPECT_EQ(log.eval[0].step, 0);
+  EXPECT_EQ(log.eval[1].step, 2);
+  ASSERT_TRUE(log.eval[0].eval_accuracy.has_value());
+  EXPECT_GE(*log.eval[0].eval_accuracy, 0.0);
+  EXPECT_LE(*log.eval[0].eval_accuracy, 1.0);
+  CliResult resumed = run_cli(dir, "train run.yaml train.steps=3 eval.every=2 eval.at_start=true --resume");
+  ASSERT_EQ(resumed.code, 0) << resumed.err;
+  log = read_metrics(dir.file("run/metrics.jsonl"));
+  ASSERT_EQ(log.eval.size(), 3u);
+  EXPECT_EQ(log.eval[2].step, 3);
+}
+
 TEST(CliTest, Checkpoint_FailureBeforePublishLeavesLatestValid) {
   ScratchDir dir;
   dir.write("run.yaml", tiny_config("run"));
