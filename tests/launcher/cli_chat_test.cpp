@@ -15,6 +15,7 @@
 #include <ATen/ATen.h>
 
 #include "chat_test_util.h"
+#include "chat_oracle.h"
 #include "cli_test_util.h"
 #include "roundpipe/launcher/metrics.h"
 #include "roundpipe/models/safetensors.h"
@@ -22,17 +23,6 @@
 
 namespace roundpipe::launcher::testing {
 namespace {
-
-std::string oracle_script() { return std::string(ROUNDPIPE_SOURCE_DIR) + "/tests/launcher/chat_oracle.py"; }
-
-std::string run_oracle(const ScratchDir& dir, const std::string& args) {
-  const std::string out = dir.file(".oracle.out"), err = dir.file(".oracle.err");
-  const std::string cmd = std::string("TOKENIZERS_PARALLELISM=false \"") + ROUNDPIPE_TEST_PYTHON + "\" \"" +
-                          oracle_script() + "\" " + args + " > \"" + out + "\" 2> \"" + err + "\"";
-  const int status = std::system(cmd.c_str());
-  EXPECT_EQ(status, 0) << read_file(err);
-  return read_file(out);
-}
 
 // Seven conversations: a system prompt and two turns, repeated words (some tokens the tiny model
 // predicts), non-ASCII text and whitespace, one without an assistant turn (dropped), one longer
@@ -56,7 +46,7 @@ std::string conversations() {
 }
 
 std::string make_chat_model(const ScratchDir& dir) {
-  run_oracle(dir, "model \"" + dir.file("hf") + "\" repeat");
+  run_chat_oracle(dir, "model \"" + dir.file("hf") + "\" repeat");
   return dir.file("hf");
 }
 
@@ -77,7 +67,7 @@ TEST(CliChatTest, Eval_MatchesTransformersMaskedLoss_EveryTrainOn) {
   const std::string hf = make_chat_model(dir);
   dir.write("data.jsonl", conversations());
   const nlohmann::json ref = nlohmann::json::parse(
-      run_oracle(dir, "loss \"" + hf + "\" \"" + dir.file("data.jsonl") + "\" 48 assistant,last_assistant,all"));
+      run_chat_oracle(dir, "loss \"" + hf + "\" \"" + dir.file("data.jsonl") + "\" 48 assistant,last_assistant,all"));
   for (const char* train_on : {"assistant", "last_assistant", "all"}) {
     SCOPED_TRACE(train_on);
     // Batches of 3 rows (padded to the longer), 2 microbatches, 2 CPU workers.
@@ -108,7 +98,7 @@ TEST(CliChatTest, Train_OneStepIsTheSameForAnySplit_AndItsLossIsTransformers) {
   const std::string hf = make_chat_model(dir);
   dir.write("data.jsonl", conversations());
   const nlohmann::json ref =
-      nlohmann::json::parse(run_oracle(dir, "loss \"" + hf + "\" \"" + dir.file("data.jsonl") + "\" 48 assistant"));
+      nlohmann::json::parse(run_chat_oracle(dir, "loss \"" + hf + "\" \"" + dir.file("data.jsonl") + "\" 48 assistant"));
   struct Split {
     const char* name;
     int batch_size, grad_accum, microbatches, devices;

