@@ -24,11 +24,10 @@ std::string percent(double ratio) { return fmt("%.1f%%", 100.0 * ratio); }
 
 std::string summary(const SimulationResult& r, const std::string& unit) {
   std::ostringstream out;
-  out << r.num_devices << " device" << (r.num_devices == 1 ? "" : "s") << ", " << r.num_microbatch
-      << " microbatch" << (r.num_microbatch == 1 ? "" : "es") << ": makespan " << with_unit(r.makespan, unit)
-      << ", bubble " << percent(r.bubble_ratio()) << " (fill " << percent(r.fill_ratio()) << ", drain "
-      << percent(r.drain_ratio()) << ", steady " << percent(r.steady_ratio()) << ", upload "
-      << percent(r.overhead_ratio()) << ")";
+  out << r.num_devices << " device" << (r.num_devices == 1 ? "" : "s") << ", " << r.num_microbatch << " microbatch"
+      << (r.num_microbatch == 1 ? "" : "es") << ": makespan " << with_unit(r.makespan, unit) << ", bubble "
+      << percent(r.bubble_ratio()) << " (fill " << percent(r.fill_ratio()) << ", drain " << percent(r.drain_ratio())
+      << ", steady " << percent(r.steady_ratio()) << ", upload " << percent(r.overhead_ratio()) << ")";
   return out.str();
 }
 
@@ -45,7 +44,7 @@ std::pair<double, double> upload_span(const SimulatedJob& job) { return {job.sta
 }  // namespace
 
 char stage_symbol(int64_t index) {
-  static const char* kSymbols = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ";
+  static constexpr const char* kSymbols = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ";
   return index >= 0 && index < 62 ? kSymbols[index] : '#';
 }
 
@@ -81,7 +80,8 @@ std::string timeline_text(const SimulationResult& r, const PreviewOptions& optio
   const std::string left = "0", right = with_unit(r.makespan, options.time_unit);
   // The axis: 0 above the lanes' first column, the makespan ending above their last.
   out << label_pad << ' ' << left
-      << std::string(static_cast<size_t>(std::max<int64_t>(1, width - static_cast<int64_t>(left.size() + right.size()))), ' ')
+      << std::string(
+             static_cast<size_t>(std::max<int64_t>(1, width - static_cast<int64_t>(left.size() + right.size()))), ' ')
       << right << "\n";
   for (int64_t d = 0; d < r.num_devices; ++d) {
     std::string lane;
@@ -121,9 +121,9 @@ std::string timeline_svg(const SimulationResult& r, const PreviewOptions& option
   auto lane_y = [&](int64_t device) { return kTop + static_cast<double>(device) * (kLane + kGap); };
 
   std::ostringstream out;
-  out << svg::document_start(kWidth, height, options.title)
-      << "  <text x=\"" << kWidth / 2 << "\" y=\"44\" text-anchor=\"middle\" fill=\"#555\">"
-      << escape_xml(summary(r, options.time_unit)) << "</text>\n";
+  out << svg::document_start(kWidth, height, options.title) << "  <text x=\"" << kWidth / 2
+      << "\" y=\"44\" text-anchor=\"middle\" fill=\"#555\">" << escape_xml(summary(r, options.time_unit))
+      << "</text>\n";
 
   // Time axis: grid and tick labels.
   const std::vector<double> ticks = svg::nice_ticks(0, span, 8);
@@ -160,8 +160,8 @@ std::string timeline_svg(const SimulationResult& r, const PreviewOptions& option
     if (upload.second > upload.first) {
       out << "    <rect class=\"upload\" x=\"" << fmt("%.2f", px(upload.first)) << "\" y=\"" << y << "\" width=\""
           << fmt("%.2f", px(upload.second) - px(upload.first)) << "\" height=\"" << kLane << "\" fill=\""
-          << kUploadColor << "\"><title>" << escape_xml(label) << ": upload, " << fmt("%.2f", upload.first)
-          << " - " << escape_xml(with_unit(upload.second, options.time_unit)) << "</title></rect>\n";
+          << kUploadColor << "\"><title>" << escape_xml(label) << ": upload, " << fmt("%.2f", upload.first) << " - "
+          << escape_xml(with_unit(upload.second, options.time_unit)) << "</title></rect>\n";
     }
     for (size_t j = 0; j < job.microbatches.size(); ++j) {
       const MicrobatchSpan& mb = job.microbatches[j];
@@ -174,7 +174,8 @@ std::string timeline_svg(const SimulationResult& r, const PreviewOptions& option
     }
     const double first = job.microbatches.empty() ? job.start : job.microbatches.front().start;
     if (px(job.end) - px(first) >= 16) {
-      out << "    <text x=\"" << fmt("%.1f", (px(first) + px(job.end)) / 2) << "\" y=\"" << fmt("%.1f", y + kLane / 2 + 4)
+      out << "    <text x=\"" << fmt("%.1f", (px(first) + px(job.end)) / 2) << "\" y=\""
+          << fmt("%.1f", y + kLane / 2 + 4)
           << "\" text-anchor=\"middle\" fill=\"#222222\" stroke=\"#ffffff\" stroke-width=\"3\" paint-order=\"stroke\" "
           << "font-weight=\"bold\">" << job.index << "</text>\n";
     }
@@ -182,9 +183,10 @@ std::string timeline_svg(const SimulationResult& r, const PreviewOptions& option
   }
 
   // Legend.
-  const std::pair<const char*, const char*> entries[] = {
-      {kColors[0], "forward stage"}, {kColors[1], "fused tail (forward + loss + backward)"},
-      {kColors[2], "backward stage (recompute + backward)"}, {kUploadColor, "upload"}};
+  const std::pair<const char*, const char*> entries[] = {{kColors[0], "forward stage"},
+                                                         {kColors[1], "fused tail (forward + loss + backward)"},
+                                                         {kColors[2], "backward stage (recompute + backward)"},
+                                                         {kUploadColor, "upload"}};
   double x = kLeft;
   const double y = lanes_bottom + 46;
   out << "  <g id=\"legend\" fill=\"#222\">\n";

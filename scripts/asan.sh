@@ -3,8 +3,8 @@
 # build-asan/ and runs it with CTest; prints one summary line ("ASan+UBSan: ..."). Extra arguments
 # go to ctest (e.g. -R launcher). The same build dir holds the libFuzzer targets (scripts/fuzz.sh):
 # every library is compiled once, with -fsanitize=address,undefined,fuzzer-no-link.
-# Not run here (docs/sanitizers.md): module_graph(_self_test) and launcher_prepare_data (Python only, no
-# RoundPipe code) and install_consumer (a packaging check that rebuilds a consumer project).
+# Not run here (docs/sanitizers.md): module_graph(_self_test), style_* and launcher_prepare_data (Python
+# only, no RoundPipe code) and install_consumer (a packaging check that rebuilds a consumer project).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 export ROUNDPIPE_BUILD_DIR="${ROUNDPIPE_ASAN_BUILD_DIR:-$root/build-asan}"
@@ -30,7 +30,7 @@ cd "$ROUNDPIPE_BUILD_DIR"
 log="$ROUNDPIPE_BUILD_DIR/asan-ctest.log"
 set +e
 ctest --output-on-failure -j "${ROUNDPIPE_JOBS:-$(nproc)}" \
-  -E '^(module_graph|module_graph_self_test|install_consumer|launcher_prepare_data)$' "$@" 2>&1 | tee "$log"
+  -E '^(module_graph|module_graph_self_test|style_format|style_naming|style_self_test|install_consumer|launcher_prepare_data)$' "$@" 2>&1 | tee "$log"
 rc=${PIPESTATUS[0]}
 set -e
 reports=$(grep -c -E '^(==[0-9]+==ERROR: AddressSanitizer|.*runtime error: )' "$log" || true)

@@ -22,6 +22,7 @@ apt_packages=(
   libpcre2-dev libutf8proc-dev   # models::Tokenizer: pre-tokenizer regexes (lookahead), NFC
   libgloo-dev    # headers only: c10d's ProcessGroupGloo.hpp includes them (never link -lgloo)
   clang libclang-rt-14-dev   # scripts/asan.sh and scripts/fuzz.sh (ASan/UBSan, libFuzzer)
+  clang-format clang-tidy   # scripts/check_style.py (CTest style_format, style_naming)
   fortunes-min   # English text for configs/default.yaml
 )
 missing=()

@@ -1,7 +1,6 @@
 #include "roundpipe/models/chat_tokens.h"
 
 #include <nlohmann/json.hpp>
-
 #include <regex>
 #include <stdexcept>
 #include <string>
@@ -37,8 +36,8 @@ bool mark_span(const Tokenizer::Encoding& enc, Span span, std::vector<uint8_t>& 
 }
 
 bool has_generation_blocks(const std::string& source) {
-  static const std::regex tag(R"(\{%-?\s*generation\s*-?%\})");
-  return std::regex_search(source, tag);
+  static const std::regex kTag(R"(\{%-?\s*generation\s*-?%\})");
+  return std::regex_search(source, kTag);
 }
 
 // The prefix rule's spans (see tokenize_chat).
@@ -50,7 +49,8 @@ std::vector<Span> assistant_spans(const ChatTemplate& tmpl, const nlohmann::orde
     const auto& message = messages[i];
     if (!message.is_object() || message.value("role", "") != "assistant") continue;
     if (eos.empty()) {
-      throw std::invalid_argument("chat template '" + tmpl.name() + "' has no eos_token (tokenizer_config.json) and "
+      throw std::invalid_argument("chat template '" + tmpl.name() +
+                                  "' has no eos_token (tokenizer_config.json) and "
                                   "no {% generation %} blocks: the end of an assistant turn is unknown; set "
                                   "eos_token, or train on every token");
     }
@@ -81,8 +81,9 @@ std::vector<Span> assistant_spans(const ChatTemplate& tmpl, const nlohmann::orde
 ChatTokens tokenize_chat(const ChatTemplate& tmpl, const Tokenizer& tokenizer, const nlohmann::ordered_json& messages,
                          ChatTrainOn train_on, const ChatRenderOptions& options) {
   if (options.add_generation_prompt) {
-    throw std::invalid_argument("tokenize_chat: add_generation_prompt must be false (a training example ends "
-                                "with its last turn)");
+    throw std::invalid_argument(
+        "tokenize_chat: add_generation_prompt must be false (a training example ends "
+        "with its last turn)");
   }
   const RenderedChat rendered = tmpl.render(messages, options);
   Tokenizer::Encoding enc = tokenizer.encode_with_offsets(rendered.text, /*add_special_tokens=*/false);

@@ -478,7 +478,7 @@ Value filter_batch(const Value& v, CallArgs& args) {
 }
 
 const std::map<std::string, FilterFn, std::less<>>& filters() {
-  static const std::map<std::string, FilterFn, std::less<>> table = {
+  static const std::map<std::string, FilterFn, std::less<>> kTable = {
       {"abs", filter_abs},         {"batch", filter_batch},           {"capitalize", filter_capitalize}, {"count", filter_length},
       {"d", filter_default},       {"default", filter_default},       {"dictsort", filter_dictsort},
       {"e", filter_escape},        {"escape", filter_escape},         {"first", filter_first},
@@ -493,7 +493,7 @@ const std::map<std::string, FilterFn, std::less<>>& filters() {
       {"tojson", filter_tojson},   {"trim", filter_trim},             {"unique", filter_unique},
       {"upper", filter_upper},     {"wordcount", filter_wordcount},
   };
-  return table;
+  return kTable;
 }
 
 const Value& test_arg(CallArgs& args, std::string_view test) {
@@ -509,7 +509,7 @@ bool no_args(CallArgs& args, std::string_view test) {
 }
 
 const std::map<std::string, TestFn, std::less<>>& tests() {
-  static const std::map<std::string, TestFn, std::less<>> table = {
+  static const std::map<std::string, TestFn, std::less<>> kTable = {
       {"defined", [](const Value& v, CallArgs& a) { return no_args(a, "defined") && !v.is_undefined(); }},
       {"undefined", [](const Value& v, CallArgs& a) { return no_args(a, "undefined") && v.is_undefined(); }},
       {"none", [](const Value& v, CallArgs& a) { return no_args(a, "none") && v.is_none(); }},
@@ -571,7 +571,7 @@ const std::map<std::string, TestFn, std::less<>>& tests() {
       {"filter", [](const Value& v, CallArgs& a) { return no_args(a, "filter") && filters().count(to_str(v)) != 0; }},
       {"test", [](const Value& v, CallArgs& a) { return no_args(a, "test") && tests().count(to_str(v)) != 0; }},
   };
-  return table;
+  return kTable;
 }
 
 }  // namespace

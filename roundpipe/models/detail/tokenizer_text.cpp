@@ -63,8 +63,8 @@ struct ByteTables {
 };
 
 const ByteTables& byte_tables() {
-  static const ByteTables tables;
-  return tables;
+  static const ByteTables kTables;
+  return kTables;
 }
 
 // Oniguruma's \s is Unicode White_Space; PCRE2's UCP \s adds U+180E. Inside or outside a class,
@@ -281,8 +281,8 @@ Regex::Regex(const std::string& pattern, Syntax syntax) {
   const uint32_t options = PCRE2_UTF | PCRE2_NO_UTF_CHECK | (syntax == Syntax::kLiteral ? PCRE2_LITERAL : PCRE2_UCP);
   int error = 0;
   PCRE2_SIZE offset = 0;
-  pcre2_code* code = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(source.data()), source.size(), options, &error,
-                                   &offset, nullptr);
+  pcre2_code* code =
+      pcre2_compile(reinterpret_cast<PCRE2_SPTR>(source.data()), source.size(), options, &error, &offset, nullptr);
   if (code == nullptr) {
     PCRE2_UCHAR message[256];
     pcre2_get_error_message(error, message, sizeof(message));
@@ -307,7 +307,8 @@ std::vector<std::pair<size_t, size_t>> Regex::find_all(std::string_view text) co
     if (rc < 0) {
       PCRE2_UCHAR message[256];
       pcre2_get_error_message(rc, message, sizeof(message));
-      throw std::runtime_error(std::string("regex match failed (PCRE2: ") + reinterpret_cast<const char*>(message) + ")");
+      throw std::runtime_error(std::string("regex match failed (PCRE2: ") + reinterpret_cast<const char*>(message) +
+                               ")");
     }
     const PCRE2_SIZE* ovector = pcre2_get_ovector_pointer(match_data.get());
     const size_t start = ovector[0];
