@@ -183,6 +183,48 @@ TEST(CliTest, Checkpoint_FailureBeforePublishLeavesLatestValid) {
   EXPECT_TRUE(remove_stale_temporaries(dir.file("run/checkpoints")).empty());  // cleaned at start
 }
 
+// Note [Checkpoint host memory]: the optimizer state is streamed into its file; a write that fails
+// (here: a file-size limit between the weights' 4.2 MB and the optimizer state's 8.4 MB) is one
+// clean error naming the file, not an abort from torch's zip writer, and publishes nothing.
+TEST(CliTest, Checkpoint_OptimizerWriteFailureIsAnError) {
+  ScratchDir dir;
+  dir.write("run.yaml", tiny_config("run"));
+  CliResult r = run_cli(dir,
+                        "train run.yaml train.steps=1 checkpoint.every=0 eval.every=0 model.config.hidden_size=256 "
+                        "model.config.intermediate_size=512",
+                        // bash's ulimit counts KiB (dash's 512-byte blocks); SIGXFSZ ignored, so write fails
+                        R"(bash -c 'trap "" XFSZ; ulimit -f 6000; exec "$0" "$@"')");
+  EXPECT_EQ(r.code, 1) << r.err;
+  EXPECT_EQ(last_line(r.err).rfind("roundpipe: error: writing '", 0), 0u) << r.err;
+  EXPECT_NE(r.err.find("optimizer.pt' failed: File too large"), std::string::npos) << r.err;
+  EXPECT_EQ(r.err.find("terminate called"), std::string::npos) << r.err;
+  EXPECT_FALSE(read_symlink(dir.file("run/checkpoints/latest")).has_value());
+}
+
+// Note [Host allocator policy] (roundpipe/launcher/cli/host_allocator.cpp): the policy is logged,
+// "retain" keeps glibc's default, and an unknown value is a configuration error naming the
+// variable. What the policy saves is measured in bench/host_memory_bench.py, not here.
+TEST(CliTest, HostAllocator_PolicyLoggedAndUnknownValueRefused) {
+  ScratchDir dir;
+  dir.write("run.yaml", tiny_config("run"));
+  const std::string clean = "env -u LD_PRELOAD -u MALLOC_MMAP_THRESHOLD_";
+  CliResult bad = run_cli(dir, "train run.yaml train.steps=1", clean + " ROUNDPIPE_MALLOC=bogus");
+  EXPECT_EQ(bad.code, 2) << bad.err;
+  EXPECT_NE(bad.err.find("ROUNDPIPE_MALLOC='bogus'"), std::string::npos) << bad.err;
+  EXPECT_NE(bad.err.find("'retain'"), std::string::npos) << bad.err;
+
+  CliResult retain = run_cli(dir, "train run.yaml train.steps=1 eval.every=0 out_dir=retain",
+                             clean + " ROUNDPIPE_MALLOC=retain");
+  ASSERT_EQ(retain.code, 0) << retain.err;
+  EXPECT_NE(read_file(dir.file("retain/train.log")).find("host allocator: glibc's default (ROUNDPIPE_MALLOC=retain"),
+            std::string::npos);
+  CliResult user = run_cli(dir, "train run.yaml train.steps=1 eval.every=0 out_dir=user",
+                           clean + " MALLOC_MMAP_THRESHOLD_=4194304");
+  ASSERT_EQ(user.code, 0) << user.err;
+  EXPECT_NE(read_file(dir.file("user/train.log")).find("MALLOC_MMAP_THRESHOLD_ from the environment"),
+            std::string::npos);
+}
+
 struct ConfigErrorCase {
   const char* name;
   const char* args;

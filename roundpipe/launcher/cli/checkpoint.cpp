@@ -9,7 +9,9 @@
 #include <torch/serialize/output-archive.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cstdlib>
+#include <cstring>
 #include <functional>
 #include <fstream>
 #include <iterator>
@@ -58,6 +60,33 @@ void fsync_files_in(const std::string& dir) {
   ::closedir(handle);
 }
 
+// Streams `archive` into a new file at `path` (Note [Checkpoint host memory]). torch's own
+// save_to(filename) aborts the process when a write fails (disk full): its zip writer's destructor
+// throws a second time. So the writer given to torch never reports a short write; the first
+// failure is remembered, later chunks are dropped, and the error is thrown here once torch is done.
+void save_archive_to_file(torch::serialize::OutputArchive& archive, const std::string& path) {
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  TORCH_CHECK(fd >= 0, "cannot create '", path, "': ", std::strerror(errno),
+              "; check that the directory exists and is writable");
+  int error = 0;
+  archive.save_to([&](const void* data, size_t size) -> size_t {
+    const char* bytes = static_cast<const char*>(data);
+    for (size_t done = 0; error == 0 && done < size;) {
+      const ssize_t n = ::write(fd, bytes + done, size - done);
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) {
+        error = n < 0 ? errno : EIO;
+        break;
+      }
+      done += static_cast<size_t>(n);
+    }
+    return size;
+  });
+  if (::close(fd) != 0 && error == 0) error = errno;
+  TORCH_CHECK(error == 0, "writing '", path, "' failed: ", std::strerror(error),
+              " (errno ", error, "); check free disk space, quotas and file-size limits");
+}
+
 std::string archive_bytes(torch::serialize::OutputArchive& archive) {
   std::ostringstream out;
   archive.save_to(out);
@@ -90,6 +119,13 @@ bool is_checkpoint_dir(const std::string& dir) {
          (is_regular_file(join_path(dir, "config.json")) || is_lora_checkpoint_dir(dir));
 }
 
+// Note [Checkpoint host memory]:
+// A checkpoint must not cost host memory in proportion to the model: the weights go to safetensors
+// one tensor at a time (models::save_safetensors), and the optimizer state (8 B/param for Adam)
+// is written by the archive straight into its file in the staging directory. Serializing it into
+// a std::string first, as small files here still are, held the archive twice (the ostringstream
+// and its str() copy): +16 B/param at the moment of the checkpoint, measured as the run's peak
+// (issue 31, docs/benchmarks.md "Host memory, and what bounds the largest model").
 std::string save_checkpoint_dir(CheckpointContents c) {
   c.model.synchronize();  // Note [Checkpoints are sync points]
   const std::string parent = join_path(c.config.out_dir, "checkpoints");
@@ -103,12 +139,14 @@ std::string save_checkpoint_dir(CheckpointContents c) {
   } else {
     models::save_pretrained(c.model, c.model_config, staging);
   }
-  fsync_files_in(staging);  // the models library's files (write_file_atomically fsyncs its own)
   {
+    // Note [Checkpoint host memory]: streamed into the staging directory (published whole by its
+    // rename below), never held in memory; fsync_files_in makes it durable.
     torch::serialize::OutputArchive archive;
     c.optimizer.save(archive);
-    write_file_atomically(join_path(staging, kOptimizerFile), archive_bytes(archive));
+    save_archive_to_file(archive, join_path(staging, kOptimizerFile));
   }
+  fsync_files_in(staging);  // the models library's files and the optimizer state
   {
     torch::serialize::OutputArchive archive;
     archive.write("step", at::scalar_tensor(c.state.step, at::kLong));

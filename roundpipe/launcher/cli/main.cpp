@@ -16,6 +16,7 @@
 #include "roundpipe/launcher/atomic_file.h"
 #include "roundpipe/launcher/cli/commands.h"
 #include "roundpipe/launcher/cli/generate.h"
+#include "roundpipe/launcher/cli/host_allocator.h"
 #include "roundpipe/launcher/cli/launch.h"
 #include "roundpipe/launcher/cli/trainer.h"
 #include "roundpipe/launcher/config.h"
@@ -169,9 +170,11 @@ int main(int argc, char** argv) {
 
   roundpipe::set_console_log_level(roundpipe::LogLevel::kWarn);
   try {
+    const std::string host_allocator = apply_host_allocator_policy();  // Note [Host allocator policy]
     if (*train) {
       LauncherConfig config = load_config(train_args.path, train_args.overrides);
       open_log(config, "train.log");
+      ROUNDPIPE_LOG(roundpipe::Logger::get("launcher"), kInfo, host_allocator);
       std::optional<std::string> resume_from;
       if (resume_option->count() > 0) resume_from = resume;
       run_training(config, resume_from);

@@ -1,0 +1,129 @@
+#!/usr/bin/env python3
+"""Host bytes per parameter of `roundpipe train`, measured from the process (issue 31).
+
+    bench/host_memory_bench.py [--roundpipe build/roundpipe/launcher/roundpipe] [--steps 3]
+                               [--only NAME,...] [--allocators glibc,jemalloc,...]
+
+Protocol (issue 31's): `roundpipe train configs/default.yaml` with a 194M-parameter Llama
+(hidden 1024, 10 blocks, vocab 32000, untied, float32), AdamW, `--steps` steps, a final checkpoint,
+on 2 CPU devices (and 1), sync and async steps. Peak RSS is the process's (getrusage in a parent of its own);
+the same command on the default tiny model (0.9M parameters) is subtracted, so B/param counts what
+the model's size costs, not LibTorch's own ~0.5 GiB. Reported per run:
+
+  peak      peak RSS (VmHWM) minus the tiny run's, per parameter
+  steps     the highest RSS sampled (every 50 ms) before the final checkpoint starts, per parameter
+  ckpt      the highest RSS sampled while the final checkpoint is written, minus the RSS when it
+            started, per parameter (what writing a checkpoint adds)
+  cpu       user + system CPU seconds of the run (system in brackets): giving memory back to the
+            OS costs page faults when it is touched again
+
+Allocators: "glibc" (the launcher as shipped), "glibc-retain" (ROUNDPIPE_MALLOC=retain: glibc's
+dynamic mmap threshold, which keeps freed blocks), "jemalloc" / "mimalloc" (LD_PRELOAD of
+Debian's libjemalloc2 / libmimalloc2.0, when installed). Nothing here is timed against a limit.
+"""
+import argparse
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+BIG = ["model.config.hidden_size=1024", "model.config.intermediate_size=2816", "model.config.num_hidden_layers=10",
+       "model.config.vocab_size=32000", "model.config.num_attention_heads=8", "model.config.num_key_value_heads=8"]
+BIG_PARAMS = 194_008_064  # printed by `roundpipe train` as "trainable parameters"; checked below
+PRELOADS = {"jemalloc": "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2",
+            "mimalloc": "/usr/lib/x86_64-linux-gnu/libmimalloc.so.2"}
+RUNS = {  # name -> overrides
+    "sync, 2 devices": ["run.step_mode=sync"],
+    "async, 2 devices": ["run.step_mode=async"],
+    "sync, 1 device": ["run.step_mode=sync", "run.devices=1"],
+}
+
+
+def run(roundpipe: str, out_dir: str, overrides: list, allocator: str, steps: int):
+    env = dict(os.environ)
+    if allocator == "glibc-retain":
+        env["ROUNDPIPE_MALLOC"] = "retain"
+    elif allocator in PRELOADS:
+        env["LD_PRELOAD"] = PRELOADS[allocator]
+    cmd = [roundpipe, "train", str(ROOT / "configs" / "default.yaml"), f"out_dir={out_dir}", f"train.steps={steps}",
+           "eval.every=0", "checkpoint.every=0", "train.batch_size=2", "data.seq_len=32", *overrides]
+    # A parent of its own per run: getrusage(RUSAGE_CHILDREN) is a maximum over every child waited
+    # for, so only a fresh parent gives this run's peak (and CPU time).
+    rusage_file = pathlib.Path(out_dir + ".rusage")
+    wrapper = ("import resource, subprocess, sys; rc = subprocess.call(sys.argv[2:]); "
+               "r = resource.getrusage(resource.RUSAGE_CHILDREN); "
+               "open(sys.argv[1], 'w').write(f'{r.ru_maxrss} {r.ru_utime} {r.ru_stime}'); sys.exit(rc)")
+    cmd = [sys.executable, "-c", wrapper, str(rusage_file), *cmd]
+    start = time.time()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT)
+    samples = []  # (seconds, RSS KiB)
+
+    def sample():
+        while proc.poll() is None:
+            try:
+                with open(f"/proc/{proc.pid}/status") as f:
+                    for line in f:
+                        if line.startswith("VmRSS"):
+                            samples.append((time.time() - start, int(line.split()[1])))
+            except OSError:
+                pass
+            time.sleep(0.05)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    lines = [(time.time() - start, line.rstrip()) for line in proc.stdout]
+    proc.wait()
+    sampler.join()
+    if proc.returncode != 0:
+        sys.exit("roundpipe train failed:\n" + "\n".join(l for _, l in lines[-20:]))
+    shutil.rmtree(out_dir, ignore_errors=True)  # a 194M-parameter checkpoint is 2.3 GB
+    peak_kib, user_s, sys_s = rusage_file.read_text().split()
+    peak_kib, user_s, sys_s = int(peak_kib), float(user_s), float(sys_s)
+    ckpt_start = next((t for t, l in lines if l.startswith(f"step {steps}/{steps}")), lines[-1][0])
+    steps_kib = max([s for t, s in samples if t <= ckpt_start] or [0])
+    during = [s for t, s in samples if t > ckpt_start]
+    at_start = ([s for t, s in samples if t <= ckpt_start] or [0])[-1]
+    ckpt_kib = max(during or [at_start]) - at_start
+    params = next((int(l.split()[2].replace(",", "")) for _, l in lines if l.startswith("trainable parameters:")), 0)
+    return {"peak_kib": peak_kib, "steps_kib": steps_kib, "ckpt_kib": ckpt_kib, "params": params,
+            "cpu": user_s + sys_s, "sys": sys_s}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--roundpipe", default=str(ROOT / "build" / "roundpipe" / "launcher" / "roundpipe"))
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--only", default="", help="comma-separated run names (default: all)")
+    parser.add_argument("--allocators", default="glibc,glibc-retain,jemalloc")
+    args = parser.parse_args()
+    allocators = [a for a in args.allocators.split(",") if a]
+    for a in allocators:
+        if a in PRELOADS and not os.path.exists(PRELOADS[a]):
+            sys.exit(f"{a}: {PRELOADS[a]} not found (apt-get install lib{a}2 / libmimalloc2.0), or drop it from --allocators")
+    names = [n for n in RUNS if not args.only or n in args.only.split(",")]
+    B = 2**10
+    print(f"host memory per parameter, roundpipe train, 194M-parameter Llama (float32, AdamW), {args.steps} steps "
+          f"+ final checkpoint; B/param above the tiny model's run")
+    print(f"| run | allocator | peak B/param | steps B/param | checkpoint adds | peak GiB | cpu s (sys) |")
+    print("|---|---|---|---|---|---|---|")
+    with tempfile.TemporaryDirectory() as tmp:
+        for allocator in allocators:
+            tiny = run(args.roundpipe, f"{tmp}/tiny-{allocator}", [], allocator, args.steps)
+            for name in names:
+                r = run(args.roundpipe, f"{tmp}/{allocator}-{len(name)}", BIG + RUNS[name], allocator, args.steps)
+                if r["params"] != BIG_PARAMS:
+                    sys.exit(f"expected {BIG_PARAMS} parameters, roundpipe train reported {r['params']}")
+                per = lambda kib: (kib - tiny["peak_kib"]) * B / r["params"]
+                print(f"| {name} | {allocator} | {per(r['peak_kib']):.1f} | {per(r['steps_kib']):.1f} | "
+                      f"{r['ckpt_kib'] * B / r['params']:.1f} | {r['peak_kib'] / 2**20:.2f} | {r['cpu']:.1f} ({r['sys']:.1f}) |",
+                      flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
