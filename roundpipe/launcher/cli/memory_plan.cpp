@@ -16,11 +16,22 @@ namespace {
 
 constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
 
+// "1.25 GiB", "3.50 MiB", "0.42 KiB".
 std::string gib(int64_t bytes) {
   char text[32];
-  std::snprintf(text, sizeof(text), "%.2f GiB", static_cast<double>(bytes) / kGiB);
+  const double b = static_cast<double>(bytes);
+  if (b >= kGiB) {
+    std::snprintf(text, sizeof(text), "%.2f GiB", b / kGiB);
+  } else if (b >= 1024.0 * 1024.0) {
+    std::snprintf(text, sizeof(text), "%.2f MiB", b / (1024.0 * 1024.0));
+  } else {
+    std::snprintf(text, sizeof(text), "%.2f KiB", b / 1024.0);
+  }
   return text;
 }
+
+// "433.41 KiB (443808 B)": exact for tests and scripts.
+std::string exact(int64_t bytes) { return gib(bytes) + " (" + std::to_string(bytes) + " B)"; }
 
 std::string per_param(int64_t bytes, int64_t params) {
   char text[32];
@@ -144,6 +155,7 @@ MemoryPlan plan_memory(const LauncherConfig& config, const std::optional<schedul
       memory.device_bytes = memory.device_bytes ? std::min(*memory.device_bytes, bytes) : bytes;
     }
   }
+  memory.reserved_bytes = memory.cpu_devices ? 0 : kCudaReservedBytes;
   memory.plan = plan ? *plan : scheduler::runtime_plan(memory.shape, o, memory.num_devices);
   set_stages(config, memory);
   return memory;
@@ -156,14 +168,15 @@ void print_memory_plan(const LauncherConfig& config, const MemoryPlan& memory, s
       << (o.layer_recompute ? "layer" : "stage") << ", " << (memory.cpu_devices ? "CPU" : "CUDA") << " devices\n";
   for (size_t i = 0; i < memory.stages.size(); ++i) {
     const scheduler::StageMemory& m = memory.stages[i];
-    out << "  " << stage_name(m, static_cast<int64_t>(i)) << "  peak " << gib(m.total()) << " = " << terms(m) << "\n";
+    out << "  " << stage_name(m, static_cast<int64_t>(i)) << "  peak " << exact(m.total()) << " = " << terms(m) << "\n";
   }
   size_t at = 0;
   const int64_t peak = largest_total(memory.stages, &at);
-  out << "estimated device memory: peak " << gib(peak) << " (stage " << at << ")";
+  out << "estimated device memory: peak " << exact(peak) << " (stage " << at << ")";
   if (memory.device_bytes) {
-    out << " of " << gib(*memory.device_bytes) << (config.run.device_memory_gib ? " (run.device_memory_gib)" : " (the GPU)")
-        << (peak <= *memory.device_bytes ? ": fits" : ": DOES NOT FIT (roundpipe train refuses it)");
+    out << " of " << gib(*memory.device_bytes) << (config.run.device_memory_gib ? " (run.device_memory_gib)" : " (the GPU)");
+    if (memory.reserved_bytes > 0) out << " less " << gib(memory.reserved_bytes) << " reserved for CUDA";
+    out << (peak <= *memory.device_bytes - memory.reserved_bytes ? ": fits" : ": DOES NOT FIT (roundpipe train refuses it)");
   }
   out << "\n";
   std::vector<int64_t> sizes;
@@ -173,14 +186,15 @@ void print_memory_plan(const LauncherConfig& config, const MemoryPlan& memory, s
     sizes = {int64_t{24} << 30, int64_t{80} << 30};
   }
   for (int64_t bytes : sizes) {
-    const int64_t with_plan = scheduler::max_seq_len(memory.shape, o, memory.num_devices, bytes, true);
-    const int64_t cut = scheduler::max_seq_len(memory.shape, o, memory.num_devices, bytes, false);
+    const int64_t usable = bytes - memory.reserved_bytes;
+    const int64_t with_plan = scheduler::max_seq_len(memory.shape, o, memory.num_devices, usable, true);
+    const int64_t cut = scheduler::max_seq_len(memory.shape, o, memory.num_devices, usable, false);
     out << "longest data.seq_len under " << gib(bytes) << " (multiples of 1024, " << o.microbatch_rows
         << " row(s) a microbatch): " << with_plan << " with this plan, " << cut
         << " with stages cut by memory\n";
   }
   const scheduler::HostMemory& h = memory.host;
-  out << "estimated host memory: peak " << gib(h.total()) << " = " << per_param(h.total(), memory.params.total)
+  out << "estimated host memory: peak " << exact(h.total()) << " = " << per_param(h.total(), memory.params.total)
       << " x " << memory.params.total << " parameters: compute copies " << gib(h.compute_copies) << " + masters "
       << gib(h.masters) << " + gradients " << gib(h.grads) << " + optimizer state " << gib(h.optimizer_state);
   if (h.cpu_devices > 0) out << " + CPU devices' stages " << gib(h.cpu_devices);
@@ -206,14 +220,16 @@ void check_memory_fits(const LauncherConfig& config) {
   if (memory.device_bytes) {
     size_t at = 0;
     const int64_t peak = largest_total(memory.stages, &at);
-    const int64_t limit = *memory.device_bytes;
+    const int64_t limit = *memory.device_bytes - memory.reserved_bytes;
     if (peak > limit) {
       const scheduler::DeviceMemoryOptions& o = memory.device_options;
       std::ostringstream why;
       why << (config.run.device_memory_gib ? "run.device_memory_gib: " : "device memory: ")
-          << stage_name(memory.stages[at], static_cast<int64_t>(at)) << " is predicted to need " << gib(peak) << " ("
+          << stage_name(memory.stages[at], static_cast<int64_t>(at)) << " is predicted to need " << exact(peak) << " ("
           << terms(memory.stages[at]) << ") at data.seq_len " << o.seq_len << " with " << o.microbatch_rows
-          << " row(s) a microbatch, more than the device's " << gib(limit) << ". What fits:";
+          << " row(s) a microbatch, more than the device's " << gib(limit)
+          << (memory.reserved_bytes > 0 ? " (its memory less " + gib(memory.reserved_bytes) + " reserved for CUDA)" : "")
+          << ". What fits:";
       const int64_t seq = scheduler::max_seq_len(memory.shape, o, memory.num_devices, limit, true, 1);
       why << " data.seq_len <= " << seq;
       if (o.microbatch_rows > 1) {
@@ -237,7 +253,7 @@ void check_memory_fits(const LauncherConfig& config) {
   if (!available || memory.host.total() <= *available) return;
   std::ostringstream why;
   const scheduler::HostMemory& h = memory.host;
-  why << "host memory: the run is predicted to peak at " << gib(h.total()) << " ("
+  why << "host memory: the run is predicted to peak at " << exact(h.total()) << " ("
       << per_param(h.total(), memory.params.total) << " x " << memory.params.total << " parameters: compute copies "
       << gib(h.compute_copies) << ", masters " << gib(h.masters) << ", gradients " << gib(h.grads)
       << ", optimizer state " << gib(h.optimizer_state) << ", CPU devices' stages " << gib(h.cpu_devices)

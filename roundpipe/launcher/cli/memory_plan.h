@@ -21,9 +21,16 @@ struct MemoryPlan {
   scheduler::ExecutePlan plan;                   ///< the runtime's (size-based) plan
   std::vector<scheduler::StageMemory> stages;    ///< its stages' peaks at data.seq_len
   std::optional<int64_t> device_bytes;           ///< run.device_memory_gib, else the smallest GPU's
+  /// Of each device's memory, what stages cannot use: kCudaReservedBytes on CUDA devices, else 0.
+  int64_t reserved_bytes = 0;
   scheduler::ParameterCount params;
   scheduler::HostMemory host;
 };
+
+/// Device memory a CUDA process cannot give to its stages: the CUDA context, cuBLAS/cuDNN
+/// workspaces and the caching allocator's rounding and fragmentation. An allowance, to be
+/// measured on a GPU (docs/benchmarks.md, "Memory model").
+inline constexpr int64_t kCudaReservedBytes = int64_t{1} << 30;
 
 /// The predictions for `config` (reads model.pretrained's config.json, nothing else) on `plan`,
 /// by default the plan the runtime builds (scheduler::runtime_plan). Throws ConfigError for a
