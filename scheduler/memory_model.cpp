@@ -65,7 +65,7 @@ namespace roundpipe::scheduler {
 //    with fp32 moments, ~1 with int8 ones), not the masters or gradients: the peak comes while
 //    the final checkpoint serializes the optimizer state (one more copy of it) with the first
 //    step's freed temporaries still held by the allocator (issue 31). With this allowance every
-//    measured configuration is predicted within -3% .. +10%.
+//    measured configuration is predicted within -7% .. +10% (2 CPU devices: -7%).
 //  - CPU devices: each device keeps clones of the layers of the stages it runs (its shells) and
 //    one stage's activations at a time: the weights of the layers of every stage dealt to it
 //    (round-robin in plan order) + the largest stage's activation terms.
