@@ -77,7 +77,8 @@ int64_t adapted(const TransformerShape& shape, const char* name) {
 }
 
 bool is_sparse(const TransformerShape& shape, int64_t decoder_index) {
-  return shape.experts > 0 && decoder_index < shape.sparse_layers;
+  if (shape.experts <= 0) return false;
+  return shape.sparse_layers.empty() || shape.sparse_layers.at(static_cast<size_t>(decoder_index));
 }
 
 struct DecoderParams {

@@ -30,7 +30,8 @@ struct TransformerShape {
   int64_t experts = 0;
   int64_t experts_per_token = 0;
   int64_t moe_intermediate = 0;
-  int64_t sparse_layers = 0;   ///< decoder layers with experts (the rest are dense)
+  /// Per decoder layer, whether it has experts; empty with experts > 0: every layer has.
+  std::vector<bool> sparse_layers;
   // LoRA: rank 0 = every parameter trains; else only rank-r adapters on `lora_targets`
   // (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj) train, the base is frozen.
   int64_t lora_rank = 0;

@@ -77,6 +77,22 @@ TEST(MemoryModelTest, LayerMemory_MatchesClosedForm) {
   EXPECT_EQ(q[3].head_bytes, 2 * 64 * 8 + 64 * 32 * 4 + 32 * 32 * 2 + 13 * 32);
 }
 
+TEST(MemoryModelTest, LayerMemory_MixtureOfExperts) {
+  // 4 experts of width 16, 2 per token, on the second decoder layer only.
+  TransformerShape moe = tiny();
+  moe.experts = 4;
+  moe.experts_per_token = 2;
+  moe.moe_intermediate = 16;
+  moe.sparse_layers = {false, true};
+  const std::vector<LayerMemory> layers = layer_memory(moe, fp32(16, 2));
+  EXPECT_EQ(layers[1].param_bytes, kDecoderParams * 4);
+  // Attention and norms 3,136, router 4 x 32, experts 3 x 4 x 32 x 16.
+  EXPECT_EQ(layers[2].param_bytes, (3136 + 4 * 32 + 3 * 4 * 32 * 16) * 4);
+  // 4 (4h + 3q + 3kv) + 4 heads + 4 (4 k I_e + k h) + 8 E.
+  EXPECT_EQ(layers[2].saved_per_token, 4 * (4 * 32 + 3 * 32 + 3 * 16) + 16 + 4 * (4 * 2 * 16 + 2 * 32) + 8 * 4);
+  EXPECT_EQ(count_parameters(moe).total, kParams - 3 * 32 * 64 + 4 * 32 + 3 * 4 * 32 * 16);
+}
+
 TEST(MemoryModelTest, StageMemory_SumsTheTermsByHand) {
   // fwd [0, 2) | fused [2, 4) | bwd [0, 2); 2 rows of 16 tokens: t = 32.
   const ExecutePlan plan({{0, 2}}, {{2, 4}, {0, 2}});

@@ -71,7 +71,7 @@ scheduler::TransformerShape shape_of(const LauncherConfig& config) {
     s.experts = m.num_experts;
     s.experts_per_token = m.num_experts_per_tok;
     s.moe_intermediate = m.moe_intermediate_size > 0 ? m.moe_intermediate_size : m.intermediate_size;
-    s.sparse_layers = m.num_sparse_layers();
+    for (int64_t i = 0; i < m.num_hidden_layers; ++i) s.sparse_layers.push_back(m.layer_is_sparse(i));
   }
   if (const auto lora = lora_options(config)) {
     s.lora_rank = lora->rank();
