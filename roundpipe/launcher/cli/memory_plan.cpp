@@ -231,7 +231,12 @@ void check_memory_fits(const LauncherConfig& config) {
           << (memory.reserved_bytes > 0 ? " (its memory less " + gib(memory.reserved_bytes) + " reserved for CUDA)" : "")
           << ". What fits:";
       const int64_t seq = scheduler::max_seq_len(memory.shape, o, memory.num_devices, limit, true, 1);
-      why << " data.seq_len <= " << seq;
+      if (seq > 0) {
+        why << " data.seq_len <= " << seq;
+      } else {
+        why << " no data.seq_len with this plan (weights and gradients alone: "
+            << gib(memory.stages[at].weights + memory.stages[at].grads) << "); more devices (run.devices) split it";
+      }
       if (o.microbatch_rows > 1) {
         scheduler::DeviceMemoryOptions one = o;
         one.microbatch_rows = 1;
