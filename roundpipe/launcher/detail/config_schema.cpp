@@ -401,7 +401,7 @@ std::vector<KeySpec> build_schema() {
                   .range(in_cc(1, 65536))
                   .field([](C& c) -> int64_t& { return c.run.loss_chunk_mib; }));
   t.push_back(Key("run.device_memory_gib", KeyKind::kFloat, "null",
-                  "Memory of each device in GiB for the memory model (docs/user-guide.md, \"Planning\"): "
+                  "Memory of each device in GiB for the memory model (docs/user-guide.md, \"Planning memory\"): "
                   "`roundpipe plan` prints every stage's predicted peak against it and the longest "
                   "data.seq_len that fits, and `roundpipe train` refuses, before loading weights, a "
                   "run whose predicted peak exceeds it. null: the smallest visible CUDA device's "
