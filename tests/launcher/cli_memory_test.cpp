@@ -53,16 +53,29 @@ TEST(CliMemoryTest, Plan_PrintsPeaksLongestSequenceAndHostBytes) {
 TEST(CliMemoryTest, Train_RefusesAStageOverTheDeviceMemory_BeforeLoading) {
   ScratchDir dir;
   dir.write("run.yaml", tiny_config("run"));
-  // 0.0001 GiB = 107,374 bytes < the fused stage's 443,808.
-  CliResult r = run_cli(dir, "train run.yaml run.devices=1 run.device_memory_gib=0.0001");
+  // 0.0003 GiB = 322,122 bytes < the fused stage's 443,808. With t tokens a microbatch the stage
+  // needs 2 x 90,752 (weights, gradients) + 8,192 (fp32 weight-gradient accumulator)
+  // + 7,941 t (saved 4,776 + recompute 2,256 + logits 256 + grad_hidden 128 + targets 13 +
+  // boundaries 512): t <= 16, i.e. data.seq_len <= 8 at 2 rows; one row of 16 tokens fits.
+  CliResult r = run_cli(dir, "train run.yaml run.devices=1 run.device_memory_gib=0.0003");
   EXPECT_EQ(r.code, 2) << r.err;
   EXPECT_NE(r.err.find("run.device_memory_gib: stage 0 (fused, layers [0, 4)) is predicted to need 433.41 KiB "
                        "(443808 B)"),
             std::string::npos)
       << r.err;
-  EXPECT_NE(r.err.find("at data.seq_len 16 with 2 row(s) a microbatch"), std::string::npos) << r.err;
-  EXPECT_NE(r.err.find("data.seq_len <= "), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("at data.seq_len 16 with 2 row(s) a microbatch, more than the device's 314.57 KiB"),
+            std::string::npos)
+      << r.err;
+  EXPECT_NE(r.err.find("What fits: data.seq_len <= 8; or one row a microbatch (run.num_microbatch = "
+                       "train.batch_size = 4: peak 309.33 KiB, fits)"),
+            std::string::npos)
+      << r.err;
   EXPECT_NE(r.err.find("run.recompute: layer"), std::string::npos) << r.err;
+  // Under the weights and gradients themselves no length fits.
+  r = run_cli(dir, "train run.yaml run.devices=1 run.device_memory_gib=0.0001");
+  EXPECT_EQ(r.code, 2) << r.err;
+  EXPECT_NE(r.err.find("no data.seq_len with this plan (weights and gradients alone: 177.25 KiB)"), std::string::npos)
+      << r.err;
   EXPECT_FALSE(path_exists(dir.file("run/config.yaml")));  // refused before the model was built
   // The same run under a size that holds it trains.
   EXPECT_EQ(run_cli(dir, "train run.yaml run.devices=1 run.device_memory_gib=1 train.steps=1").code, 0);

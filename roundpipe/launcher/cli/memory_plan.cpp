@@ -240,8 +240,9 @@ void check_memory_fits(const LauncherConfig& config) {
       if (o.microbatch_rows > 1) {
         scheduler::DeviceMemoryOptions one = o;
         one.microbatch_rows = 1;
+        const auto stages = scheduler::stage_memory(memory.plan, memory.shape, one);
         why << "; or one row a microbatch (run.num_microbatch = train.batch_size = " << config.train.batch_size
-            << ": peak " << gib(largest_total(scheduler::stage_memory(memory.plan, memory.shape, one))) << ")";
+            << ": peak " << gib(largest_total(stages)) << (fits(stages, limit) ? ", fits" : "") << ")";
       }
       if (!o.layer_recompute) {
         scheduler::DeviceMemoryOptions layer = o;
