@@ -1,8 +1,8 @@
 // The memory model of a pipelined decoder-only transformer: per stage the peak bytes a device holds
 // (weights, gradients, saved activations, one layer's recompute, the chunked LM head/loss), the
 // longest sequence that fits a device, and the host's training state per parameter. Pure
-// arithmetic on the model's shape (Note [Memory model] in memory_model.cpp); `roundpipe plan` and
-// `roundpipe train`'s refusal use it, before any weight exists.
+// arithmetic on the model's shape (the formulas: memory_model.cpp; docs/user-guide.md, "Planning
+// memory"); `roundpipe plan` and `roundpipe train`'s refusal use it, before any weight exists.
 #pragma once
 
 #include <cstdint>
@@ -58,7 +58,7 @@ struct DeviceMemoryOptions {
   /// k and v repeated to the query heads before attention (CPU devices; CUDA's SDPA broadcasts).
   bool repeat_kv = false;
   /// Microbatches whose boundary tensors (stage input and output) a device holds at once: the
-  /// running one and the one whose download is still in flight (Note [Deferred hand-over]).
+  /// running one and the one whose download is still in flight (docs/benchmarks.md, "Memory model").
   int64_t inflight_microbatches = 2;
 
   int64_t tokens() const { return seq_len * microbatch_rows; }
@@ -90,7 +90,7 @@ struct StageMemory {
   int64_t total() const { return weights + grads + saved_activations + recompute + head + boundary; }
 };
 
-/// Host bytes of CPU devices running `plan` (Note [Memory model]): per device the weights of the
+/// Host bytes of CPU devices running `plan` (formulas in memory_model.cpp): per device the weights of the
 /// layers of its stages (dealt round-robin in plan order), plus the largest stage's activations.
 int64_t cpu_device_bytes(const ExecutePlan& plan, const TransformerShape& shape, const DeviceMemoryOptions& options,
                          int64_t num_devices);
@@ -133,7 +133,7 @@ struct HostMemoryOptions {
   int64_t cpu_device_bytes = 0;
 };
 
-/// Predicted peak host bytes, by term (Note [Memory model]).
+/// Predicted peak host bytes, by term (formulas in memory_model.cpp).
 struct HostMemory {
   int64_t compute_copies = 0;
   int64_t masters = 0;
