@@ -92,6 +92,9 @@ struct RunSection {
   RecomputeGrain recompute;
   StepMode step_mode;
   int64_t loss_chunk_mib;  ///< LmHead's loss chunk (models::LinearCrossEntropyOptions::chunk_bytes)
+  /// Device memory the memory model plans for (GiB); nullopt = the smallest CUDA device's memory,
+  /// or none on CPU devices (plan reports, train does not check).
+  std::optional<double> device_memory_gib;
 };
 
 struct AmpConfig {

@@ -18,6 +18,7 @@
 
 #include "roundpipe/launcher/atomic_file.h"
 #include "roundpipe/launcher/cli/checkpoint.h"
+#include "roundpipe/launcher/cli/memory_plan.h"
 #include "roundpipe/launcher/cli/setup.h"
 #include "roundpipe/launcher/metrics.h"
 #include "roundpipe/models/lora.h"
@@ -169,14 +170,12 @@ void run_plan(const LauncherConfig& config, std::ostream& out, const std::string
       << " = decoder layers, " << num_layers - 1 << " = norm + lm_head)\n";
   out << "stages (" << plan.num_stages() << "): forward stages, then backward stages deepest first; "
       << "the first backward stage runs forward + loss + backward fused\n";
-  int64_t largest = 0;
   int index = 0;
   auto print_stage = [&](const char* kind, const scheduler::LayerRange& range, bool backward) {
     int64_t bytes = 0;
     for (int64_t l = range.begin; l < range.end; ++l) {
       bytes += backward ? costs[l].backward_bytes : costs[l].bytes;
     }
-    largest = std::max(largest, bytes);
     out << "  stage " << index++ << "  " << kind << "  layers " << layer_span(range, num_layers)
         << "  " << format_bytes(bytes) << (backward ? " (parameters + gradients)" : " (parameters)")
         << "\n";
@@ -184,35 +183,8 @@ void run_plan(const LauncherConfig& config, std::ostream& out, const std::string
   for (const auto& range : plan.forward_stages()) print_stage("fwd", range, false);
   for (const auto& range : plan.backward_stages()) print_stage("bwd", range, true);
 
-  // Frozen parameters (LoRA's base) have a compute copy only.
-  const int64_t compute = numel * static_cast<int64_t>(c10::elementSize(config.model.dtype));
-  const int64_t master = counts.trainable * static_cast<int64_t>(c10::elementSize(config.model.master_dtype));
-  int64_t optimizer_state = 0;
-  switch (config.optimizer.name) {
-    case OptimizerName::kAdam:
-    case OptimizerName::kAdamW:
-      // 8-bit: a byte per moment plus a float32 scale per 256 elements (small tensors excepted).
-      optimizer_state = config.optimizer.state_dtype == OptimizerStateDtype::kInt8
-                            ? 2 * (counts.trainable + 4 * ((counts.trainable + 255) / 256))
-                            : 2 * master;
-      break;
-    case OptimizerName::kLion:
-      optimizer_state = master;  // the momentum
-      break;
-    case OptimizerName::kSgd:
-      optimizer_state = config.optimizer.momentum != 0.0 ? master : 0;
-      break;
-  }
-  const bool separate_masters = config.model.dtype != config.model.master_dtype;
-  const int64_t host = compute + (separate_masters ? master : 0) + master /*gradients*/ + optimizer_state;
-  out << "estimated host memory: " << format_bytes(host) << " = compute weights "
-      << format_bytes(compute);
-  if (separate_masters) out << " + master weights " << format_bytes(master);
-  out << " + master gradients " << format_bytes(master) << " + optimizer state "
-      << format_bytes(optimizer_state) << " (activations and data not included)\n";
-  out << "estimated device memory: " << format_bytes(2 * largest)
-      << " per device = 2 x the largest stage " << format_bytes(largest)
-      << " (one running, one prefetched; activations not included)\n";
+  // The memory model (scheduler/memory_model.h) on the plan the runtime built.
+  print_memory_plan(config, plan_memory(config, plan), out);
 
   // The plan's simulated timeline. Before any layer time is measured the costs are size-based
   // (bytes): rescaled so that one iteration takes 100 (the simulator is linear in the costs).

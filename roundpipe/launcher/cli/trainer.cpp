@@ -22,6 +22,7 @@
 #include "optim/lion.h"
 #include "roundpipe/launcher/atomic_file.h"
 #include "roundpipe/launcher/cli/checkpoint.h"
+#include "roundpipe/launcher/cli/memory_plan.h"
 #include "roundpipe/launcher/cli/setup.h"
 #include "roundpipe/launcher/loss_plot.h"
 #include "roundpipe/launcher/lr_schedule.h"
@@ -81,6 +82,7 @@ void run_training(const LauncherConfig& config, const std::optional<std::string>
   const int64_t world = group ? group->world_size() : 1;
   const int64_t rank = group ? group->rank() : 0;
   const bool lead = rank == 0;
+  check_memory_fits(config);  // refuses, before loading anything, what will not fit (memory_plan.h)
   // The data first: a bad line of a chat file fails before the weights load.
   const LauncherData train_data = open_data(config, config.data.train, 0);
   std::optional<LauncherData> valid_data;

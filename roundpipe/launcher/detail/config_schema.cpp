@@ -36,6 +36,9 @@ void assign(std::string& field, const Value& v) {
 void assign(std::optional<int64_t>& field, const Value& v) {
   field = std::holds_alternative<int64_t>(v) ? std::optional<int64_t>(std::get<int64_t>(v)) : std::nullopt;
 }
+void assign(std::optional<double>& field, const Value& v) {
+  field = std::holds_alternative<double>(v) ? std::optional<double>(std::get<double>(v)) : std::nullopt;
+}
 void assign(std::array<double, 2>& field, const Value& v) {
   const auto& pair = std::get<std::vector<double>>(v);
   field = {pair.at(0), pair.at(1)};
@@ -50,6 +53,7 @@ Value value_of(double v) { return v; }
 Value value_of(bool v) { return v; }
 Value value_of(const std::string& v) { return v; }
 Value value_of(const std::optional<int64_t>& v) { return v ? Value(*v) : Value(); }
+Value value_of(const std::optional<double>& v) { return v ? Value(*v) : Value(); }
 Value value_of(const std::array<double, 2>& v) { return std::vector<double>{v[0], v[1]}; }
 Value value_of(const std::vector<std::string>& v) { return v; }
 
@@ -396,6 +400,15 @@ std::vector<KeySpec> build_schema() {
                   "(docs/models.md, \"Long sequences\"). Larger: fewer, bigger matrix products.")
                   .range(in_cc(1, 65536))
                   .field([](C& c) -> int64_t& { return c.run.loss_chunk_mib; }));
+  t.push_back(Key("run.device_memory_gib", KeyKind::kFloat, "null",
+                  "Memory of each device in GiB for the memory model (docs/user-guide.md, \"Planning memory\"): "
+                  "`roundpipe plan` prints every stage's predicted peak against it and the longest "
+                  "data.seq_len that fits, and `roundpipe train` refuses, before loading weights, a "
+                  "run whose predicted peak exceeds it. null: the smallest visible CUDA device's "
+                  "memory; on CPU devices, plan only reports and train checks host memory alone.")
+                  .range(gt(0))
+                  .nullable()
+                  .field([](C& c) -> std::optional<double>& { return c.run.device_memory_gib; }));
 
   // ---- amp ----
   t.push_back(Key("amp", KeyKind::kSection, "{}", "Mixed precision: dynamic loss scaling.").section());

@@ -1,0 +1,347 @@
+#include "scheduler/memory_model.h"
+
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <limits>
+
+namespace roundpipe::scheduler {
+
+// Note [Memory model]:
+// Symbols: h hidden, I intermediate, q = heads x head_dim, kv = kv_heads x head_dim, V vocab,
+// s = bytes of the compute dtype, t = tokens of one microbatch (rows x seq_len), E experts, k
+// experts per token, I_e the experts' width, r the LoRA rank.
+//
+// Device, per stage (what one stage job holds at its peak; jobs on a device run one at a time):
+//  - weights: the stage's compute copies: embeddings V h; a decoder layer h q + 2 h kv + q h
+//    (+ q + 2 kv biases) + 2 h norms (+ 2 head_dim for Qwen3's q/k norms) + 3 h I (dense MLP) or
+//    E h + 3 E h I_e (experts); the head h + V h (a tied head uploads the embedding again).
+//    Times s. LoRA adds r (in + out) per adapted projection.
+//  - gradients (backward stages): s x the trainable parameters of its layers (LoRA: adapters only).
+//  - saved activations, per token per decoder layer, what eager autograd keeps between the forward
+//    and the backward (counted tensor by tensor from models/layers.cpp):
+//      s (4h + 3q + 3kv + 4I) + 4 heads
+//    4h: the layer input, the input norm's output, the residual after attention, the
+//    post-attention norm's output; 3q + 3kv: q and k before the rotary embedding (q + kv), q, k
+//    and v into attention (q + 2 kv), the attention output (q); 4I: gate, SiLU(gate), up, their
+//    product; 4 heads: the attention's fp32 log-sum-exp (flash/efficient kernels: no [t, t]
+//    score matrix). Qwen3's q/k norms keep their inputs too: + s (q + kv). CPU devices
+//    repeat k and v to the query heads before attention (CUDA's SDPA broadcasts them):
+//    + s 2 (q - kv). An MoE layer replaces 4I by s (4 k I_e + k h) + 8 E (the k experts' four
+//    MLP tensors, the tokens gathered per expert, fp32 router logits and probabilities). LoRA:
+//    + s r per adapted projection (the A output B's gradient needs). Embeddings keep the token
+//    ids (8 B/token), the head's final norm its input and output (2 h s).
+//    This is the reference's count (../shared/reference/longseq-memory.md §2: ~88 KiB per token
+//    per layer for Qwen3-1.7B in bf16) and docs/benchmarks.md's measured ~1,220 floats per token
+//    per layer for the 64-wide, 4-head/2-kv-head CPU model of longseq_bench.
+//    A stage keeps them for one microbatch at a time: with the stage grain a backward stage
+//    recomputes all its layers before its backward (sum over its layers); with the layer grain
+//    one layer at a time (the largest); the fused tail never recomputes (sum).
+//  - recompute: one layer's intermediates on top: in a forward stage the live tensors of the
+//    running layer (no autograd), in a backward stage the gradients of the layer being
+//    back-propagated; both bounded by that layer's saved activations (the largest of the stage).
+//  - head (the stage with the LM head, training): models::linear_cross_entropy's working set:
+//    one chunk of logits buffers, min(C, t) V p with p = 4 B/logit for an fp32 model and 8 for
+//    bf16/fp16 and C = max(1, loss_chunk_bytes / (V p)) tokens; the fp32 accumulator of the
+//    weight's gradient V h 4; the hidden states' gradient t h s; targets and masks 13 t.
+//  - boundary: the stage's input and output hidden states (2 t h s) for each in-flight
+//    microbatch (2: the running one and the one whose results are still being downloaded).
+// The runtime's partitioner (size-based, launcher: deterministic) does not see activations; that
+// is why `roundpipe plan` reports both the runtime's plan and a memory-aware one.
+//
+// Host (training state, per trainable parameter unless said; N = all parameters):
+//  - compute copies: s N (LoRA's frozen base included: its only copy);
+//  - masters: m (the master dtype's bytes): a separate copy even when m == s
+//    (StepPipeline::masters clones);
+//  - gradients: s (the compute gradients handed over, which become the master's .grad when the
+//    dtypes match) + m when they differ (the persistent cast buffer, Note [Gradient hand-over])
+//    + s in async mode (the next iteration's gradients while the step holds the previous ones);
+//  - optimizer state: Adam/AdamW 2 m; int8 states 2 + 8 / 256 (one fp32 scale per 256 values
+//    per moment); Lion m; SGD with momentum m; SGD 0;
+//  - overhead: what the live sum misses, 1.5 x the optimizer state. Fitted to peak RSS of
+//    `roundpipe train` minus the same command on a tiny model (docs/benchmarks.md, "Memory
+//    model"): 125M parameters, CPU devices, fp32 and bf16 compute, sync and async steps, fp32 and
+//    int8 Adam states. The excess over the live sum tracked the optimizer state (10-13 B/param
+//    with fp32 moments, ~1 with int8 ones), not the masters or gradients: the peak comes while
+//    the final checkpoint serializes the optimizer state (one more copy of it) with the first
+//    step's freed temporaries still held by the allocator (issue 31). With this allowance every
+//    measured configuration is predicted within -7% .. +10% (2 CPU devices: -7%).
+//  - CPU devices: each device keeps clones of the layers of the stages it runs (its shells) and
+//    one stage's activations at a time: the weights of the layers of every stage dealt to it
+//    (round-robin in plan order) + the largest stage's activation terms.
+
+namespace {
+
+int64_t adapted(const TransformerShape& shape, const char* name) {
+  return std::count(shape.lora_targets.begin(), shape.lora_targets.end(), name) > 0 ? 1 : 0;
+}
+
+bool is_sparse(const TransformerShape& shape, int64_t decoder_index) {
+  if (shape.experts <= 0) return false;
+  return shape.sparse_layers.empty() || shape.sparse_layers.at(static_cast<size_t>(decoder_index));
+}
+
+struct DecoderParams {
+  int64_t base = 0;
+  int64_t adapters = 0;
+  int64_t adapted_projections = 0;
+};
+
+DecoderParams decoder_params(const TransformerShape& shape, int64_t index) {
+  const int64_t h = shape.hidden, q = shape.q_dim(), kv = shape.kv_dim();
+  DecoderParams p;
+  p.base = h * q + 2 * h * kv + q * h + 2 * h;
+  if (shape.attention_bias) p.base += q + 2 * kv;
+  if (shape.qk_norm) p.base += 2 * shape.head_dim;
+  const bool sparse = is_sparse(shape, index);
+  if (sparse) {
+    p.base += shape.experts * h + 3 * shape.experts * h * shape.moe_intermediate;
+  } else {
+    p.base += 3 * h * shape.intermediate;
+  }
+  if (shape.lora_rank > 0) {
+    const int64_t r = shape.lora_rank, I = shape.intermediate;
+    struct Projection { const char* name; int64_t in, out; bool mlp; };
+    const Projection projections[] = {{"q_proj", h, q, false},   {"k_proj", h, kv, false}, {"v_proj", h, kv, false},
+                                      {"o_proj", q, h, false},   {"gate_proj", h, I, true}, {"up_proj", h, I, true},
+                                      {"down_proj", I, h, true}};
+    for (const Projection& pr : projections) {
+      if (!adapted(shape, pr.name) || (pr.mlp && sparse)) continue;  // experts are not adapted
+      p.adapters += r * (pr.in + pr.out);
+      ++p.adapted_projections;
+    }
+  }
+  return p;
+}
+
+int64_t decoder_saved_per_token(const TransformerShape& shape, int64_t index, const DeviceMemoryOptions& o,
+                                int64_t adapted_projections) {
+  const int64_t s = o.dtype_bytes, h = shape.hidden, q = shape.q_dim(), kv = shape.kv_dim();
+  int64_t bytes = s * (4 * h + 3 * q + 3 * kv) + 4 * shape.heads;
+  if (shape.qk_norm) bytes += s * (q + kv);
+  if (o.repeat_kv) bytes += s * 2 * (q - kv);
+  if (is_sparse(shape, index)) {
+    bytes += s * (4 * shape.experts_per_token * shape.moe_intermediate + shape.experts_per_token * h) +
+             8 * shape.experts;
+  } else {
+    bytes += s * 4 * shape.intermediate;
+  }
+  return bytes + s * shape.lora_rank * adapted_projections;
+}
+
+void check_shape(const TransformerShape& shape) {
+  TORCH_CHECK(shape.vocab > 0 && shape.hidden > 0 && shape.num_layers >= 0 && shape.heads > 0 &&
+                  shape.kv_heads > 0 && shape.head_dim > 0,
+              "memory model: the shape needs positive vocab, hidden, heads, kv_heads and head_dim, got vocab ",
+              shape.vocab, ", hidden ", shape.hidden, ", heads ", shape.heads, ", kv_heads ", shape.kv_heads,
+              ", head_dim ", shape.head_dim);
+}
+
+}  // namespace
+
+ParameterCount count_parameters(const TransformerShape& shape) {
+  check_shape(shape);
+  const int64_t embedding = shape.vocab * shape.hidden;
+  const int64_t head = shape.hidden + (shape.tied_embeddings ? 0 : embedding);
+  ParameterCount count;
+  count.total = embedding + head;
+  for (int64_t i = 0; i < shape.num_layers; ++i) {
+    const DecoderParams p = decoder_params(shape, i);
+    count.total += p.base + p.adapters;
+    count.trainable += p.adapters;
+  }
+  if (shape.lora_rank == 0) count.trainable = count.total;
+  return count;
+}
+
+std::vector<LayerMemory> layer_memory(const TransformerShape& shape, const DeviceMemoryOptions& o) {
+  check_shape(shape);
+  TORCH_CHECK(o.dtype_bytes > 0 && o.seq_len > 0 && o.microbatch_rows > 0 && o.loss_chunk_bytes > 0 &&
+                  o.inflight_microbatches > 0,
+              "memory model: dtype_bytes, seq_len, microbatch_rows, loss_chunk_bytes and inflight_microbatches must "
+              "be positive");
+  const int64_t s = o.dtype_bytes, h = shape.hidden, V = shape.vocab, t = o.tokens();
+  const bool full = shape.lora_rank == 0;
+  std::vector<LayerMemory> layers;
+  LayerMemory embedding;
+  embedding.param_bytes = V * h * s;
+  embedding.grad_bytes = full ? embedding.param_bytes : 0;
+  embedding.saved_per_token = 8;
+  layers.push_back(embedding);
+  for (int64_t i = 0; i < shape.num_layers; ++i) {
+    const DecoderParams p = decoder_params(shape, i);
+    LayerMemory layer;
+    layer.param_bytes = (p.base + p.adapters) * s;
+    layer.grad_bytes = (full ? p.base + p.adapters : p.adapters) * s;
+    layer.saved_per_token = decoder_saved_per_token(shape, i, o, p.adapted_projections);
+    layers.push_back(layer);
+  }
+  LayerMemory head;
+  head.param_bytes = (h + V * h) * s;
+  head.grad_bytes = full ? head.param_bytes : 0;
+  head.saved_per_token = 2 * h * s;
+  const int64_t per_logit = s >= 4 ? 4 : 8;  // models::loss_chunk_tokens
+  const int64_t chunk = std::max<int64_t>(1, o.loss_chunk_bytes / (V * per_logit));
+  head.head_bytes = std::min(chunk, t) * V * per_logit + V * h * 4 + t * h * s + 13 * t;
+  layers.push_back(head);
+  return layers;
+}
+
+std::vector<StageMemory> stage_memory(const ExecutePlan& plan, const TransformerShape& shape,
+                                      const DeviceMemoryOptions& o) {
+  const std::vector<LayerMemory> layers = layer_memory(shape, o);
+  plan.validate(static_cast<int64_t>(layers.size()), RunType::kFused);  // embeddings, decoders, head
+  const int64_t t = o.tokens();
+  auto one = [&](const LayerRange& r, bool backward, bool fused) {
+    StageMemory m;
+    m.backward = backward;
+    m.fused = fused;
+    m.layers = r;
+    int64_t sum_saved = 0, max_saved = 0;
+    for (int64_t l = r.begin; l < r.end; ++l) {
+      const LayerMemory& layer = layers[static_cast<size_t>(l)];
+      m.weights += layer.param_bytes;
+      if (backward) m.grads += layer.grad_bytes;
+      sum_saved += layer.saved_per_token * t;
+      max_saved = std::max(max_saved, layer.saved_per_token * t);
+      if (backward) m.head += layer.head_bytes;
+    }
+    if (backward) m.saved_activations = fused || !o.layer_recompute ? sum_saved : max_saved;
+    m.recompute = max_saved;
+    m.boundary = o.inflight_microbatches * 2 * t * shape.hidden * o.dtype_bytes;
+    return m;
+  };
+  std::vector<StageMemory> out;
+  for (const LayerRange& r : plan.forward_stages()) out.push_back(one(r, false, false));
+  bool first = true;
+  for (const LayerRange& r : plan.backward_stages()) {
+    out.push_back(one(r, true, first));
+    first = false;
+  }
+  return out;
+}
+
+int64_t cpu_device_bytes(const ExecutePlan& plan, const TransformerShape& shape, const DeviceMemoryOptions& options,
+                         int64_t num_devices) {
+  TORCH_CHECK(num_devices > 0, "cpu_device_bytes: num_devices must be positive, got ", num_devices);
+  const std::vector<LayerMemory> layers = layer_memory(shape, options);
+  std::vector<LayerRange> ranges = plan.forward_stages();
+  ranges.insert(ranges.end(), plan.backward_stages().begin(), plan.backward_stages().end());
+  int64_t total = 0;
+  for (int64_t d = 0; d < num_devices; ++d) {
+    std::vector<bool> cloned(layers.size(), false);
+    for (size_t i = static_cast<size_t>(d); i < ranges.size(); i += static_cast<size_t>(num_devices)) {
+      for (int64_t l = ranges[i].begin; l < ranges[i].end; ++l) cloned[static_cast<size_t>(l)] = true;
+    }
+    for (size_t l = 0; l < layers.size(); ++l) total += cloned[l] ? layers[l].param_bytes : 0;
+  }
+  int64_t activations = 0;
+  for (const StageMemory& m : stage_memory(plan, shape, options)) {
+    activations = std::max(activations, m.saved_activations + m.recompute + m.head + m.boundary);
+  }
+  return total + activations;
+}
+
+ExecutePlan runtime_plan(const TransformerShape& shape, const DeviceMemoryOptions& options, int64_t num_devices) {
+  const std::vector<LayerMemory> layers = layer_memory(shape, options);
+  std::vector<int64_t> bytes, grads;
+  for (const LayerMemory& l : layers) {
+    bytes.push_back(l.param_bytes);
+    grads.push_back(l.grad_bytes);
+  }
+  return partition(size_based_costs(bytes, grads), RunType::kFused,
+                   PartitionOptions().set_min_stages(std::max<int64_t>(1, num_devices)));
+}
+
+bool memory_aware_plan(const TransformerShape& shape, const DeviceMemoryOptions& options, int64_t num_devices,
+                       int64_t device_bytes, ExecutePlan* plan) {
+  const std::vector<LayerMemory> layers = layer_memory(shape, options);
+  const int64_t t = options.tokens();
+  std::vector<int64_t> bytes, grads;
+  int64_t max_saved = 0;
+  for (const LayerMemory& l : layers) {
+    bytes.push_back(l.param_bytes);
+    grads.push_back(l.grad_bytes);
+    max_saved = std::max(max_saved, l.saved_per_token * t);
+  }
+  std::vector<LayerCost> costs = size_based_costs(bytes, grads);
+  // Additive per layer: weights (+ gradients + saved activations + the head); the rest of a
+  // stage's peak (one layer's recompute, the boundary tensors) comes off the budget.
+  for (size_t l = 0; l < costs.size(); ++l) {
+    costs[l].backward_bytes = bytes[l] + grads[l] + layers[l].saved_per_token * t + layers[l].head_bytes;
+  }
+  const int64_t fixed = max_saved + options.inflight_microbatches * 2 * t * shape.hidden * options.dtype_bytes;
+  if (device_bytes - fixed <= 0) return false;
+  try {
+    *plan = partition(costs, RunType::kFused,
+                      PartitionOptions().set_min_stages(std::max<int64_t>(1, num_devices)).set_memory_budget_bytes(
+                          device_bytes - fixed));
+  } catch (const c10::Error&) {
+    return false;  // a layer alone does not fit
+  }
+  for (const StageMemory& m : stage_memory(*plan, shape, options)) {
+    if (m.total() > device_bytes) return false;
+  }
+  return true;
+}
+
+int64_t max_seq_len(const TransformerShape& shape, DeviceMemoryOptions options, int64_t num_devices,
+                    int64_t device_bytes, bool fixed_plan, int64_t granularity) {
+  TORCH_CHECK(granularity > 0, "max_seq_len: granularity must be positive, got ", granularity);
+  const ExecutePlan fixed = runtime_plan(shape, options, num_devices);
+  auto fits = [&](int64_t seq_len) {
+    options.seq_len = seq_len;
+    if (!fixed_plan) {
+      ExecutePlan plan;
+      return memory_aware_plan(shape, options, num_devices, device_bytes, &plan);
+    }
+    for (const StageMemory& m : stage_memory(fixed, shape, options)) {
+      if (m.total() > device_bytes) return false;
+    }
+    return true;
+  };
+  // Peaks grow with the sequence: double to a length that does not fit, then bisect (in units).
+  constexpr int64_t kMaxUnits = int64_t{1} << 24;
+  int64_t lo = 0, hi = 1;
+  while (hi <= kMaxUnits && fits(hi * granularity)) {
+    lo = hi;
+    hi *= 2;
+  }
+  if (hi > kMaxUnits) return lo * granularity;
+  while (hi - lo > 1) {
+    const int64_t mid = lo + (hi - lo) / 2;
+    if (fits(mid * granularity)) {
+      lo = mid;
+    } else {
+      hi = mid;
+    }
+  }
+  return lo * granularity;
+}
+
+HostMemory host_memory(const ParameterCount& params, const HostMemoryOptions& o) {
+  TORCH_CHECK(o.compute_bytes > 0 && o.master_bytes > 0, "host memory model: dtype bytes must be positive");
+  const int64_t n = params.trainable, s = o.compute_bytes, m = o.master_bytes;
+  HostMemory h;
+  h.compute_copies = params.total * s;
+  h.masters = n * m;
+  h.grads = n * s + (s != m ? n * m : 0) + (o.async_step ? n * s : 0);
+  switch (o.optimizer) {
+    case OptimizerStateKind::kNone:
+      break;
+    case OptimizerStateKind::kOneMasterSized:
+      h.optimizer_state = n * m;
+      break;
+    case OptimizerStateKind::kAdamFloat32:
+      h.optimizer_state = 2 * n * m;
+      break;
+    case OptimizerStateKind::kAdamInt8:
+      h.optimizer_state = 2 * (n + 4 * ((n + 255) / 256));
+      break;
+  }
+  h.cpu_devices = o.cpu_device_bytes;
+  h.overhead = h.optimizer_state * 3 / 2;  // Note [Memory model]
+  return h;
+}
+
+}  // namespace roundpipe::scheduler

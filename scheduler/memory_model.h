@@ -1,0 +1,148 @@
+// The memory model of a pipelined decoder-only transformer: per stage the peak bytes a device holds
+// (weights, gradients, saved activations, one layer's recompute, the chunked LM head/loss), the
+// longest sequence that fits a device, and the host's training state per parameter. Pure
+// arithmetic on the model's shape (the formulas: memory_model.cpp; docs/user-guide.md, "Planning
+// memory"); `roundpipe plan` and `roundpipe train`'s refusal use it, before any weight exists.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "scheduler/execute_plan.h"
+#include "scheduler/partitioner.h"
+
+namespace roundpipe::scheduler {
+
+/// Shape of a decoder-only transformer, in Hugging Face config.json terms.
+struct TransformerShape {
+  int64_t vocab = 0;
+  int64_t hidden = 0;
+  int64_t intermediate = 0;    ///< dense MLP width
+  int64_t num_layers = 0;      ///< decoder layers
+  int64_t heads = 0;
+  int64_t kv_heads = 0;
+  int64_t head_dim = 0;
+  bool qk_norm = false;        ///< RMSNorm on q and k per head (Qwen3)
+  bool attention_bias = false;
+  bool tied_embeddings = false;
+  // Mixture of experts (0 experts: dense).
+  int64_t experts = 0;
+  int64_t experts_per_token = 0;
+  int64_t moe_intermediate = 0;
+  /// Per decoder layer, whether it has experts; empty with experts > 0: every layer has.
+  std::vector<bool> sparse_layers;
+  // LoRA: rank 0 = every parameter trains; else only rank-r adapters on `lora_targets`
+  // (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj) train, the base is frozen.
+  int64_t lora_rank = 0;
+  std::vector<std::string> lora_targets;
+
+  int64_t q_dim() const { return heads * head_dim; }
+  int64_t kv_dim() const { return kv_heads * head_dim; }
+};
+
+/// Parameter counts (tied embeddings counted once).
+struct ParameterCount {
+  int64_t total = 0;
+  int64_t trainable = 0;
+};
+ParameterCount count_parameters(const TransformerShape& shape);
+
+/// What a run does on its devices.
+struct DeviceMemoryOptions {
+  int64_t dtype_bytes = 2;             ///< compute dtype (model.dtype)
+  int64_t seq_len = 2048;              ///< tokens per sequence
+  int64_t microbatch_rows = 1;         ///< sequences per microbatch
+  bool layer_recompute = false;        ///< run.recompute: layer (else stage)
+  int64_t loss_chunk_bytes = int64_t{256} << 20;  ///< run.loss_chunk_mib
+  /// k and v repeated to the query heads before attention (CPU devices; CUDA's SDPA broadcasts).
+  bool repeat_kv = false;
+  /// Microbatches whose boundary tensors (stage input and output) a device holds at once: the
+  /// running one and the one whose download is still in flight (docs/benchmarks.md, "Memory model").
+  int64_t inflight_microbatches = 2;
+
+  int64_t tokens() const { return seq_len * microbatch_rows; }
+};
+
+/// One pipeline layer (0 = embeddings, 1..L = decoder layers, L+1 = norm + LM head).
+struct LayerMemory {
+  int64_t param_bytes = 0;        ///< compute copy on the device
+  int64_t grad_bytes = 0;         ///< gradients of its trainable parameters (backward stages)
+  int64_t saved_per_token = 0;    ///< bytes autograd keeps per token between forward and backward
+  int64_t head_bytes = 0;         ///< the LM head/loss working set (last layer only; see the Note)
+};
+
+/// The pipeline's layers with their memory at `options` (the head's working set depends on the
+/// tokens of a microbatch).
+std::vector<LayerMemory> layer_memory(const TransformerShape& shape, const DeviceMemoryOptions& options);
+
+/// Peak device bytes of one stage, by term.
+struct StageMemory {
+  bool backward = false;  ///< a backward stage (the first of them is the fused tail)
+  bool fused = false;
+  LayerRange layers{0, 0};
+  int64_t weights = 0;
+  int64_t grads = 0;
+  int64_t saved_activations = 0;  ///< kept for backward during one microbatch
+  int64_t recompute = 0;          ///< one layer's intermediates (forward transient or backward grads)
+  int64_t head = 0;               ///< chunked LM head + loss
+  int64_t boundary = 0;           ///< stage inputs/outputs of the in-flight microbatches
+  int64_t total() const { return weights + grads + saved_activations + recompute + head + boundary; }
+};
+
+/// Host bytes of CPU devices running `plan` (formulas in memory_model.cpp): per device the weights of the
+/// layers of its stages (dealt round-robin in plan order), plus the largest stage's activations.
+int64_t cpu_device_bytes(const ExecutePlan& plan, const TransformerShape& shape, const DeviceMemoryOptions& options,
+                         int64_t num_devices);
+
+/// The peak of every stage of `plan` (forward stages, then backward stages as in ExecutePlan),
+/// training (RunType::kFused plans).
+std::vector<StageMemory> stage_memory(const ExecutePlan& plan, const TransformerShape& shape,
+                                      const DeviceMemoryOptions& options);
+
+/// The plan the runtime builds for these layers before any time is measured (the launcher's
+/// deterministic plan): partition(size_based_costs(weights, grads), kFused) on `num_devices`.
+ExecutePlan runtime_plan(const TransformerShape& shape, const DeviceMemoryOptions& options, int64_t num_devices);
+
+/// A plan whose every stage fits `device_bytes` by this model (stages cut by activation bytes as
+/// well as weights), or false when even one layer per stage does not fit.
+bool memory_aware_plan(const TransformerShape& shape, const DeviceMemoryOptions& options, int64_t num_devices,
+                       int64_t device_bytes, ExecutePlan* plan);
+
+/// The longest seq_len (a multiple of `granularity`) whose peak fits `device_bytes`, 0 if none.
+/// `fixed_plan`: with the runtime's plan (runtime_plan); otherwise with memory_aware_plan at each
+/// length.
+int64_t max_seq_len(const TransformerShape& shape, DeviceMemoryOptions options, int64_t num_devices,
+                    int64_t device_bytes, bool fixed_plan, int64_t granularity = 1024);
+
+/// Which optimizer keeps which state per trainable parameter.
+enum class OptimizerStateKind {
+  kNone,             ///< SGD without momentum
+  kOneMasterSized,   ///< Lion's momentum, SGD's momentum buffer
+  kAdamFloat32,      ///< Adam/AdamW exp_avg + exp_avg_sq in the master dtype
+  kAdamInt8,         ///< block-wise 8-bit moments: 1 B each + an fp32 scale per 256 values
+};
+
+struct HostMemoryOptions {
+  int64_t compute_bytes = 2;   ///< model.dtype
+  int64_t master_bytes = 4;    ///< model.master_dtype
+  OptimizerStateKind optimizer = OptimizerStateKind::kAdamFloat32;
+  bool async_step = true;      ///< run.step_mode: async (a second gradient set in flight)
+  /// Host bytes the CPU devices' stage jobs hold at their peak (their "device" memory is host
+  /// memory): 0 with GPUs.
+  int64_t cpu_device_bytes = 0;
+};
+
+/// Predicted peak host bytes, by term (formulas in memory_model.cpp).
+struct HostMemory {
+  int64_t compute_copies = 0;
+  int64_t masters = 0;
+  int64_t grads = 0;
+  int64_t optimizer_state = 0;
+  int64_t cpu_devices = 0;
+  int64_t overhead = 0;   ///< allowance above the live sum: 1.5 x the optimizer state (measured)
+  int64_t total() const { return compute_copies + masters + grads + optimizer_state + cpu_devices + overhead; }
+};
+HostMemory host_memory(const ParameterCount& params, const HostMemoryOptions& options);
+
+}  // namespace roundpipe::scheduler

@@ -1,0 +1,204 @@
+// The memory model (scheduler/memory_model.h) against hand computation for a tiny Llama shape:
+// vocab 64, hidden 32, intermediate 64, 2 decoder layers, 4 heads / 2 kv heads of 8, fp32.
+#include "scheduler/memory_model.h"
+
+#include <gtest/gtest.h>
+
+namespace roundpipe::scheduler {
+namespace {
+
+TransformerShape tiny() {
+  TransformerShape s;
+  s.vocab = 64;
+  s.hidden = 32;
+  s.intermediate = 64;
+  s.num_layers = 2;
+  s.heads = 4;
+  s.kv_heads = 2;
+  s.head_dim = 8;
+  return s;
+}
+
+DeviceMemoryOptions fp32(int64_t seq_len, int64_t rows) {
+  DeviceMemoryOptions o;
+  o.dtype_bytes = 4;
+  o.seq_len = seq_len;
+  o.microbatch_rows = rows;
+  o.loss_chunk_bytes = 1024;  // 1024 / (64 x 4 B) = 4 tokens a chunk
+  return o;
+}
+
+// By hand: q, o 32 x 32; k, v 16 x 32; gate, up, down 3 x 32 x 64; two norms of 32.
+constexpr int64_t kDecoderParams = 2 * 32 * 32 + 2 * 16 * 32 + 3 * 32 * 64 + 2 * 32;  // 9,280
+constexpr int64_t kParams = 64 * 32 + 2 * kDecoderParams + (32 + 64 * 32);           // 22,688
+// Saved per token per decoder layer, fp32: 4h + 3q + 3kv + 4I floats + 4 heads fp32 LSE.
+constexpr int64_t kDecoderSaved = 4 * (4 * 32 + 3 * 32 + 3 * 16 + 4 * 64) + 4 * 4;   // 2,128
+
+TEST(MemoryModelTest, CountParameters_MatchesHandCount) {
+  EXPECT_EQ(kParams, 22688);
+  const ParameterCount full = count_parameters(tiny());
+  EXPECT_EQ(full.total, kParams);
+  EXPECT_EQ(full.trainable, kParams);
+  TransformerShape tied = tiny();
+  tied.tied_embeddings = true;
+  EXPECT_EQ(count_parameters(tied).total, kParams - 64 * 32);
+  // LoRA rank 2 on q and v: 2 (32 + 32) + 2 (32 + 16) per layer train; the base is frozen.
+  TransformerShape lora = tiny();
+  lora.lora_rank = 2;
+  lora.lora_targets = {"q_proj", "v_proj"};
+  const ParameterCount adapters = count_parameters(lora);
+  EXPECT_EQ(adapters.trainable, 2 * (2 * 64 + 2 * 48));
+  EXPECT_EQ(adapters.total, kParams + adapters.trainable);
+}
+
+TEST(MemoryModelTest, LayerMemory_MatchesClosedForm) {
+  const std::vector<LayerMemory> layers = layer_memory(tiny(), fp32(16, 2));
+  ASSERT_EQ(layers.size(), 4u);
+  EXPECT_EQ(layers[0].param_bytes, 64 * 32 * 4);
+  EXPECT_EQ(layers[0].saved_per_token, 8);
+  EXPECT_EQ(layers[1].param_bytes, kDecoderParams * 4);
+  EXPECT_EQ(layers[1].grad_bytes, kDecoderParams * 4);
+  EXPECT_EQ(kDecoderSaved, 2128);
+  EXPECT_EQ(layers[1].saved_per_token, kDecoderSaved);
+  EXPECT_EQ(layers[3].param_bytes, (32 + 64 * 32) * 4);
+  EXPECT_EQ(layers[3].saved_per_token, 2 * 32 * 4);
+  // Head: one 4-token chunk of fp32 logits + fp32 weight-gradient accumulator + the hidden
+  // states' gradient (32 tokens x 32 x 4 B) + targets/masks 13 B a token.
+  EXPECT_EQ(layers[3].head_bytes, 4 * 64 * 4 + 64 * 32 * 4 + 32 * 32 * 4 + 13 * 32);
+  // bf16: 8 B a logit, 1024 / 512 = 2 tokens; Qwen3's q/k norms; CPU's repeated k/v.
+  DeviceMemoryOptions bf16 = fp32(16, 2);
+  bf16.dtype_bytes = 2;
+  bf16.repeat_kv = true;
+  TransformerShape qwen = tiny();
+  qwen.qk_norm = true;
+  const std::vector<LayerMemory> q = layer_memory(qwen, bf16);
+  EXPECT_EQ(q[1].saved_per_token, 2 * (4 * 32 + 3 * 32 + 3 * 16 + 4 * 64) + 4 * 4 + 2 * (32 + 16) + 2 * 2 * (32 - 16));
+  EXPECT_EQ(q[1].param_bytes, (kDecoderParams + 2 * 8) * 2);
+  EXPECT_EQ(q[3].head_bytes, 2 * 64 * 8 + 64 * 32 * 4 + 32 * 32 * 2 + 13 * 32);
+}
+
+TEST(MemoryModelTest, LayerMemory_MixtureOfExperts) {
+  // 4 experts of width 16, 2 per token, on the second decoder layer only.
+  TransformerShape moe = tiny();
+  moe.experts = 4;
+  moe.experts_per_token = 2;
+  moe.moe_intermediate = 16;
+  moe.sparse_layers = {false, true};
+  const std::vector<LayerMemory> layers = layer_memory(moe, fp32(16, 2));
+  EXPECT_EQ(layers[1].param_bytes, kDecoderParams * 4);
+  // Attention and norms 3,136, router 4 x 32, experts 3 x 4 x 32 x 16.
+  EXPECT_EQ(layers[2].param_bytes, (3136 + 4 * 32 + 3 * 4 * 32 * 16) * 4);
+  // 4 (4h + 3q + 3kv) + 4 heads + 4 (4 k I_e + k h) + 8 E.
+  EXPECT_EQ(layers[2].saved_per_token, 4 * (4 * 32 + 3 * 32 + 3 * 16) + 16 + 4 * (4 * 2 * 16 + 2 * 32) + 8 * 4);
+  EXPECT_EQ(count_parameters(moe).total, kParams - 3 * 32 * 64 + 4 * 32 + 3 * 4 * 32 * 16);
+}
+
+TEST(MemoryModelTest, StageMemory_SumsTheTermsByHand) {
+  // fwd [0, 2) | fused [2, 4) | bwd [0, 2); 2 rows of 16 tokens: t = 32.
+  const ExecutePlan plan({{0, 2}}, {{2, 4}, {0, 2}});
+  const int64_t t = 32, boundary = 2 * 2 * t * 32 * 4;
+  const int64_t head = 4 * 64 * 4 + 64 * 32 * 4 + t * 32 * 4 + 13 * t;
+  const std::vector<StageMemory> stages = stage_memory(plan, tiny(), fp32(16, 2));
+  ASSERT_EQ(stages.size(), 3u);
+  const int64_t w01 = (64 * 32 + kDecoderParams) * 4, w23 = (kDecoderParams + 32 + 64 * 32) * 4;
+  EXPECT_FALSE(stages[0].backward);
+  EXPECT_EQ(stages[0].total(), w01 + kDecoderSaved * t + boundary);
+  EXPECT_EQ(stages[0].total(), 129792);
+  EXPECT_TRUE(stages[1].fused);
+  EXPECT_EQ(stages[1].saved_activations, (kDecoderSaved + 2 * 32 * 4) * t);
+  EXPECT_EQ(stages[1].total(), 2 * w23 + (kDecoderSaved + 256) * t + kDecoderSaved * t + head + boundary);
+  EXPECT_EQ(stages[1].total(), 265376);
+  EXPECT_EQ(stages[2].total(), 2 * w01 + (8 + kDecoderSaved) * t + kDecoderSaved * t + boundary);
+  // The layer grain keeps one layer's activations in a backward stage, all of them in the fused tail.
+  DeviceMemoryOptions layer = fp32(16, 2);
+  layer.layer_recompute = true;
+  const std::vector<StageMemory> by_layer = stage_memory(plan, tiny(), layer);
+  EXPECT_EQ(by_layer[1].total(), stages[1].total());
+  EXPECT_EQ(by_layer[2].total(), 2 * w01 + kDecoderSaved * t + kDecoderSaved * t + boundary);
+}
+
+TEST(MemoryModelTest, MaxSeqLen_OneFusedStage_SolvesTheLinearBound) {
+  // One device: the size-based plan is one fused stage (cost 3B against >= 4.5B for any split).
+  const ExecutePlan plan = runtime_plan(tiny(), fp32(16, 1), 1);
+  ASSERT_EQ(plan.forward_stages().size(), 0u) << plan.to_string();
+  ASSERT_EQ(plan.backward_stages().size(), 1u) << plan.to_string();
+  // Peak(T) for T >= 4 (a full chunk), one row: weights + grads + chunk + weight-gradient
+  // accumulator + T (saved 8 + 2 x 2128 + 256, one layer's recompute 2128, grad_hidden 128,
+  // targets 13, boundaries 512).
+  const int64_t fixed = 2 * kParams * 4 + 4 * 64 * 4 + 64 * 32 * 4;
+  const int64_t per_token = (8 + 2 * kDecoderSaved + 256) + kDecoderSaved + 32 * 4 + 13 + 2 * 2 * 32 * 4;
+  EXPECT_EQ(per_token, 7301);
+  const int64_t budget = fixed + 100 * per_token + 5;
+  EXPECT_EQ(max_seq_len(tiny(), fp32(16, 1), 1, budget, /*fixed_plan=*/true, /*granularity=*/1), 100);
+  EXPECT_EQ(max_seq_len(tiny(), fp32(16, 1), 1, budget, true, 8), 96);
+  EXPECT_EQ(max_seq_len(tiny(), fp32(16, 1), 1, fixed, true, 1), 0);
+  // Two rows a microbatch: half the tokens per sequence.
+  EXPECT_EQ(max_seq_len(tiny(), fp32(16, 2), 1, budget, true, 1), 50);
+}
+
+TEST(MemoryModelTest, MemoryAwarePlan_CutsStagesToFit) {
+  const DeviceMemoryOptions o = fp32(512, 1);
+  const ExecutePlan one = runtime_plan(tiny(), o, 1);
+  const int64_t whole = stage_memory(one, tiny(), o).front().total();
+  // Under 70% of the single stage's peak the memory-aware plan splits the layers, and every
+  // stage then fits.
+  const int64_t budget = whole * 7 / 10;
+  ExecutePlan plan;
+  ASSERT_TRUE(memory_aware_plan(tiny(), o, 1, budget, &plan));
+  EXPECT_GT(plan.num_stages(), 1) << plan.to_string();
+  for (const StageMemory& m : stage_memory(plan, tiny(), o)) EXPECT_LE(m.total(), budget);
+  EXPECT_FALSE(memory_aware_plan(tiny(), o, 1, 1000, &plan));  // not even one layer
+  EXPECT_GT(max_seq_len(tiny(), o, 1, budget, false, 64), max_seq_len(tiny(), o, 1, budget, true, 64));
+}
+
+TEST(MemoryModelTest, CpuDeviceBytes_ClonedLayersPerDevicePlusOneStagesActivations) {
+  // fwd [0, 2) | fused [2, 4) | bwd [0, 2): one device clones every layer once; with two, device
+  // 0 runs stages 0 and 2 (layers 0-1), device 1 stage 1 (layers 2-3).
+  const ExecutePlan plan({{0, 2}}, {{2, 4}, {0, 2}});
+  const int64_t all = kParams * 4;
+  const int64_t t = 32, fused_activations = (kDecoderSaved + 256) * t + kDecoderSaved * t +
+                                            (4 * 64 * 4 + 64 * 32 * 4 + t * 32 * 4 + 13 * t) + 2 * 2 * t * 32 * 4;
+  EXPECT_EQ(cpu_device_bytes(plan, tiny(), fp32(16, 2), 1), all + fused_activations);
+  EXPECT_EQ(cpu_device_bytes(plan, tiny(), fp32(16, 2), 2), all + fused_activations);
+  EXPECT_EQ(cpu_device_bytes(plan, tiny(), fp32(16, 2), 3),
+            all + (64 * 32 + kDecoderParams) * 4 + fused_activations);  // device 2 clones layers 0-1 again
+}
+
+TEST(MemoryModelTest, HostMemory_TermsPerOptimizer) {
+  const ParameterCount n{kParams, kParams};
+  HostMemoryOptions o;
+  o.compute_bytes = 4;
+  o.master_bytes = 4;
+  o.async_step = false;
+  HostMemory h = host_memory(n, o);
+  EXPECT_EQ(h.compute_copies, 4 * kParams);
+  EXPECT_EQ(h.masters, 4 * kParams);  // a separate copy even at the same dtype
+  EXPECT_EQ(h.grads, 4 * kParams);
+  EXPECT_EQ(h.optimizer_state, 8 * kParams);
+  EXPECT_EQ(h.overhead, 12 * kParams);  // 1.5 x the moments
+  EXPECT_EQ(h.total(), 32 * kParams);
+  // bf16 compute, async: bf16 gradients, the fp32 cast buffer and a second bf16 set.
+  o.compute_bytes = 2;
+  o.async_step = true;
+  h = host_memory(n, o);
+  EXPECT_EQ(h.compute_copies, 2 * kParams);
+  EXPECT_EQ(h.grads, (2 + 4 + 2) * kParams);
+  // 8-bit moments: a byte each plus an fp32 scale per 256 values each.
+  o.optimizer = OptimizerStateKind::kAdamInt8;
+  EXPECT_EQ(host_memory(n, o).optimizer_state, 2 * (kParams + 4 * 89));
+  o.optimizer = OptimizerStateKind::kOneMasterSized;
+  EXPECT_EQ(host_memory(n, o).optimizer_state, 4 * kParams);
+  o.optimizer = OptimizerStateKind::kNone;
+  EXPECT_EQ(host_memory(n, o).optimizer_state, 0);
+  // LoRA: the frozen base has its compute copy only.
+  const ParameterCount lora{kParams + 448, 448};
+  o.optimizer = OptimizerStateKind::kAdamFloat32;
+  h = host_memory(lora, o);
+  EXPECT_EQ(h.compute_copies, 2 * (kParams + 448));
+  EXPECT_EQ(h.masters + h.grads + h.optimizer_state, (4 + 8 + 8) * 448);
+  o.cpu_device_bytes = 12345;
+  EXPECT_EQ(host_memory(lora, o).total(), h.total() + 12345);
+}
+
+}  // namespace
+}  // namespace roundpipe::scheduler
