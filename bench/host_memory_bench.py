@@ -63,14 +63,18 @@ def run(roundpipe: str, out_dir: str, overrides: list, allocator: str, steps: in
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT)
     samples = []  # (seconds, RSS KiB)
 
-    def sample():
+    def sample():  # the RSS of roundpipe, the wrapper's child
+        child = None
         while proc.poll() is None:
             try:
-                with open(f"/proc/{proc.pid}/status") as f:
+                if child is None:
+                    with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as f:
+                        child = int(f.read().split()[0])
+                with open(f"/proc/{child}/status") as f:
                     for line in f:
                         if line.startswith("VmRSS"):
                             samples.append((time.time() - start, int(line.split()[1])))
-            except OSError:
+            except (OSError, IndexError, ValueError):
                 pass
             time.sleep(0.05)
 
@@ -84,7 +88,8 @@ def run(roundpipe: str, out_dir: str, overrides: list, allocator: str, steps: in
     shutil.rmtree(out_dir, ignore_errors=True)  # a 194M-parameter checkpoint is 2.3 GB
     peak_kib, user_s, sys_s = rusage_file.read_text().split()
     peak_kib, user_s, sys_s = int(peak_kib), float(user_s), float(sys_s)
-    ckpt_start = next((t for t, l in lines if l.startswith(f"step {steps}/{steps}")), lines[-1][0])
+    # The progress line ends in '\r' while it is redrawn: look for the text anywhere.
+    ckpt_start = next((t for t, l in lines if f"step {steps}/{steps} " in l), lines[-1][0])
     steps_kib = max([s for t, s in samples if t <= ckpt_start] or [0])
     during = [s for t, s in samples if t > ckpt_start]
     at_start = ([s for t, s in samples if t <= ckpt_start] or [0])[-1]

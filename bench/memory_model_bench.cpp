@@ -49,7 +49,8 @@ void print_max_seq(const char* name, const sch::TransformerShape& shape) {
   o.microbatch_rows = 1;
   std::printf("%s: %.2fB parameters, %lld B saved per token per decoder layer (bf16)\n", name, n.total / 1e9,
               static_cast<long long>(sch::layer_memory(shape, o)[1].saved_per_token));
-  std::printf("  | GiB | devices | recompute | longest seq_len, runtime plan | longest seq_len, stages cut by memory |\n");
+  std::printf(
+      "  | GiB | devices | recompute | longest seq_len, runtime plan | longest seq_len, stages cut by memory |\n");
   for (int64_t gib : {24, 80}) {
     for (int64_t devices : {1, 8}) {
       for (bool layer : {false, true}) {
@@ -74,11 +75,12 @@ void print_max_seq(const char* name, const sch::TransformerShape& shape) {
     }
     for (size_t i : {size_t{0}, largest}) {  // the first forward stage and the largest
       const sch::StageMemory& m = stages[i];
-      std::printf("    stage %zu %s: %.2f GiB = weights %.2f + grads %.2f + saved %.2f + recompute %.2f + head %.2f + "
-                  "boundary %.2f\n",
-                  i, m.layers.to_string().c_str(), m.total() / double(kGiB), m.weights / double(kGiB),
-                  m.grads / double(kGiB), m.saved_activations / double(kGiB), m.recompute / double(kGiB),
-                  m.head / double(kGiB), m.boundary / double(kGiB));
+      std::printf(
+          "    stage %zu %s: %.2f GiB = weights %.2f + grads %.2f + saved %.2f + recompute %.2f + head %.2f + "
+          "boundary %.2f\n",
+          i, m.layers.to_string().c_str(), m.total() / double(kGiB), m.weights / double(kGiB), m.grads / double(kGiB),
+          m.saved_activations / double(kGiB), m.recompute / double(kGiB), m.head / double(kGiB),
+          m.boundary / double(kGiB));
     }
   }
 }
@@ -103,11 +105,12 @@ void print_host() {
     sch::OptimizerStateKind state;
     int64_t devices;
   };
-  const Case cases[] = {{"fp32, AdamW, sync, 1 CPU device", 4, false, sch::OptimizerStateKind::kAdamFloat32, 1},
-                        {"fp32, AdamW, async, 1 CPU device", 4, true, sch::OptimizerStateKind::kAdamFloat32, 1},
-                        {"bf16, AdamW, async, 1 CPU device", 2, true, sch::OptimizerStateKind::kAdamFloat32, 1},
-                        {"fp32, AdamW int8 states, sync, 1 CPU device", 4, false, sch::OptimizerStateKind::kAdamInt8, 1},
-                        {"fp32, AdamW, sync, 2 CPU devices", 4, false, sch::OptimizerStateKind::kAdamFloat32, 2}};
+  const Case cases[] = {
+      {"fp32, AdamW, sync, 1 CPU device", 4, false, sch::OptimizerStateKind::kAdamFloat32, 1},
+      {"fp32, AdamW, async, 1 CPU device", 4, true, sch::OptimizerStateKind::kAdamFloat32, 1},
+      {"bf16, AdamW, async, 1 CPU device", 2, true, sch::OptimizerStateKind::kAdamFloat32, 1},
+      {"fp32, AdamW int8 states, sync, 1 CPU device", 4, false, sch::OptimizerStateKind::kAdamInt8, 1},
+      {"fp32, AdamW, sync, 2 CPU devices", 4, false, sch::OptimizerStateKind::kAdamFloat32, 2}};
   std::printf("host prediction, %lld parameters:\n", static_cast<long long>(n.total));
   for (const Case& c : cases) {
     sch::DeviceMemoryOptions o;

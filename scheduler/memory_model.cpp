@@ -58,14 +58,14 @@ namespace roundpipe::scheduler {
 //    + s in async mode (the next iteration's gradients while the step holds the previous ones);
 //  - optimizer state: Adam/AdamW 2 m; int8 states 2 + 8 / 256 (one fp32 scale per 256 values
 //    per moment); Lion m; SGD with momentum m; SGD 0;
-//  - overhead: what the live sum misses, 1.5 x the optimizer state. Fitted to peak RSS of
-//    `roundpipe train` minus the same command on a tiny model (docs/benchmarks.md, "Memory
-//    model"): 125M parameters, CPU devices, fp32 and bf16 compute, sync and async steps, fp32 and
-//    int8 Adam states. The excess over the live sum tracked the optimizer state (10-13 B/param
-//    with fp32 moments, ~1 with int8 ones), not the masters or gradients: the peak comes while
-//    the final checkpoint serializes the optimizer state (one more copy of it) with the first
-//    step's freed temporaries still held by the allocator (issue 31). With this allowance every
-//    measured configuration is predicted within -7% .. +10% (2 CPU devices: -7%).
+//  - no allowance above the live sum: the launcher's allocator policy returns freed blocks to the
+//    OS and checkpoints stream the optimizer state (Note [Host allocator policy], Note [Checkpoint
+//    host memory]). Before them the peak came while the final checkpoint serialized the optimizer
+//    state twice with the steps' freed temporaries still held by glibc, an allowance of 1.5 x the
+//    optimizer state (fitted on 125M parameters). Measured since (bench/host_memory_bench.py, 194M
+//    parameters, fp32 AdamW, docs/benchmarks.md "Memory model"): the live sum predicts the peak
+//    within +6% on one CPU device and overestimates it by ~20% on two (the second device's clones
+//    are counted whole, they are not all alive at once).
 //  - CPU devices: each device keeps clones of the layers of the stages it runs (its shells) and
 //    one stage's activations at a time: the weights of the layers of every stage dealt to it
 //    (round-robin in plan order) + the largest stage's activation terms.
@@ -101,9 +101,13 @@ DecoderParams decoder_params(const TransformerShape& shape, int64_t index) {
   }
   if (shape.lora_rank > 0) {
     const int64_t r = shape.lora_rank, I = shape.intermediate;
-    struct Projection { const char* name; int64_t in, out; bool mlp; };
-    const Projection projections[] = {{"q_proj", h, q, false},   {"k_proj", h, kv, false}, {"v_proj", h, kv, false},
-                                      {"o_proj", q, h, false},   {"gate_proj", h, I, true}, {"up_proj", h, I, true},
+    struct Projection {
+      const char* name;
+      int64_t in, out;
+      bool mlp;
+    };
+    const Projection projections[] = {{"q_proj", h, q, false},  {"k_proj", h, kv, false},  {"v_proj", h, kv, false},
+                                      {"o_proj", q, h, false},  {"gate_proj", h, I, true}, {"up_proj", h, I, true},
                                       {"down_proj", I, h, true}};
     for (const Projection& pr : projections) {
       if (!adapted(shape, pr.name) || (pr.mlp && sparse)) continue;  // experts are not adapted
@@ -121,8 +125,8 @@ int64_t decoder_saved_per_token(const TransformerShape& shape, int64_t index, co
   if (shape.qk_norm) bytes += s * (q + kv);
   if (o.repeat_kv) bytes += s * 2 * (q - kv);
   if (is_sparse(shape, index)) {
-    bytes += s * (4 * shape.experts_per_token * shape.moe_intermediate + shape.experts_per_token * h) +
-             8 * shape.experts;
+    bytes +=
+        s * (4 * shape.experts_per_token * shape.moe_intermediate + shape.experts_per_token * h) + 8 * shape.experts;
   } else {
     bytes += s * 4 * shape.intermediate;
   }
@@ -130,8 +134,8 @@ int64_t decoder_saved_per_token(const TransformerShape& shape, int64_t index, co
 }
 
 void check_shape(const TransformerShape& shape) {
-  TORCH_CHECK(shape.vocab > 0 && shape.hidden > 0 && shape.num_layers >= 0 && shape.heads > 0 &&
-                  shape.kv_heads > 0 && shape.head_dim > 0,
+  TORCH_CHECK(shape.vocab > 0 && shape.hidden > 0 && shape.num_layers >= 0 && shape.heads > 0 && shape.kv_heads > 0 &&
+                  shape.head_dim > 0,
               "memory model: the shape needs positive vocab, hidden, heads, kv_heads and head_dim, got vocab ",
               shape.vocab, ", hidden ", shape.hidden, ", heads ", shape.heads, ", kv_heads ", shape.kv_heads,
               ", head_dim ", shape.head_dim);
@@ -274,8 +278,9 @@ bool memory_aware_plan(const TransformerShape& shape, const DeviceMemoryOptions&
   if (device_bytes - fixed <= 0) return false;
   try {
     *plan = partition(costs, RunType::kFused,
-                      PartitionOptions().set_min_stages(std::max<int64_t>(1, num_devices)).set_memory_budget_bytes(
-                          device_bytes - fixed));
+                      PartitionOptions()
+                          .set_min_stages(std::max<int64_t>(1, num_devices))
+                          .set_memory_budget_bytes(device_bytes - fixed));
   } catch (const c10::Error&) {
     return false;  // a layer alone does not fit
   }
@@ -340,7 +345,6 @@ HostMemory host_memory(const ParameterCount& params, const HostMemoryOptions& o)
       break;
   }
   h.cpu_devices = o.cpu_device_bytes;
-  h.overhead = h.optimizer_state * 3 / 2;  // Note [Memory model]
   return h;
 }
 

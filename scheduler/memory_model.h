@@ -18,12 +18,12 @@ namespace roundpipe::scheduler {
 struct TransformerShape {
   int64_t vocab = 0;
   int64_t hidden = 0;
-  int64_t intermediate = 0;    ///< dense MLP width
-  int64_t num_layers = 0;      ///< decoder layers
+  int64_t intermediate = 0;  ///< dense MLP width
+  int64_t num_layers = 0;    ///< decoder layers
   int64_t heads = 0;
   int64_t kv_heads = 0;
   int64_t head_dim = 0;
-  bool qk_norm = false;        ///< RMSNorm on q and k per head (Qwen3)
+  bool qk_norm = false;  ///< RMSNorm on q and k per head (Qwen3)
   bool attention_bias = false;
   bool tied_embeddings = false;
   // Mixture of experts (0 experts: dense).
@@ -50,10 +50,10 @@ ParameterCount count_parameters(const TransformerShape& shape);
 
 /// What a run does on its devices.
 struct DeviceMemoryOptions {
-  int64_t dtype_bytes = 2;             ///< compute dtype (model.dtype)
-  int64_t seq_len = 2048;              ///< tokens per sequence
-  int64_t microbatch_rows = 1;         ///< sequences per microbatch
-  bool layer_recompute = false;        ///< run.recompute: layer (else stage)
+  int64_t dtype_bytes = 2;                        ///< compute dtype (model.dtype)
+  int64_t seq_len = 2048;                         ///< tokens per sequence
+  int64_t microbatch_rows = 1;                    ///< sequences per microbatch
+  bool layer_recompute = false;                   ///< run.recompute: layer (else stage)
   int64_t loss_chunk_bytes = int64_t{256} << 20;  ///< run.loss_chunk_mib
   /// k and v repeated to the query heads before attention (CPU devices; CUDA's SDPA broadcasts).
   bool repeat_kv = false;
@@ -66,10 +66,10 @@ struct DeviceMemoryOptions {
 
 /// One pipeline layer (0 = embeddings, 1..L = decoder layers, L+1 = norm + LM head).
 struct LayerMemory {
-  int64_t param_bytes = 0;        ///< compute copy on the device
-  int64_t grad_bytes = 0;         ///< gradients of its trainable parameters (backward stages)
-  int64_t saved_per_token = 0;    ///< bytes autograd keeps per token between forward and backward
-  int64_t head_bytes = 0;         ///< the LM head/loss working set (last layer only; see the Note)
+  int64_t param_bytes = 0;      ///< compute copy on the device
+  int64_t grad_bytes = 0;       ///< gradients of its trainable parameters (backward stages)
+  int64_t saved_per_token = 0;  ///< bytes autograd keeps per token between forward and backward
+  int64_t head_bytes = 0;       ///< the LM head/loss working set (last layer only; see the Note)
 };
 
 /// The pipeline's layers with their memory at `options` (the head's working set depends on the
@@ -117,17 +117,17 @@ int64_t max_seq_len(const TransformerShape& shape, DeviceMemoryOptions options, 
 
 /// Which optimizer keeps which state per trainable parameter.
 enum class OptimizerStateKind {
-  kNone,             ///< SGD without momentum
-  kOneMasterSized,   ///< Lion's momentum, SGD's momentum buffer
-  kAdamFloat32,      ///< Adam/AdamW exp_avg + exp_avg_sq in the master dtype
-  kAdamInt8,         ///< block-wise 8-bit moments: 1 B each + an fp32 scale per 256 values
+  kNone,            ///< SGD without momentum
+  kOneMasterSized,  ///< Lion's momentum, SGD's momentum buffer
+  kAdamFloat32,     ///< Adam/AdamW exp_avg + exp_avg_sq in the master dtype
+  kAdamInt8,        ///< block-wise 8-bit moments: 1 B each + an fp32 scale per 256 values
 };
 
 struct HostMemoryOptions {
-  int64_t compute_bytes = 2;   ///< model.dtype
-  int64_t master_bytes = 4;    ///< model.master_dtype
+  int64_t compute_bytes = 2;  ///< model.dtype
+  int64_t master_bytes = 4;   ///< model.master_dtype
   OptimizerStateKind optimizer = OptimizerStateKind::kAdamFloat32;
-  bool async_step = true;      ///< run.step_mode: async (a second gradient set in flight)
+  bool async_step = true;  ///< run.step_mode: async (a second gradient set in flight)
   /// Host bytes the CPU devices' stage jobs hold at their peak (their "device" memory is host
   /// memory): 0 with GPUs.
   int64_t cpu_device_bytes = 0;
@@ -140,8 +140,7 @@ struct HostMemory {
   int64_t grads = 0;
   int64_t optimizer_state = 0;
   int64_t cpu_devices = 0;
-  int64_t overhead = 0;   ///< allowance above the live sum: 1.5 x the optimizer state (measured)
-  int64_t total() const { return compute_copies + masters + grads + optimizer_state + cpu_devices + overhead; }
+  int64_t total() const { return compute_copies + masters + grads + optimizer_state + cpu_devices; }
 };
 HostMemory host_memory(const ParameterCount& params, const HostMemoryOptions& options);
 

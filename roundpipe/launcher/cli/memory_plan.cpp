@@ -41,8 +41,11 @@ std::string per_param(int64_t bytes, int64_t params) {
 
 std::string stage_name(const scheduler::StageMemory& m, int64_t index) {
   std::ostringstream out;
-  out << "stage " << index << " (" << (m.fused ? "fused" : m.backward ? "bwd" : "fwd") << ", layers "
-      << m.layers.to_string() << ")";
+  out << "stage " << index << " ("
+      << (m.fused      ? "fused"
+          : m.backward ? "bwd"
+                       : "fwd")
+      << ", layers " << m.layers.to_string() << ")";
   return out.str();
 }
 
@@ -85,7 +88,7 @@ scheduler::OptimizerStateKind optimizer_kind(const OptimizerConfig& o) {
     case OptimizerName::kAdam:
     case OptimizerName::kAdamW:
       return o.state_dtype == OptimizerStateDtype::kInt8 ? scheduler::OptimizerStateKind::kAdamInt8
-                                                          : scheduler::OptimizerStateKind::kAdamFloat32;
+                                                         : scheduler::OptimizerStateKind::kAdamFloat32;
     case OptimizerName::kLion:
       return scheduler::OptimizerStateKind::kOneMasterSized;
     case OptimizerName::kSgd:
@@ -125,9 +128,7 @@ void set_stages(const LauncherConfig& config, MemoryPlan& memory) {
   memory.host = host_of(config, memory);
 }
 
-bool fits(const std::vector<scheduler::StageMemory>& stages, int64_t bytes) {
-  return largest_total(stages) <= bytes;
-}
+bool fits(const std::vector<scheduler::StageMemory>& stages, int64_t bytes) { return largest_total(stages) <= bytes; }
 
 }  // namespace
 
@@ -164,8 +165,8 @@ MemoryPlan plan_memory(const LauncherConfig& config, const std::optional<schedul
 void print_memory_plan(const LauncherConfig& config, const MemoryPlan& memory, std::ostream& out) {
   const scheduler::DeviceMemoryOptions& o = memory.device_options;
   out << "memory model (scheduler/memory_model.cpp, Note [Memory model]): data.seq_len " << o.seq_len << ", "
-      << o.microbatch_rows << " row(s) a microbatch, run.recompute "
-      << (o.layer_recompute ? "layer" : "stage") << ", " << (memory.cpu_devices ? "CPU" : "CUDA") << " devices\n";
+      << o.microbatch_rows << " row(s) a microbatch, run.recompute " << (o.layer_recompute ? "layer" : "stage") << ", "
+      << (memory.cpu_devices ? "CPU" : "CUDA") << " devices\n";
   for (size_t i = 0; i < memory.stages.size(); ++i) {
     const scheduler::StageMemory& m = memory.stages[i];
     out << "  " << stage_name(m, static_cast<int64_t>(i)) << "  peak " << exact(m.total()) << " = " << terms(m) << "\n";
@@ -174,9 +175,11 @@ void print_memory_plan(const LauncherConfig& config, const MemoryPlan& memory, s
   const int64_t peak = largest_total(memory.stages, &at);
   out << "estimated device memory: peak " << exact(peak) << " (stage " << at << ")";
   if (memory.device_bytes) {
-    out << " of " << gib(*memory.device_bytes) << (config.run.device_memory_gib ? " (run.device_memory_gib)" : " (the GPU)");
+    out << " of " << gib(*memory.device_bytes)
+        << (config.run.device_memory_gib ? " (run.device_memory_gib)" : " (the GPU)");
     if (memory.reserved_bytes > 0) out << " less " << gib(memory.reserved_bytes) << " reserved for CUDA";
-    out << (peak <= *memory.device_bytes - memory.reserved_bytes ? ": fits" : ": DOES NOT FIT (roundpipe train refuses it)");
+    out << (peak <= *memory.device_bytes - memory.reserved_bytes ? ": fits"
+                                                                 : ": DOES NOT FIT (roundpipe train refuses it)");
   }
   out << "\n";
   std::vector<int64_t> sizes;
@@ -190,15 +193,13 @@ void print_memory_plan(const LauncherConfig& config, const MemoryPlan& memory, s
     const int64_t with_plan = scheduler::max_seq_len(memory.shape, o, memory.num_devices, usable, true);
     const int64_t cut = scheduler::max_seq_len(memory.shape, o, memory.num_devices, usable, false);
     out << "longest data.seq_len under " << gib(bytes) << " (multiples of 1024, " << o.microbatch_rows
-        << " row(s) a microbatch): " << with_plan << " with this plan, " << cut
-        << " with stages cut by memory\n";
+        << " row(s) a microbatch): " << with_plan << " with this plan, " << cut << " with stages cut by memory\n";
   }
   const scheduler::HostMemory& h = memory.host;
   out << "estimated host memory: peak " << exact(h.total()) << " = " << per_param(h.total(), memory.params.total)
       << " x " << memory.params.total << " parameters: compute copies " << gib(h.compute_copies) << " + masters "
       << gib(h.masters) << " + gradients " << gib(h.grads) << " + optimizer state " << gib(h.optimizer_state);
   if (h.cpu_devices > 0) out << " + CPU devices' stages " << gib(h.cpu_devices);
-  out << " + checkpoint copies " << gib(h.overhead);
   if (const auto available = available_host_bytes()) out << " (MemAvailable " << gib(*available) << ")";
   out << "\n";
 }
@@ -228,7 +229,8 @@ void check_memory_fits(const LauncherConfig& config) {
           << stage_name(memory.stages[at], static_cast<int64_t>(at)) << " is predicted to need " << exact(peak) << " ("
           << terms(memory.stages[at]) << ") at data.seq_len " << o.seq_len << " with " << o.microbatch_rows
           << " row(s) a microbatch, more than the device's " << gib(limit)
-          << (memory.reserved_bytes > 0 ? " (its memory less " + gib(memory.reserved_bytes) + " reserved for CUDA)" : "")
+          << (memory.reserved_bytes > 0 ? " (its memory less " + gib(memory.reserved_bytes) + " reserved for CUDA)"
+                                        : "")
           << ". What fits:";
       const int64_t seq = scheduler::max_seq_len(memory.shape, o, memory.num_devices, limit, true, 1);
       if (seq > 0) {
@@ -263,7 +265,7 @@ void check_memory_fits(const LauncherConfig& config) {
       << per_param(h.total(), memory.params.total) << " x " << memory.params.total << " parameters: compute copies "
       << gib(h.compute_copies) << ", masters " << gib(h.masters) << ", gradients " << gib(h.grads)
       << ", optimizer state " << gib(h.optimizer_state) << ", CPU devices' stages " << gib(h.cpu_devices)
-      << ", checkpoint copies " << gib(h.overhead) << "), more than the " << gib(*available)
+      << "), more than the " << gib(*available)
       << " MemAvailable in /proc/meminfo.";
   std::string options;
   auto consider = [&](const std::string& name, LauncherConfig alternative) {
@@ -291,7 +293,8 @@ void check_memory_fits(const LauncherConfig& config) {
     sync.run.step_mode = StepMode::kSync;
     consider("run.step_mode: sync", sync);
   }
-  why << " Predicted with:" << options << "\n  (model.master_dtype: bfloat16 is not supported yet; a smaller model or a "
+  why << " Predicted with:" << options
+      << "\n  (model.master_dtype: bfloat16 is not supported yet; a smaller model or a "
       << "machine with more memory also fits)";
   throw ConfigError(why.str());
 }

@@ -18,9 +18,9 @@ struct MemoryPlan {
   scheduler::DeviceMemoryOptions device_options;
   int64_t num_devices = 1;
   bool cpu_devices = true;
-  scheduler::ExecutePlan plan;                   ///< the runtime's (size-based) plan
-  std::vector<scheduler::StageMemory> stages;    ///< its stages' peaks at data.seq_len
-  std::optional<int64_t> device_bytes;           ///< run.device_memory_gib, else the smallest GPU's
+  scheduler::ExecutePlan plan;                 ///< the runtime's (size-based) plan
+  std::vector<scheduler::StageMemory> stages;  ///< its stages' peaks at data.seq_len
+  std::optional<int64_t> device_bytes;         ///< run.device_memory_gib, else the smallest GPU's
   /// Of each device's memory, what stages cannot use: kCudaReservedBytes on CUDA devices, else 0.
   int64_t reserved_bytes = 0;
   scheduler::ParameterCount params;
@@ -35,8 +35,7 @@ inline constexpr int64_t kCudaReservedBytes = int64_t{1} << 30;
 /// The predictions for `config` (reads model.pretrained's config.json, nothing else) on `plan`,
 /// by default the plan the runtime builds (scheduler::runtime_plan). Throws ConfigError for a
 /// model config the model cannot build.
-MemoryPlan plan_memory(const LauncherConfig& config,
-                       const std::optional<scheduler::ExecutePlan>& plan = std::nullopt);
+MemoryPlan plan_memory(const LauncherConfig& config, const std::optional<scheduler::ExecutePlan>& plan = std::nullopt);
 
 /// The `roundpipe plan` lines: per-stage peaks, the longest seq_len under the device memory (and
 /// under 24 and 80 GiB when none is known), the host prediction.
