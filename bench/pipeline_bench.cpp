@@ -450,23 +450,28 @@ void steady_workloads(double target_ms, const std::string& only, bool keep_rng) 
                 "%.1f ms\n",
                 "", overshoot, jobs_per_iter, proto.iteration_end[kRuns - 2] - proto.iteration_return[kRuns - 2], drain,
                 iso.makespan);
-    // What planning could do for this protocol (simulated, true costs): kSteadyState plans for a
-    // run of 100 iterations (the runtime's) and of 10, rated on the steady state and on the protocol.
-    for (int64_t horizon : {100, 10}) {
+    // What planning could do for this protocol (simulated, true costs): the runtime's objective
+    // (kSteadyState over 100 iterations), the same over 10, and the protocol's own
+    // (kMeasuredWindow over 10: period + drain / 10), rated on the steady state and on the protocol.
+    const std::pair<rs::PlanObjective, int64_t> objectives[] = {{rs::PlanObjective::kSteadyState, 100},
+                                                                {rs::PlanObjective::kSteadyState, kMeasured},
+                                                                {rs::PlanObjective::kMeasuredWindow, kMeasured}};
+    for (const auto& [objective, horizon] : objectives) {
       const auto what_if = rs::plan_by_simulation(costs, rs::RunType::kFused,
                                                   rs::PlannerOptions()
                                                       .set_num_devices(kDevices)
                                                       .set_num_microbatch(kMicro)
-                                                      .set_objective(rs::PlanObjective::kSteadyState)
+                                                      .set_objective(objective)
                                                       .set_run_iterations(horizon)
                                                       .set_simulate(model_options))
                                .plan;
       const auto r = rs::simulate_steady_state(what_if, rs::RunType::kFused, costs, kDevices, kMicro,
                                                rs::SimulateOptions(model_options).set_num_iterations(kRuns - 1));
       const auto exact = rs::simulate_steady_state(what_if, rs::RunType::kFused, costs, kDevices, kMicro, model_options);
-      std::printf("%-12s   what-if, true costs, kSteadyState over %3lld iterations: %lldF+%lldB, simulated period "
+      std::printf("%-12s   what-if, true costs, %s over %3lld iterations: %lldF+%lldB, simulated period "
                   "bubble %.1f%%, protocol %.1f%%\n",
-                  "", static_cast<long long>(horizon), static_cast<long long>(what_if.forward_stages().size()),
+                  "", objective == rs::PlanObjective::kSteadyState ? "kSteadyState  " : "kMeasuredWindow",
+                  static_cast<long long>(horizon), static_cast<long long>(what_if.forward_stages().size()),
                   static_cast<long long>(what_if.backward_stages().size()), 100 * exact.bubble_ratio(),
                   100 * r.window_bubble_ratio(kWarmup - 1, kRuns - 2));
     }
