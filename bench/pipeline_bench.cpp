@@ -16,7 +16,11 @@
 //     about two seconds, 8 CPU device workers, 16 microbatches. For the runtime's own automatic plan
 //     (from measured forward times) and for the plan the simulation planner picks from the true
 //     costs: simulated vs measured bubble, isolated and back-to-back async, next to the paper's.
+//  6. (`pipeline_bench steady` runs only this) Issue 32: the same five workloads through the public
+//     API exactly as a user would run back-to-back asynchronous iterations (4 warm-up + 10
+//     measured, then synchronize), next to the simulator's prediction for the plan the runtime ran.
 // Usage: pipeline_bench [sleep_ms=2] [layers=12] | pipeline_bench paper [iteration_ms=2000] [workload name part]
+//        | pipeline_bench steady [iteration_ms=2000] [workload name part, "" for all] [rng: keep preserve_rng_state on]
 #include <ATen/ops/_fused_adam.h>
 #include <torch/torch.h>
 
@@ -35,6 +39,7 @@
 #include "roundpipe/detail/device_io.h"
 #include "roundpipe/detail/layer_shells.h"
 #include "roundpipe/round_pipe.h"
+#include "roundpipe/stage_trace.h"
 #include "scheduler/dispatch.h"
 #include "scheduler/planner.h"
 #include "scheduler/simulator.h"
@@ -102,12 +107,15 @@ roundpipe::LossFn sum_loss() {
 // Section 5: the time the sleeping layers really slept (sleep_for overshoots by ~0.1 ms on this
 // machine: 4-13% of a 0.5-3 ms sleep), summed over every thread.
 std::atomic<int64_t> g_slept_ns{0};
+std::atomic<int64_t> g_nominal_ns{0};  // what was asked for
 void sleep_counted(double ms) {
+  g_nominal_ns.fetch_add(static_cast<int64_t>(ms * 1e6));
   const auto t0 = Clock::now();
   std::this_thread::sleep_for(std::chrono::duration<double, std::milli>(ms));
   g_slept_ns.fetch_add(std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count());
 }
 double slept_ms() { return static_cast<double>(g_slept_ns.load()) / 1e6; }
+double nominal_slept_ms() { return static_cast<double>(g_nominal_ns.load()) / 1e6; }
 
 // CPU time of the whole process (every thread), ms: sleeping layers use none, so this is the
 // engine's and the layers' own tensor work plus the optimizer's.
@@ -148,19 +156,24 @@ struct PaperWorkload {
   double paper_isolated, paper_async, paper_1f1b;  // % bubble, the artifact's simulator
 };
 
-void paper_workloads(double target_ms, const std::string& only) {
-  namespace rs = roundpipe::scheduler;
-  using roundpipe::RoundPipe;
-  using roundpipe::RoundPipeOptions;
-  using roundpipe::RunConfig;
-  constexpr int kDevices = 8, kMicro = 16, kIsolatedRuns = 3, kAsyncRuns = 10, kAsyncWarmup = 2;
-  const std::vector<PaperWorkload> workloads = {
+const std::vector<PaperWorkload>& paper_workload_list() {
+  static const std::vector<PaperWorkload> workloads = {
       {"Qwen3-1.7B", 28, 7.429, 15.831, 22.0655, 43.707, 19.1, 4.0, 35.2},
       {"Llama3-8B", 32, 18.50370313, 41.20659375, 37.2255, 74.501, 14.3, 1.3, 42.1},
       {"GPT-OSS-20B", 24, 21.6445625, 81.780875, 44.2925, 86.264, 14.0, 3.3, 41.7},
       {"Qwen3-32B", 64, 40.5610625, 91.17429688, 54.928, 108.294, 6.7, 2.6, 34.9},
       {"Qwen3-235B", 94, 43.016, 58.376, 42.444, 43.294, 3.3, 1.0, 31.2},
   };
+  return workloads;
+}
+
+void paper_workloads(double target_ms, const std::string& only) {
+  namespace rs = roundpipe::scheduler;
+  using roundpipe::RoundPipe;
+  using roundpipe::RoundPipeOptions;
+  using roundpipe::RunConfig;
+  constexpr int kDevices = 8, kMicro = 16, kIsolatedRuns = 3, kAsyncRuns = 10, kAsyncWarmup = 2;
+  const std::vector<PaperWorkload>& workloads = paper_workload_list();
   std::printf("== 5. paper workloads: %d CPU device workers, %d microbatches, sleeping layers scaled to ~%.0f ms "
               "per iteration\n", kDevices, kMicro, target_ms);
   std::printf("bubble = 1 - work / (%d x time); work = the layers' sleep (blocks recomputed, the fused tail not). "
@@ -316,10 +329,166 @@ void paper_workloads(double target_ms, const std::string& only) {
   }
 }
 
+// Section 6 (`pipeline_bench steady`): issue 32's end-to-end protocol, as a user would run it: a
+// fresh RoundPipe on 8 CPU devices, RunConfig{num_microbatch = 16, preserve_rng_state = false}, the
+// runtime's own automatic plan, forward_backward + step(kAsync) with a minimal real step
+// function from the first iteration on, 4 warm-up and 10 measured back-to-back iterations, then
+// synchronize(). The clock runs from the 5th call to the end of synchronize(). Next to it: the
+// same run's period between returns (the steady state, without the one final drain), the
+// simulator on the plan the runtime ran (its steady state, and the same 14-iteration protocol),
+// and the jobs per iteration from the stage trace.
+void steady_workloads(double target_ms, const std::string& only, bool keep_rng) {
+  namespace rs = roundpipe::scheduler;
+  using roundpipe::RoundPipe;
+  using roundpipe::RoundPipeOptions;
+  using roundpipe::RunConfig;
+  constexpr int kDevices = 8, kMicro = 16, kWarmup = 4, kMeasured = 10, kRuns = kWarmup + kMeasured;
+  std::printf("== 6. steady state, end to end (issue 32): %d CPU device workers, %d microbatches, sleeping layers "
+              "scaled to ~%.0f ms per iteration; fresh RoundPipe, automatic plan, forward_backward + step(kAsync) "
+              "(SGD step + zero_grad), %d warm-up + %d measured iterations, then synchronize(); preserve_rng_state %s\n",
+              kDevices, kMicro, target_ms, kWarmup, kMeasured, keep_rng ? "on (default)" : "off");
+  std::printf("W = the plan's layer work per iteration (nominal sleeps; recompute counted); ideal = W / %d. "
+              "e2e = (end of synchronize - start of call %d) / %d (the issue's figure); period = mean time between "
+              "returns of calls %d..%d (steady state, no final drain); drain = last return to end of synchronize. "
+              "bubble = 1 - ideal / time: nominal, and real (W x the run's measured sleep overshoot).\n",
+              kDevices, kWarmup + 1, kMeasured, kWarmup, kRuns);
+  std::printf("sim = simulate_steady_state of the plan the runtime ran (true costs, the runtime's model): its "
+              "period, and the same protocol (iterations 1..13 after the measuring call, from return 3 to end 13); "
+              "pdef = the paper's 'async' bubble: the intra share of one isolated simulated iteration (idle "
+              "that is not fill or drain), of this async plan / of the plan planned for one isolated iteration. per min/max: the shortest and longest return-to-return interval (ms).\n");
+  std::printf("%-12s %-9s %8s %8s %8s %8s | %6s %6s | %6s %6s | %8s %6s %8s %6s | %9s %6s | %5s %13s  %s\n",
+              "workload", "iter0,1", "ideal", "e2e", "period", "drain", "e2e_n", "e2e_r", "per_n", "per_r", "sim_per",
+              "sim_b", "sim_e2e", "sim_eb", "pdef", "paper", "cpu", "per min/max", "async plan");
+  for (const auto& w : paper_workload_list()) {
+    if (!only.empty() && std::string(w.name).find(only) == std::string::npos) continue;
+    std::vector<rs::LayerCost> costs(w.layers, rs::LayerCost{w.fwd, w.fwd + w.bwd, 0, 0});
+    costs.push_back(rs::LayerCost{w.head_fwd, w.head_fwd + w.head_bwd, 0, 0});
+    double work_per_mb = 0;
+    for (const auto& c : costs) work_per_mb += c.forward + c.backward;
+    const double scale = target_ms * kDevices * 0.85 / (kMicro * work_per_mb);
+    for (auto& c : costs) c.forward *= scale, c.backward *= scale;
+    torch::nn::Sequential net;
+    for (int l = 0; l < w.layers; ++l) net->push_back(SleepPairLayer(w.fwd * scale, w.bwd * scale));
+    net->push_back(SleepPairLayer(w.head_fwd * scale, w.head_bwd * scale));
+    RoundPipe model(net, RoundPipeOptions().devices(std::vector<c10::Device>(kDevices, c10::kCPU)));
+    RunConfig cfg;
+    cfg.num_microbatch = kMicro;
+    // Note [Layer RNG]: with preserve_rng_state on, CPU devices share one generator and every
+    // first-pass layer forward (the sleep included) holds its mutex, so forward work is serialized
+    // across the 8 workers; off unless asked for (`rng`), as in section 5.
+    if (!keep_rng) cfg.preserve_rng_state = false;
+    auto x = torch::ones({kMicro, 1});
+    torch::optim::SGD sgd(model.optim_parameters(), 1e-9);
+    auto step = [&sgd] {
+      sgd.step();
+      sgd.zero_grad();
+    };
+    roundpipe::trace::enable(true);
+    const auto origin = Clock::now();
+    auto at_ms = [&](Clock::time_point t) { return std::chrono::duration<double, std::milli>(t - origin).count(); };
+    std::vector<Clock::time_point> begin(kRuns), ret(kRuns);
+    double slept0 = 0, nominal0 = 0, cpu0 = 0;
+    for (int i = 0; i < kRuns; ++i) {
+      if (i == kWarmup) slept0 = slept_ms(), nominal0 = nominal_slept_ms(), cpu0 = process_cpu_ms();
+      begin[i] = Clock::now();
+      model.forward_backward({x}, torch::Tensor(), sum_loss(), cfg);
+      model.step(step, roundpipe::StepMode::kAsync);
+      ret[i] = Clock::now();
+    }
+    model.synchronize();
+    const auto end = Clock::now();
+    const double overshoot = (slept_ms() - slept0) / (nominal_slept_ms() - nominal0);
+    const double cpu_ms = process_cpu_ms() - cpu0;
+    const auto spans = roundpipe::trace::collect();
+    roundpipe::trace::enable(false);
+
+    const rs::ExecutePlan plan = model.plan(cfg);
+    const auto model_options = rs::SimulateOptions().set_recompute_ahead(true).set_overlap_backward_tail(true);
+    const auto iso = rs::simulate(plan, rs::RunType::kFused, costs, kDevices, kMicro, model_options);
+    const double W = iso.work;
+    const double ideal = W / kDevices;
+    const auto steady = rs::simulate_steady_state(plan, rs::RunType::kFused, costs, kDevices, kMicro, model_options);
+    // The paper's definition on the plan that minimizes one isolated iteration (true costs).
+    const auto iso_plan = rs::plan_by_simulation(costs, rs::RunType::kFused,
+                                                 rs::PlannerOptions()
+                                                     .set_num_devices(kDevices)
+                                                     .set_num_microbatch(kMicro)
+                                                     .set_simulate(rs::SimulateOptions(model_options)
+                                                                       .set_overlap_backward_tail(false)))
+                              .plan;
+    const auto iso_of_iso = rs::simulate(iso_plan, rs::RunType::kFused, costs, kDevices, kMicro, model_options);
+    // The protocol in the simulator: iteration 0 (the measuring call, another plan) ran alone, so
+    // calls 1..13 are simulated iterations 0..12; the clock runs from return 2 to end 12.
+    const auto proto = rs::simulate_steady_state(plan, rs::RunType::kFused, costs, kDevices, kMicro,
+                                                 rs::SimulateOptions(model_options).set_num_iterations(kRuns - 1));
+    const double sim_e2e = proto.mean_iteration_time(kWarmup - 1, kRuns - 2);  // Note [Measured windows]
+
+    const double e2e = std::chrono::duration<double, std::milli>(end - begin[kWarmup]).count() / kMeasured;
+    const double period = std::chrono::duration<double, std::milli>(ret[kRuns - 1] - ret[kWarmup - 1]).count() / kMeasured;
+    const double drain = std::chrono::duration<double, std::milli>(end - ret[kRuns - 1]).count();
+    auto bubble = [&](double work, double t) { return 100 * (1 - work / (kDevices * t)); };
+    double per_min = 1e300, per_max = 0;
+    for (int i = kWarmup; i < kRuns; ++i) {
+      const double dt = std::chrono::duration<double, std::milli>(ret[i] - ret[i - 1]).count();
+      per_min = std::min(per_min, dt);
+      per_max = std::max(per_max, dt);
+    }
+    const double w0 = at_ms(begin[kWarmup]), w1 = at_ms(end);
+    int jobs = 0;
+    for (const auto& s : spans) jobs += s.upload_begin_ms >= w0 && s.compute_end_ms <= w1 ? 1 : 0;
+    const double jobs_per_iter = static_cast<double>(jobs) / kMeasured;
+    std::printf("%-12s %4.0f,%-4.0f %8.1f %8.1f %8.1f %8.1f | %5.1f%% %5.1f%% | %5.1f%% %5.1f%% | %8.1f %5.1f%% %8.1f "
+                "%5.1f%% | %4.1f/%3.1f%% %5.1f%% | %4.1f%% %6.0f/%-6.0f  %s\n",
+                w.name, std::chrono::duration<double, std::milli>(ret[0] - begin[0]).count(),
+                std::chrono::duration<double, std::milli>(ret[1] - begin[1]).count(), ideal, e2e, period, drain,
+                bubble(W, e2e), bubble(W * overshoot, e2e), bubble(W, period), bubble(W * overshoot, period),
+                steady.period, 100 * steady.bubble_ratio(), sim_e2e, bubble(W, sim_e2e),
+                100 * (iso.steady_ratio() + iso.overhead_ratio()),
+                100 * (iso_of_iso.steady_ratio() + iso_of_iso.overhead_ratio()), w.paper_async, 100 * cpu_ms / (kDevices * e2e * kMeasured),
+                per_min, per_max, plan.to_string().c_str());
+    std::printf("%-12s   overshoot %.3f, %.1f jobs per iteration, sim drain %.1f ms (measured %.1f), sim iso makespan "
+                "%.1f ms\n",
+                "", overshoot, jobs_per_iter, proto.iteration_end[kRuns - 2] - proto.iteration_return[kRuns - 2], drain,
+                iso.makespan);
+    // What planning could do for this protocol (simulated, true costs): the runtime's objective
+    // (kSteadyState over 100 iterations), the same over 10, and the protocol's own
+    // (kMeasuredWindow over 10: period + drain / 10), rated on the steady state and on the protocol.
+    const std::pair<rs::PlanObjective, int64_t> objectives[] = {{rs::PlanObjective::kSteadyState, 100},
+                                                                {rs::PlanObjective::kSteadyState, kMeasured},
+                                                                {rs::PlanObjective::kMeasuredWindow, kMeasured}};
+    for (const auto& [objective, horizon] : objectives) {
+      const auto what_if = rs::plan_by_simulation(costs, rs::RunType::kFused,
+                                                  rs::PlannerOptions()
+                                                      .set_num_devices(kDevices)
+                                                      .set_num_microbatch(kMicro)
+                                                      .set_objective(objective)
+                                                      .set_run_iterations(horizon)
+                                                      .set_simulate(model_options))
+                               .plan;
+      const auto r = rs::simulate_steady_state(what_if, rs::RunType::kFused, costs, kDevices, kMicro,
+                                               rs::SimulateOptions(model_options).set_num_iterations(kRuns - 1));
+      const auto exact = rs::simulate_steady_state(what_if, rs::RunType::kFused, costs, kDevices, kMicro, model_options);
+      std::printf("%-12s   what-if, true costs, %s over %3lld iterations: %lldF+%lldB, simulated period "
+                  "bubble %.1f%%, protocol %.1f%%\n",
+                  "", objective == rs::PlanObjective::kSteadyState ? "kSteadyState  " : "kMeasuredWindow",
+                  static_cast<long long>(horizon), static_cast<long long>(what_if.forward_stages().size()),
+                  static_cast<long long>(what_if.backward_stages().size()), 100 * exact.bubble_ratio(),
+                  100 * r.window_bubble_ratio(kWarmup - 1, kRuns - 2));
+    }
+    std::fflush(stdout);
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   using namespace roundpipe;
+  if (argc > 1 && std::strcmp(argv[1], "steady") == 0) {
+    torch::set_num_threads(1);
+    steady_workloads(argc > 2 ? std::atof(argv[2]) : 2000.0, argc > 3 ? argv[3] : "",
+                     argc > 4 && std::strcmp(argv[4], "rng") == 0);
+    return 0;
+  }
   if (argc > 1 && std::strcmp(argv[1], "paper") == 0) {
     torch::set_num_threads(1);
     paper_workloads(argc > 2 ? std::atof(argv[2]) : 2000.0, argc > 3 ? argv[3] : "");

@@ -20,7 +20,12 @@ namespace roundpipe::scheduler {
 ///   iterations, period + (makespan - period) / run_iterations (simulate_steady_state()): for
 ///   asynchronous steps. The first iteration's fill and the last's drain weigh in a little, so
 ///   of two plans with about the same period the one with the shorter makespan wins.
-enum class PlanObjective { kIsolated, kSteadyState };
+/// - kMeasuredWindow: the mean time per iteration of `run_iterations` back-to-back iterations
+///   timed after a warm-up and up to a final synchronize(), period + drain / run_iterations, with
+///   drain = a steady iteration's end - its return (Note [Measured windows] in simulator.cpp): the
+///   fill is not charged, the last iteration's drain is. For a benchmark's window (issue 32); the
+///   runtime plans asynchronous steps with kSteadyState.
+enum class PlanObjective { kIsolated, kSteadyState, kMeasuredWindow };
 
 struct PlannerOptions {
   /// Devices the plan runs on (the runtime's device count).
@@ -39,7 +44,8 @@ struct PlannerOptions {
   /// Bytes one stage may hold on a device, as in PartitionOptions. Default: unlimited.
   int64_t memory_budget_bytes = std::numeric_limits<int64_t>::max();
   PlanObjective objective = PlanObjective::kIsolated;
-  /// kSteadyState: the run length over which the makespan is amortized.
+  /// kSteadyState: the run length over which the makespan is amortized; kMeasuredWindow: the
+  /// number of iterations measured.
   int64_t run_iterations = 100;
   /// The runtime's overheads and iteration model, passed to the simulator.
   SimulateOptions simulate;

@@ -163,4 +163,27 @@ SteadyStateResult simulate_steady_state(const ExecutePlan& plan, RunType type, c
   return result;
 }
 
+// Note [Measured windows]:
+// A caller that starts its clock when it posts iteration `first` (the return of iteration
+// first - 1) and stops it when synchronize() finds iteration `last` ended measures the N = last -
+// first + 1 return-to-return intervals up to the return of `last` (N periods once the iterations
+// repeat) plus the drain of `last` (its return to its end): about period + drain / N each. The
+// steady-state plans have few long stages, so their drain (the backward after the last loss) is
+// 0.36-0.79 of a period on the paper workloads (docs/benchmarks.md, "Steady state, end
+// to end"): with N = 10 that adds 3-8 points of bubble that no steady state removes. The
+// `period` above excludes it; this window is what such a measurement should be compared with.
+double SteadyStateResult::mean_iteration_time(int64_t first, int64_t last) const {
+  TORCH_CHECK(first >= 0 && first <= last && last < static_cast<int64_t>(iteration_end.size()),
+              "mean_iteration_time: need 0 <= first <= last < ", iteration_end.size(),
+              " simulated iterations, got first ", first, ", last ", last,
+              " (set SimulateOptions::num_iterations to at least last + 1)");
+  const double start = first == 0 ? 0.0 : iteration_return[static_cast<size_t>(first - 1)];
+  return (iteration_end[static_cast<size_t>(last)] - start) / static_cast<double>(last - first + 1);
+}
+
+double SteadyStateResult::window_bubble_ratio(int64_t first, int64_t last) const {
+  const double t = mean_iteration_time(first, last);
+  return t > 0 ? 1.0 - work_per_iteration / (static_cast<double>(num_devices) * t) : 0.0;
+}
+
 }  // namespace roundpipe::scheduler

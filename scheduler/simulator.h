@@ -129,6 +129,14 @@ struct SteadyStateResult {
   double bubble_ratio() const {
     return period > 0 ? 1.0 - work_per_iteration / (static_cast<double>(num_devices) * period) : 0.0;
   }
+  /// The time per iteration a caller measures over iterations [first, last] of a finite run
+  /// (Note [Measured windows] in simulator.cpp): its clock starts when it posts iteration `first`
+  /// (the return of iteration first - 1; 0 for the first) and stops when iteration `last` has
+  /// ended (RoundPipe::synchronize), so it includes that iteration's drain once. Requires
+  /// 0 <= first <= last < num_iterations (set SimulateOptions::num_iterations to last + 1).
+  double mean_iteration_time(int64_t first, int64_t last) const;
+  /// 1 - work_per_iteration / (num_devices x mean_iteration_time(first, last)).
+  double window_bubble_ratio(int64_t first, int64_t last) const;
 };
 
 /// Simulates one isolated run of `plan` (validated for `costs.size()` layers and `type`) with

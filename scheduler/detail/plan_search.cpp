@@ -128,7 +128,12 @@ Score PlanSearch::evaluate(const Cuts& c) {
   } else {
     const auto& out = model_.steady(jobs_);
     const double makespan = out.iteration_end[0];  // iteration 0 is the isolated run
-    s.primary = out.period + (makespan - out.period) / static_cast<double>(options_.run_iterations);
+    // kSteadyState amortizes the first iteration's excess (fill and drain) over the run;
+    // kMeasuredWindow only the last iteration's drain (the last iteration is a steady one).
+    const double excess = options_.objective == PlanObjective::kMeasuredWindow
+                              ? out.iteration_end.back() - out.iteration_return.back()
+                              : makespan - out.period;
+    s.primary = out.period + excess / static_cast<double>(options_.run_iterations);
     s.secondary = makespan;
     simulated_ += static_cast<int64_t>(jobs_.size() * out.iteration_end.size()) * model_.num_microbatch();
   }

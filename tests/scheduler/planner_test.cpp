@@ -58,6 +58,14 @@ double objective(const ExecutePlan& plan, RunType type, const std::vector<LayerC
                  const PlannerOptions& options) {
   const auto isolated = simulate(plan, type, costs, options.num_devices, options.num_microbatch, options.simulate);
   if (options.objective == PlanObjective::kIsolated) return isolated.makespan;
+  if (options.objective == PlanObjective::kMeasuredWindow) {
+    // Independently of the planner's period + drain / N: time the last N of 64 iterations from
+    // the return before them to the end of the last, as a benchmark does.
+    const int64_t n = options.run_iterations, total = 64;
+    const auto run = simulate_steady_state(plan, type, costs, options.num_devices, options.num_microbatch,
+                                           SimulateOptions(options.simulate).set_num_iterations(total));
+    return run.mean_iteration_time(total - n, total - 1);
+  }
   const auto steady =
       simulate_steady_state(plan, type, costs, options.num_devices, options.num_microbatch, options.simulate);
   return steady.period + (isolated.makespan - steady.period) / static_cast<double>(options.run_iterations);
@@ -114,6 +122,37 @@ TEST(PlannerTest, SmallInstances_MatchBruteForceOptimum) {
     }
   }
   EXPECT_GT(checked, 300);
+}
+
+// kMeasuredWindow (Note [Measured windows]): exhaustive planning is optimal against a benchmark's
+// window timed on the simulated iterations (the last N of 64, from the return before them to the
+// end of the last), for windows of 1, 3 and 10 iterations on random 5-7-layer instances.
+TEST(PlannerTest, MeasuredWindow_OptimalAgainstTheTimedWindow) {
+  std::mt19937_64 rng(2032);
+  int checked = 0, differs = 0;
+  for (int trial = 0; trial < 24; ++trial) {
+    const int64_t n = 5 + trial % 3;
+    const auto costs = random_costs(rng, n);
+    PlannerOptions options;
+    options.num_devices = 2 + trial % 2;
+    options.num_microbatch = 2 + trial % 4;
+    options.objective = PlanObjective::kMeasuredWindow;
+    options.run_iterations = trial % 3 == 0 ? 1 : trial % 3 == 1 ? 3 : 10;
+    options.simulate.recompute_ahead = trial % 2 == 0;
+    const auto planned = plan_by_simulation(costs, RunType::kFused, options);
+    EXPECT_TRUE(planned.exhaustive);
+    const double ours = objective(planned.plan, RunType::kFused, costs, options);
+    const double best = brute_force(costs, RunType::kFused, options);
+    EXPECT_LE(ours, best * (1 + 1e-9)) << "trial " << trial << ": " << planned.plan.to_string() << " scores " << ours
+                                       << ", optimum " << best;
+    // The objective differs from kSteadyState's (which charges the first iteration's fill too).
+    const auto steady = plan_by_simulation(costs, RunType::kFused,
+                                           PlannerOptions(options).set_objective(PlanObjective::kSteadyState));
+    differs += objective(steady.plan, RunType::kFused, costs, options) > best * (1 + 1e-9) ? 1 : 0;
+    ++checked;
+  }
+  EXPECT_EQ(checked, 24);
+  EXPECT_GT(differs, 0) << "kSteadyState's plans were optimal for every window";
 }
 
 // The heuristic search (enumeration off) on the same kind of instance: within 5% of the

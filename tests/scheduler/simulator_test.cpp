@@ -124,6 +124,20 @@ TEST(SimulatorTest, SteadyState_HandComputedPeriod) {
   EXPECT_DOUBLE_EQ(exact.period, 15);
 }
 
+// Note [Measured windows]: timing iterations 1..2 of the run above from iteration 0's return
+// (9, when iteration 1 is posted) to iteration 2's end (47) gives (47 - 9) / 2 = 19 per
+// iteration, against the period 15: the last iteration's drain (fused end 39 to 47) is in it.
+TEST(SimulatorTest, SteadyState_MeasuredWindowIncludesTheLastDrain) {
+  auto r = simulate_steady_state(two_forward_plan(), RunType::kFused, unit_costs(3), 2, 3,
+                                 SimulateOptions().set_num_iterations(3));
+  EXPECT_DOUBLE_EQ(r.mean_iteration_time(1, 2), 19);
+  EXPECT_DOUBLE_EQ(r.window_bubble_ratio(1, 2), 1 - 24.0 / (2 * 19));
+  EXPECT_DOUBLE_EQ(r.mean_iteration_time(0, 2), 47.0 / 3);  // from 0: the first fill too
+  EXPECT_DOUBLE_EQ(r.mean_iteration_time(2, 2), 47 - 24);   // one iteration: posted at 24
+  EXPECT_THROW(r.mean_iteration_time(1, 3), c10::Error);
+  EXPECT_THROW(r.mean_iteration_time(2, 1), c10::Error);
+}
+
 // Without the overlap (forward_backward returns after the whole iteration) iterations do not
 // overlap at all: the period is the isolated makespan.
 TEST(SimulatorTest, SteadyState_NoOverlapRepeatsTheIsolatedMakespan) {
