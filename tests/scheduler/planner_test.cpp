@@ -146,8 +146,8 @@ TEST(PlannerTest, MeasuredWindow_OptimalAgainstTheTimedWindow) {
     EXPECT_LE(ours, best * (1 + 1e-9)) << "trial " << trial << ": " << planned.plan.to_string() << " scores " << ours
                                        << ", optimum " << best;
     // The objective differs from kSteadyState's (which charges the first iteration's fill too).
-    const auto steady = plan_by_simulation(costs, RunType::kFused,
-                                           PlannerOptions(options).set_objective(PlanObjective::kSteadyState));
+    const auto steady =
+        plan_by_simulation(costs, RunType::kFused, PlannerOptions(options).set_objective(PlanObjective::kSteadyState));
     differs += objective(steady.plan, RunType::kFused, costs, options) > best * (1 + 1e-9) ? 1 : 0;
     ++checked;
   }

@@ -265,8 +265,7 @@ void check_memory_fits(const LauncherConfig& config) {
       << per_param(h.total(), memory.params.total) << " x " << memory.params.total << " parameters: compute copies "
       << gib(h.compute_copies) << ", masters " << gib(h.masters) << ", gradients " << gib(h.grads)
       << ", optimizer state " << gib(h.optimizer_state) << ", CPU devices' stages " << gib(h.cpu_devices)
-      << "), more than the " << gib(*available)
-      << " MemAvailable in /proc/meminfo.";
+      << "), more than the " << gib(*available) << " MemAvailable in /proc/meminfo.";
   std::string options;
   auto consider = [&](const std::string& name, LauncherConfig alternative) {
     MemoryPlan alt = plan_memory(alternative);
