@@ -125,9 +125,8 @@ void print_host() {
     h.async_step = c.async;
     h.cpu_device_bytes = sch::cpu_device_bytes(sch::runtime_plan(s, o, c.devices), s, o, c.devices);
     const sch::HostMemory m = sch::host_memory(n, h);
-    std::printf("  %-46s %.1f B/param (live state %.1f, CPU devices %.1f, allowance %.1f)\n", c.name,
-                double(m.total()) / n.total, double(m.total() - m.cpu_devices - m.overhead) / n.total,
-                double(m.cpu_devices) / n.total, double(m.overhead) / n.total);
+    std::printf("  %-46s %.1f B/param (live state %.1f, CPU devices %.1f)\n", c.name, double(m.total()) / n.total,
+                double(m.total() - m.cpu_devices) / n.total, double(m.cpu_devices) / n.total);
   }
 }
 
