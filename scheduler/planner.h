@@ -22,7 +22,7 @@ namespace roundpipe::scheduler {
 ///   of two plans with about the same period the one with the shorter makespan wins.
 /// - kMeasuredWindow: the mean time per iteration of `run_iterations` back-to-back iterations
 ///   timed after a warm-up and up to a final synchronize(), period + drain / run_iterations, with
-///   drain = a steady iteration's end - its return (Note [Measured windows] in simulator.cpp): the
+///   drain = a steady iteration's end - its return (docs/schedule.md, "Steady state, end to end"): the
 ///   fill is not charged, the last iteration's drain is. For a benchmark's window (issue 32); the
 ///   runtime plans asynchronous steps with kSteadyState.
 enum class PlanObjective { kIsolated, kSteadyState, kMeasuredWindow };

@@ -130,7 +130,7 @@ struct SteadyStateResult {
     return period > 0 ? 1.0 - work_per_iteration / (static_cast<double>(num_devices) * period) : 0.0;
   }
   /// The time per iteration a caller measures over iterations [first, last] of a finite run
-  /// (Note [Measured windows] in simulator.cpp): its clock starts when it posts iteration `first`
+  /// (docs/schedule.md, "Steady state, end to end"): its clock starts when it posts iteration `first`
   /// (the return of iteration first - 1; 0 for the first) and stops when iteration `last` has
   /// ended (RoundPipe::synchronize), so it includes that iteration's drain once. Requires
   /// 0 <= first <= last < num_iterations (set SimulateOptions::num_iterations to last + 1).
