@@ -42,7 +42,8 @@ void check_supported(const LauncherConfig& config, const models::ModelConfig& mo
     // The router's load-balancing loss is weighted by every position of a microbatch, padding
     // included, while chat losses are normalized by trained labels: the mix would not be
     // transformers' (which masks padding out of the router statistics).
-    throw ConfigError("data.format: chat with a mixture-of-experts model (" + model_config.model_type +
+    throw ConfigError("data.format: chat with a mixture-of-experts model (" +
+                      std::string(models::model_type_name(model_config.architecture)) +
                       ") is not supported yet: the router's load-balancing loss would count padding; "
                       "train it on token data (data.format: tokens) for now");
   }
@@ -139,7 +140,8 @@ LauncherModel make_launcher_model(const LauncherConfig& config, bool allocate_on
     if (std::find(targets.begin(), targets.end(), "all-linear") != targets.end()) {
       // PEFT's all-linear on these models also adapts every router and the fused experts
       // (target_parameters); adapting less would silently differ from PEFT.
-      throw ConfigError("model.lora.targets: all-linear on a mixture-of-experts model (" + model_config.model_type +
+      throw ConfigError("model.lora.targets: all-linear on a mixture-of-experts model (" +
+                        std::string(models::model_type_name(model_config.architecture)) +
                         ") means, in PEFT, the attention projections plus every router and the fused experts, "
                         "which RoundPipe cannot adapt yet; list the modules instead, e.g. "
                         "[q_proj, k_proj, v_proj, o_proj]");
