@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "base/logging.h"
 #include "roundpipe/launcher/lr_schedule.h"
 #include "roundpipe/models/chat_tokens.h"
 #include "roundpipe/run_config.h"
@@ -29,6 +30,8 @@ class ConfigError : public std::runtime_error {
 
 enum class DataFormat { kTokens, kBytes, kSynthetic, kChat };
 enum class OptimizerName { kAdamW, kAdam, kSgd, kLion };
+/// distributed.backend: kAuto is NCCL with CUDA devices, Gloo otherwise.
+enum class DistributedBackend { kAuto, kGloo, kNccl };
 /// How Adam(W) stores its moments: float32, or block-wise 8-bit (optim::AdamStateDtype::kInt8).
 enum class OptimizerStateDtype { kFloat32, kInt8 };
 
@@ -112,13 +115,13 @@ struct EvalConfig {
 };
 
 struct DistributedConfig {
-  std::string backend;  ///< auto | gloo | nccl
+  DistributedBackend backend;
   double timeout_s;
 };
 
 struct LogConfig {
   int64_t every;
-  std::string level;  ///< trace | debug | info | warn | error | off
+  LogLevel level;  ///< of the launcher and RoundPipe (base/logging.h)
 };
 
 /// The whole configuration. Default-constructed, every field holds the schema's default (the

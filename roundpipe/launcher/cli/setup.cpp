@@ -231,9 +231,9 @@ std::shared_ptr<comm::ProcessGroup> make_process_group(const LauncherConfig& con
   const auto cuda = std::find_if(devices.begin(), devices.end(), [](const c10::Device& d) { return d.is_cuda(); });
   comm::ProcessGroupOptions options;
   options.timeout(std::chrono::milliseconds(static_cast<int64_t>(config.distributed.timeout_s * 1000.0)));
-  if (config.distributed.backend == "gloo") {
+  if (config.distributed.backend == DistributedBackend::kGloo) {
     options.backend("gloo");
-  } else if (config.distributed.backend == "nccl") {
+  } else if (config.distributed.backend == DistributedBackend::kNccl) {
     if (cuda == devices.end()) {
       throw ConfigError("distributed.backend: nccl needs CUDA devices, but this rank's run.devices are CPU; use "
                         "distributed.backend=gloo (or auto)");

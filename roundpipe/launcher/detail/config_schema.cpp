@@ -442,7 +442,9 @@ std::vector<KeySpec> build_schema() {
   t.push_back(Key("distributed.backend", KeyKind::kChoice, "auto",
                   "Collective backend: `nccl` with CUDA devices and `gloo` otherwise (`auto`), or forced.")
                   .one_of({"auto", "gloo", "nccl"})
-                  .field([](C& c) -> std::string& { return c.distributed.backend; }));
+                  .enum_field([](C& c) -> DistributedBackend& { return c.distributed.backend; },
+                              std::vector<DistributedBackend>{DistributedBackend::kAuto, DistributedBackend::kGloo,
+                                                              DistributedBackend::kNccl}));
   t.push_back(Key("distributed.timeout_s", KeyKind::kFloat, "600.0",
                   "Seconds the rendezvous and each collective may take before the job fails naming the "
                   "missing rank.")
@@ -455,7 +457,9 @@ std::vector<KeySpec> build_schema() {
                   .field([](C& c) -> int64_t& { return c.log.every; }));
   t.push_back(Key("log.level", KeyKind::kChoice, "info", "Log level of the launcher and RoundPipe.")
                   .one_of({"trace", "debug", "info", "warn", "error", "off"})
-                  .field([](C& c) -> std::string& { return c.log.level; }));
+                  .enum_field([](C& c) -> LogLevel& { return c.log.level; },
+                              std::vector<LogLevel>{LogLevel::kTrace, LogLevel::kDebug, LogLevel::kInfo,
+                                                    LogLevel::kWarn, LogLevel::kError, LogLevel::kOff}));
   return t;
 }
 
