@@ -16,6 +16,7 @@
 
 #include "base/logging.h"
 #include "roundpipe/launcher/lr_schedule.h"
+#include "roundpipe/models/architecture.h"
 #include "roundpipe/models/chat_tokens.h"
 #include "roundpipe/run_config.h"
 
@@ -47,7 +48,7 @@ struct LoraConfig {
 
 struct ModelConfig {
   std::string pretrained;        ///< directory with config.json + weights; "" = none
-  std::string preset;            ///< "llama" | "qwen3" | "" (none)
+  std::optional<models::Architecture> preset;  ///< nullopt: none (model.pretrained instead)
   std::string config_json;       ///< model.config as a JSON object text ("{}" when unset)
   c10::ScalarType dtype;         ///< compute dtype: Float | BFloat16 | Half
   c10::ScalarType master_dtype;  ///< optimizer master weights: Float

@@ -31,7 +31,7 @@ TEST(ConfigTest, Defaults_MatchTheDocumentedValues) {
   LauncherConfig c;
   EXPECT_EQ(c.out_dir, "runs/example");
   EXPECT_EQ(c.model.pretrained, "");
-  EXPECT_EQ(c.model.preset, "");
+  EXPECT_FALSE(c.model.preset.has_value());
   EXPECT_EQ(c.model.config_json, "{}");
   EXPECT_EQ(c.model.dtype, c10::kFloat);
   EXPECT_EQ(c.model.master_dtype, c10::kFloat);
@@ -290,7 +290,7 @@ TEST(ConfigTest, ResolvedModelConfig_LaysModelConfigOverPretrained) {
 TEST(ConfigTest, DefaultYaml_LoadsWithSyntheticData) {
   const std::string path = std::string(ROUNDPIPE_SOURCE_DIR) + "/configs/default.yaml";
   LauncherConfig c = load_config(path, {"data.format=synthetic", "data.train=", "data.valid="});
-  EXPECT_EQ(c.model.preset, "llama");
+  EXPECT_TRUE(c.model.preset == models::Architecture::kLlama);
   EXPECT_EQ(data_vocab_size(c), 256);
 }
 

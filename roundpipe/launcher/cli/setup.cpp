@@ -58,8 +58,8 @@ void check_supported(const LauncherConfig& config, const models::ModelConfig& mo
 
 models::ModelConfig resolve_model_config(const LauncherConfig& config) {
   nlohmann::json json = nlohmann::json::parse(resolved_model_config_json(config));
-  if (!config.model.preset.empty() && !json.contains("model_type")) {
-    json["model_type"] = config.model.preset;
+  if (config.model.preset && !json.contains("model_type")) {
+    json["model_type"] = models::model_type_name(*config.model.preset);
   }
   try {
     return models::parse_model_config(json.dump(), config.model.pretrained.empty()

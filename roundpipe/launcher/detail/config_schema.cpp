@@ -155,7 +155,16 @@ std::vector<KeySpec> build_schema() {
                   "Architecture of a model trained from scratch (random initial weights).")
                   .one_of({"llama", "mistral", "qwen3", "qwen3_moe", "mixtral"})
                   .nullable()
-                  .field([](C& c) -> std::string& { return c.model.preset; }));
+                  .custom(
+                      [](C& c, const Value& v) {
+                        c.model.preset = std::holds_alternative<std::string>(v)
+                                             ? models::architecture_from_model_type(std::get<std::string>(v))
+                                             : std::nullopt;
+                      },
+                      [](const C& c) -> Value {
+                        if (!c.model.preset) return Value();
+                        return std::string(models::model_type_name(*c.model.preset));
+                      }));
   t.push_back(Key("model.config", KeyKind::kFreeMap, "{}",
                   "Hugging Face config.json keys (hidden_size, num_hidden_layers, "
                   "num_attention_heads, vocab_size, ...), handed to the model as JSON. With "
