@@ -1,6 +1,6 @@
 // The loss of one optimizer step of `roundpipe train`: the per-microbatch loss function handed to
 // RoundPipe::forward_backward (normalized, scaled, no host read) and the step's logged loss, read
-// from the host once per pass (Note [Loss normalization] in cli/trainer.cpp).
+// from the host once per pass (docs/launcher.md, "Loss normalization").
 #pragma once
 
 #include <ATen/core/Tensor.h>
