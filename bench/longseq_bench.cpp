@@ -39,7 +39,7 @@ constexpr int64_t kHidden = 64;
 
 rm::ModelConfig model_config(int64_t vocab, int64_t seq) {
   rm::ModelConfig c;
-  c.model_type = "qwen3";
+  c.architecture = rm::Architecture::kQwen3;
   c.vocab_size = vocab;
   c.hidden_size = kHidden;
   c.intermediate_size = 128;

@@ -54,7 +54,7 @@ double median_ms(int64_t reps, Fn fn) {
 
 rm::ModelConfig config_of(const Shape& s) {
   rm::ModelConfig c;
-  c.model_type = "qwen3_moe";
+  c.architecture = rm::Architecture::kQwen3Moe;
   c.hidden_size = s.hidden;
   c.num_experts = s.experts;
   c.num_experts_per_tok = s.top_k;

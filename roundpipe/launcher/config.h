@@ -14,7 +14,9 @@
 #include <string>
 #include <vector>
 
+#include "base/logging.h"
 #include "roundpipe/launcher/lr_schedule.h"
+#include "roundpipe/models/architecture.h"
 #include "roundpipe/models/chat_tokens.h"
 #include "roundpipe/run_config.h"
 
@@ -29,6 +31,8 @@ class ConfigError : public std::runtime_error {
 
 enum class DataFormat { kTokens, kBytes, kSynthetic, kChat };
 enum class OptimizerName { kAdamW, kAdam, kSgd, kLion };
+/// distributed.backend: kAuto is NCCL with CUDA devices, Gloo otherwise.
+enum class DistributedBackend { kAuto, kGloo, kNccl };
 /// How Adam(W) stores its moments: float32, or block-wise 8-bit (optim::AdamStateDtype::kInt8).
 enum class OptimizerStateDtype { kFloat32, kInt8 };
 
@@ -44,7 +48,7 @@ struct LoraConfig {
 
 struct ModelConfig {
   std::string pretrained;        ///< directory with config.json + weights; "" = none
-  std::string preset;            ///< "llama" | "qwen3" | "" (none)
+  std::optional<models::Architecture> preset;  ///< nullopt: none (model.pretrained instead)
   std::string config_json;       ///< model.config as a JSON object text ("{}" when unset)
   c10::ScalarType dtype;         ///< compute dtype: Float | BFloat16 | Half
   c10::ScalarType master_dtype;  ///< optimizer master weights: Float
@@ -115,13 +119,13 @@ struct EvalConfig {
 };
 
 struct DistributedConfig {
-  std::string backend;  ///< auto | gloo | nccl
+  DistributedBackend backend;
   double timeout_s;
 };
 
 struct LogConfig {
   int64_t every;
-  std::string level;  ///< trace | debug | info | warn | error | off
+  LogLevel level;  ///< of the launcher and RoundPipe (base/logging.h)
 };
 
 /// The whole configuration. Default-constructed, every field holds the schema's default (the

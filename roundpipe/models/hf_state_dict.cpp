@@ -32,7 +32,7 @@ std::pair<EmbeddingImpl*, LmHeadImpl*> check_layout(const torch::nn::Sequential&
     const bool fits = config.is_moe() ? model->ptr(i)->as<MoeDecoderLayerImpl>() != nullptr
                                       : model->ptr(i)->as<DecoderLayerImpl>() != nullptr;
     TORCH_CHECK(fits, "layer ", i, " of the model is a ", model->ptr(i)->name(), ", expected ",
-                config.is_moe() ? "MoeDecoderLayer (model_type " + config.model_type + ")" : std::string("DecoderLayer"));
+                config.is_moe() ? "MoeDecoderLayer (model_type " + std::string(model_type_name(config.architecture)) + ")" : std::string("DecoderLayer"));
   }
   return {embedding, head};
 }
@@ -114,7 +114,7 @@ void load_hf_state_dict(torch::nn::Sequential& model, const ModelConfig& config,
     if (is_tied_head(name, config)) continue;
     const at::Tensor source = get(name);
     TORCH_CHECK(source.defined(), "the checkpoint has no tensor \"", name, "\" (parameter ", item.key(),
-                " of the model): is it a ", config.model_type, " checkpoint with this config.json?");
+                " of the model): is it a ", model_type_name(config.architecture), " checkpoint with this config.json?");
     at::Tensor param = item.value();
     TORCH_CHECK(source.sizes() == param.sizes(), "checkpoint tensor \"", name, "\" has shape ", source.sizes(),
                 " but the model expects ", param.sizes(), " (check config.json: hidden_size, heads, head_dim)");

@@ -201,7 +201,7 @@ at::Tensor RMSNormImpl::forward(const at::Tensor& x) {
 }
 
 RMSNorm make_rms_norm(const ModelConfig& config, int64_t dim, const at::TensorOptions& options) {
-  return RMSNorm(dim, config.rms_norm_eps, options, /*weight_in_fp32=*/config.model_type == "gpt_oss");
+  return RMSNorm(dim, config.rms_norm_eps, options, /*weight_in_fp32=*/config.traits().norm_weight_fp32);
 }
 
 // ---- TokenEmbedding ------------------------------------------------------------------------------
@@ -260,11 +260,11 @@ void AttentionImpl::reset() {
   k_proj = register_module("k_proj", Linear(h, config_.num_key_value_heads * d, bias, options));
   v_proj = register_module("v_proj", Linear(h, config_.num_key_value_heads * d, bias, options));
   o_proj = register_module("o_proj", Linear(config_.num_attention_heads * d, h, bias, options));
-  if (config_.model_type == "qwen3" || config_.model_type == "qwen3_moe") {
+  if (config_.traits().qk_norm) {
     q_norm = register_module("q_norm", RMSNorm(d, config_.rms_norm_eps, options));
     k_norm = register_module("k_norm", RMSNorm(d, config_.rms_norm_eps, options));
   }
-  if (config_.model_type == "gpt_oss") {
+  if (config_.traits().attention_sinks) {
     sinks = register_parameter("sinks", at::empty({config_.num_attention_heads}, param_options(sinks, options)));
   }
 }

@@ -28,7 +28,6 @@ constexpr const char* kUnsupportedMoeTypes[] = {"qwen2_moe", "deepseek_v2", "dee
                                                 "minimax",  "qwen3_next", "glm4_moe",   "ernie4_5_moe", "dots1",
                                                 "hunyuan_v1_moe", "llama4", "switch_transformers", "nllb_moe"};
 
-constexpr const char* kSupportedTypes = "llama, mistral, qwen3, qwen3_moe, mixtral, gpt_oss";
 
 // Reads keys of one JSON object, remembering which ones it interpreted (the rest go to
 // ModelConfig::extra_json) and naming the file, key and value in every error.
@@ -144,7 +143,7 @@ void parse_yarn(KeyReader& rope, const std::string& params_key, ModelConfig& con
 void parse_rope(KeyReader& top, ModelConfig& config) {
   const std::string& source = top.source();
   // HF's default_theta: 10000, except GptOssConfig's 150000.
-  const double top_theta = top.get_double("rope_theta", config.model_type == "gpt_oss" ? 150000.0 : 10000.0);
+  const double top_theta = top.get_double("rope_theta", config.traits().rope_theta);
   const json* params = top.find("rope_parameters");
   const char* params_key = "rope_parameters";
   if (params == nullptr) {
@@ -161,7 +160,7 @@ void parse_rope(KeyReader& top, ModelConfig& config) {
                 partial->dump(), " is not supported (only 1.0: rotary embedding over the whole head)");
   }
   if (params == nullptr) {
-    if (config.model_type == "gpt_oss") {
+    if (config.architecture == Architecture::kGptOss) {
       // GptOssConfig's default rope_parameters: YaRN, factor 32 over 4096 positions.
       config.rope.rope_type = "yarn";
       config.rope.factor = 32.0;
@@ -224,17 +223,18 @@ void parse_rope(KeyReader& top, ModelConfig& config) {
 
 void parse_sliding_window(KeyReader& top, ModelConfig& config) {
   const std::string& source = top.source();
-  if (config.model_type == "mistral" || config.model_type == "mixtral") {
+  const Architecture arch = config.architecture;
+  if (arch == Architecture::kMistral || arch == Architecture::kMixtral) {
     // MistralConfig's default window is 4096, MixtralConfig's none; configs state null to turn it
     // off. Every layer uses the window.
     const bool stated = top.contains("sliding_window");
     const json* v = top.find("sliding_window");
     config.sliding_window = std::nullopt;
     if (v != nullptr) config.sliding_window = top.as_int(*v, "sliding_window");
-    if (!stated && config.model_type == "mistral") config.sliding_window = 4096;
+    if (!stated && arch == Architecture::kMistral) config.sliding_window = 4096;
     return;
   }
-  if (config.model_type == "qwen3_moe") {
+  if (arch == Architecture::kQwen3Moe) {
     // Qwen3MoeConfig: the window (default 4096) applies to every layer iff use_sliding_window.
     config.use_sliding_window = top.get_bool("use_sliding_window", false);
     const bool stated = top.contains("sliding_window");
@@ -242,8 +242,8 @@ void parse_sliding_window(KeyReader& top, ModelConfig& config) {
     config.sliding_window = config.use_sliding_window ? (stated ? window : std::optional<int64_t>(4096)) : std::nullopt;
     return;
   }
-  if (config.model_type == "qwen3" || config.model_type == "gpt_oss") {
-    const bool gpt_oss = config.model_type == "gpt_oss";
+  if (arch == Architecture::kQwen3 || arch == Architecture::kGptOss) {
+    const bool gpt_oss = arch == Architecture::kGptOss;
     // GptOssConfig: window 128, even layers sliding unless layer_types says otherwise.
     config.use_sliding_window = gpt_oss || top.get_bool("use_sliding_window", false);
     config.max_window_layers = gpt_oss ? 0 : top.get_int("max_window_layers", 28);
@@ -282,8 +282,8 @@ void parse_sliding_window(KeyReader& top, ModelConfig& config) {
 // The expert keys of qwen3_moe and mixtral into `config` (after the sizes).
 void parse_experts(KeyReader& top, ModelConfig& config) {
   const std::string& source = top.source();
-  const bool qwen3_moe = config.model_type == "qwen3_moe";
-  const bool gpt_oss = config.model_type == "gpt_oss";
+  const bool qwen3_moe = config.architecture == Architecture::kQwen3Moe;
+  const bool gpt_oss = config.architecture == Architecture::kGptOss;
   // Qwen3MoeConfig and GptOssConfig map num_experts to num_local_experts (released configs use the first,
   // transformers 5 writes the second); MixtralConfig has num_local_experts.
   const char* count_key = top.has("num_local_experts") ? "num_local_experts" : "num_experts";
@@ -343,10 +343,124 @@ void parse_experts(KeyReader& top, ModelConfig& config) {
               ": key \"router_aux_loss_coef\" = ", config.router_aux_loss_coef, " must be finite and >= 0");
 }
 
+// config.json's "model_type" as an Architecture; anything else fails naming the supported types.
+Architecture parse_architecture(KeyReader& top) {
+  const std::string& source = top.source();
+  TORCH_CHECK(top.has("model_type"), source, " has no \"model_type\" (expected one of ", model_type_list(), ")");
+  const std::string model_type = top.get_string("model_type", "");
+  for (const char* moe_type : kUnsupportedMoeTypes) {
+    TORCH_CHECK(model_type != moe_type, source, ": key \"model_type\" = \"", model_type,
+                "\" is a mixture-of-experts architecture that is not supported (supported: ", model_type_list(),
+                "; the mixtures of experts among them: ", model_type_list(/*moe_only=*/true), ")");
+  }
+  const std::optional<Architecture> architecture = architecture_from_model_type(model_type);
+  TORCH_CHECK(architecture.has_value(), source, ": key \"model_type\" = \"", model_type,
+              "\" is not supported (supported: ", model_type_list(), ")");
+  return *architecture;
+}
+
+// The sizes, norms and biases, with the architecture's HF defaults (its traits row: LlamaConfig,
+// MistralConfig, Qwen3Config, Qwen3MoeConfig, MixtralConfig, GptOssConfig in transformers 5).
+void parse_sizes(KeyReader& top, ModelConfig& c) {
+  const std::string& source_name = top.source();
+  const ArchitectureTraits& traits = c.traits();
+  c.vocab_size = top.get_int("vocab_size", traits.vocab_size);
+  c.hidden_size = top.get_int("hidden_size", traits.hidden_size);
+  c.intermediate_size = top.get_int("intermediate_size", traits.intermediate_size);
+  c.num_hidden_layers = top.get_int("num_hidden_layers", traits.num_hidden_layers);
+  c.num_attention_heads = top.get_int("num_attention_heads", traits.num_attention_heads);
+  c.num_key_value_heads = top.get_int(
+      "num_key_value_heads", traits.num_key_value_heads > 0 ? traits.num_key_value_heads : c.num_attention_heads);
+  c.max_position_embeddings = top.get_int("max_position_embeddings", traits.max_position_embeddings);
+  c.rms_norm_eps = top.get_double("rms_norm_eps", traits.rms_norm_eps);
+  c.initializer_range = top.get_double("initializer_range", 0.02);
+  c.attention_dropout = top.get_double("attention_dropout", 0.0);
+  c.tie_word_embeddings = top.get_bool("tie_word_embeddings", false);
+  c.attention_bias = traits.attention_bias_key ? top.get_bool("attention_bias", traits.attention_bias) : false;
+  c.mlp_bias = traits.mlp_bias_key ? top.get_bool("mlp_bias", false) : false;
+
+  for (const auto& [key, value] : std::vector<std::pair<const char*, int64_t>>{
+           {"vocab_size", c.vocab_size},
+           {"hidden_size", c.hidden_size},
+           {"intermediate_size", c.intermediate_size},
+           {"num_hidden_layers", c.num_hidden_layers},
+           {"num_attention_heads", c.num_attention_heads},
+           {"num_key_value_heads", c.num_key_value_heads},
+           {"max_position_embeddings", c.max_position_embeddings}}) {
+    TORCH_CHECK(value > 0, source_name, ": key \"", key, "\" = ", value, " must be positive");
+  }
+  if (top.has("head_dim")) {
+    c.head_dim = top.get_int("head_dim", 0);
+  } else if (traits.head_dim > 0) {
+    c.head_dim = traits.head_dim;
+  } else {
+    TORCH_CHECK(c.hidden_size % c.num_attention_heads == 0, source_name, ": key \"hidden_size\" = ", c.hidden_size,
+                " is not divisible by \"num_attention_heads\" = ", c.num_attention_heads,
+                " and \"head_dim\" is not given");
+    c.head_dim = c.hidden_size / c.num_attention_heads;
+  }
+  TORCH_CHECK(c.head_dim > 0 && c.head_dim % 2 == 0, source_name, ": key \"head_dim\" = ", c.head_dim,
+              " must be positive and even (rotary embeddings pair the dimensions)");
+  TORCH_CHECK(c.num_attention_heads % c.num_key_value_heads == 0, source_name, ": key \"num_attention_heads\" = ",
+              c.num_attention_heads, " must be a multiple of \"num_key_value_heads\" = ", c.num_key_value_heads);
+  TORCH_CHECK(c.rms_norm_eps > 0, source_name, ": key \"rms_norm_eps\" = ", c.rms_norm_eps, " must be positive");
+  TORCH_CHECK(c.attention_dropout >= 0 && c.attention_dropout < 1, source_name, ": key \"attention_dropout\" = ",
+              c.attention_dropout, " must be in [0, 1)");
+}
+
+// bos, eos (one id or a list) and pad.
+void parse_special_tokens(KeyReader& top, ModelConfig& c) {
+  const std::string& source_name = top.source();
+  const std::optional<int64_t> default_special =
+      c.traits().llama_special_tokens ? std::optional<int64_t>(1) : std::nullopt;  // bos 1, eos 2
+  c.bos_token_id = top.contains("bos_token_id") ? top.get_optional_int("bos_token_id") : default_special;
+  c.eos_token_id.clear();
+  if (const json* eos = top.find("eos_token_id")) {
+    if (eos->is_array()) {
+      for (const auto& id : *eos) c.eos_token_id.push_back(top.as_int(id, "eos_token_id"));
+    } else {
+      c.eos_token_id.push_back(top.as_int(*eos, "eos_token_id"));
+    }
+  } else if (!top.contains("eos_token_id") && c.traits().llama_special_tokens) {
+    c.eos_token_id.push_back(2);
+  }
+  c.pad_token_id = top.get_optional_int("pad_token_id");
+  if (c.pad_token_id) {
+    TORCH_CHECK(*c.pad_token_id >= 0 && *c.pad_token_id < c.vocab_size, source_name, ": key \"pad_token_id\" = ",
+                *c.pad_token_id, " is outside the vocabulary [0, ", c.vocab_size, ")");
+  }
+}
+
 std::string read_text_file(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   TORCH_CHECK(in.good(), "cannot open model config ", path, ": check that the file exists and is readable");
   return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+
+// The expert keys of a mixture of experts, in the names of its architecture's HF config.
+void experts_to_json(const ModelConfig& c, json& j) {
+  const bool qwen3_moe = c.architecture == Architecture::kQwen3Moe;
+  const bool gpt_oss = c.architecture == Architecture::kGptOss;
+  j.erase("num_local_experts");
+  j.erase("num_experts");
+  j[qwen3_moe ? "num_experts" : "num_local_experts"] = c.num_experts;
+  // The weights are written in the compute dtype, never quantized (docs/models.md).
+  j.erase("quantization_config");
+  j["num_experts_per_tok"] = c.num_experts_per_tok;
+  j["router_aux_loss_coef"] = c.router_aux_loss_coef;
+  if (qwen3_moe) {
+    j["moe_intermediate_size"] = c.moe_intermediate_size;
+    j["norm_topk_prob"] = c.norm_topk_prob;
+    j["decoder_sparse_step"] = c.decoder_sparse_step;
+    j["mlp_only_layers"] = c.mlp_only_layers;
+  } else if (gpt_oss) {
+    j["swiglu_alpha"] = c.swiglu_alpha;
+    j["swiglu_limit"] = c.swiglu_limit;
+    j["sliding_window"] = c.sliding_window ? json(*c.sliding_window) : json(nullptr);
+    j["layer_types"] = c.layer_types;
+  } else {
+    j["router_jitter_noise"] = 0.0;
+  }
 }
 
 json eos_to_json(const std::vector<int64_t>& ids) {
@@ -365,9 +479,7 @@ bool RopeParameters::operator==(const RopeParameters& o) const {
          mscale == o.mscale && mscale_all_dim == o.mscale_all_dim;
 }
 
-bool ModelConfig::is_moe() const {
-  return model_type == "qwen3_moe" || model_type == "mixtral" || model_type == "gpt_oss";
-}
+bool ModelConfig::is_moe() const { return traits().moe; }
 
 bool ModelConfig::layer_is_sparse(int64_t layer) const {
   if (!is_moe() || num_experts <= 0) return false;
@@ -383,14 +495,14 @@ int64_t ModelConfig::num_sparse_layers() const {
 
 bool ModelConfig::layer_uses_sliding_window(int64_t layer) const {
   if (!sliding_window) return false;
-  if (model_type == "qwen3" || model_type == "gpt_oss") {
+  if (architecture == Architecture::kQwen3 || architecture == Architecture::kGptOss) {
     return layer >= 0 && layer < static_cast<int64_t>(layer_types.size()) && layer_types[layer] == "sliding_attention";
   }
   return true;
 }
 
 bool ModelConfig::operator==(const ModelConfig& o) const {
-  return model_type == o.model_type && vocab_size == o.vocab_size && hidden_size == o.hidden_size &&
+  return architecture == o.architecture && vocab_size == o.vocab_size && hidden_size == o.hidden_size &&
          intermediate_size == o.intermediate_size && num_hidden_layers == o.num_hidden_layers &&
          num_attention_heads == o.num_attention_heads && num_key_value_heads == o.num_key_value_heads &&
          head_dim == o.head_dim && rms_norm_eps == o.rms_norm_eps && rope == o.rope &&
@@ -432,86 +544,22 @@ ModelConfig parse_model_config(const std::string& json_text, const std::string& 
   KeyReader top(root, source_name);
   ModelConfig c;
 
-  TORCH_CHECK(top.has("model_type"), source_name, " has no \"model_type\" (expected one of ", kSupportedTypes, ")");
-  c.model_type = top.get_string("model_type", "");
-  for (const char* moe_type : kUnsupportedMoeTypes) {
-    TORCH_CHECK(c.model_type != moe_type, source_name, ": key \"model_type\" = \"", c.model_type,
-                "\" is a mixture-of-experts architecture that is not supported (supported: ", kSupportedTypes,
-                "; the mixtures of experts among them: qwen3_moe, mixtral, gpt_oss)");
-  }
-  TORCH_CHECK(c.model_type == "llama" || c.model_type == "mistral" || c.model_type == "qwen3" ||
-                  c.model_type == "qwen3_moe" || c.model_type == "mixtral" || c.model_type == "gpt_oss",
-              source_name, ": key \"model_type\" = \"", c.model_type, "\" is not supported (supported: ",
-              kSupportedTypes, ")");
-  const bool qwen3_moe = c.model_type == "qwen3_moe";
-  const bool mixtral = c.model_type == "mixtral";
-  const bool gpt_oss = c.model_type == "gpt_oss";
-  const bool qwen3 = c.model_type == "qwen3";
-  const bool qwen = qwen3 || qwen3_moe;
-  const bool mistral = c.model_type == "mistral";
-  const bool mistral_like = mistral || mixtral;  // no attention biases, bos 1 / eos 2
+  c.architecture = parse_architecture(top);
 
   if (!c.is_moe()) {
     for (const char* key : kMoeKeys) {
       const json* v = top.find(key);
       if (v == nullptr || (v->is_number() && v->get<double>() == 0)) continue;
       TORCH_CHECK(false, source_name, ": key \"", key, "\" = ", v->dump(), " describes a mixture of experts, which ",
-                  c.model_type, " has not (the mixture-of-experts types are qwen3_moe, mixtral and gpt_oss)");
+                  c.traits().model_type, " has not (the mixture-of-experts types are ",
+                  model_type_list(/*moe_only=*/true, " and "), ")");
     }
   }
   c.hidden_act = top.get_string("hidden_act", "silu");
   TORCH_CHECK(c.hidden_act == "silu", source_name, ": key \"hidden_act\" = \"", c.hidden_act,
               "\" is not supported (only \"silu\", the SwiGLU MLP of Llama/Mistral/Qwen3)");
 
-  // HF's per-model defaults (LlamaConfig, MistralConfig, Qwen3Config in transformers 5).
-  // HF's per-model defaults (LlamaConfig, MistralConfig, Qwen3Config, Qwen3MoeConfig, MixtralConfig
-  // in transformers 5).
-  c.vocab_size = top.get_int("vocab_size", qwen ? 151936 : gpt_oss ? 201088 : 32000);
-  c.hidden_size = top.get_int("hidden_size", qwen3_moe ? 2048 : gpt_oss ? 2880 : 4096);
-  c.intermediate_size = top.get_int(
-      "intermediate_size", qwen3 ? 22016 : qwen3_moe ? 6144 : gpt_oss ? 2880 : mistral_like ? 14336 : 11008);
-  c.num_hidden_layers = top.get_int("num_hidden_layers", qwen3_moe ? 24 : gpt_oss ? 36 : 32);
-  c.num_attention_heads = top.get_int("num_attention_heads", gpt_oss ? 64 : 32);
-  c.num_key_value_heads =
-      top.get_int("num_key_value_heads", mistral_like || gpt_oss ? 8 : qwen3_moe ? 4 : c.num_attention_heads);
-  c.max_position_embeddings =
-      top.get_int("max_position_embeddings", qwen ? 32768 : mistral_like || gpt_oss ? 131072 : 2048);
-  c.rms_norm_eps = top.get_double("rms_norm_eps", mixtral || gpt_oss ? 1e-5 : 1e-6);
-  c.initializer_range = top.get_double("initializer_range", 0.02);
-  c.attention_dropout = top.get_double("attention_dropout", 0.0);
-  c.tie_word_embeddings = top.get_bool("tie_word_embeddings", false);
-  c.attention_bias = mistral_like ? false : top.get_bool("attention_bias", gpt_oss);
-  c.mlp_bias = c.model_type == "llama" ? top.get_bool("mlp_bias", false) : false;
-
-  for (const auto& [key, value] : std::vector<std::pair<const char*, int64_t>>{
-           {"vocab_size", c.vocab_size},
-           {"hidden_size", c.hidden_size},
-           {"intermediate_size", c.intermediate_size},
-           {"num_hidden_layers", c.num_hidden_layers},
-           {"num_attention_heads", c.num_attention_heads},
-           {"num_key_value_heads", c.num_key_value_heads},
-           {"max_position_embeddings", c.max_position_embeddings}}) {
-    TORCH_CHECK(value > 0, source_name, ": key \"", key, "\" = ", value, " must be positive");
-  }
-  if (top.has("head_dim")) {
-    c.head_dim = top.get_int("head_dim", 0);
-  } else if (qwen3) {
-    c.head_dim = 128;
-  } else if (gpt_oss) {
-    c.head_dim = 64;
-  } else {
-    TORCH_CHECK(c.hidden_size % c.num_attention_heads == 0, source_name, ": key \"hidden_size\" = ", c.hidden_size,
-                " is not divisible by \"num_attention_heads\" = ", c.num_attention_heads,
-                " and \"head_dim\" is not given");
-    c.head_dim = c.hidden_size / c.num_attention_heads;
-  }
-  TORCH_CHECK(c.head_dim > 0 && c.head_dim % 2 == 0, source_name, ": key \"head_dim\" = ", c.head_dim,
-              " must be positive and even (rotary embeddings pair the dimensions)");
-  TORCH_CHECK(c.num_attention_heads % c.num_key_value_heads == 0, source_name, ": key \"num_attention_heads\" = ",
-              c.num_attention_heads, " must be a multiple of \"num_key_value_heads\" = ", c.num_key_value_heads);
-  TORCH_CHECK(c.rms_norm_eps > 0, source_name, ": key \"rms_norm_eps\" = ", c.rms_norm_eps, " must be positive");
-  TORCH_CHECK(c.attention_dropout >= 0 && c.attention_dropout < 1, source_name, ": key \"attention_dropout\" = ",
-              c.attention_dropout, " must be in [0, 1)");
+  parse_sizes(top, c);
 
   if (c.is_moe()) parse_experts(top, c);
   parse_rope(top, c);
@@ -531,24 +579,7 @@ ModelConfig parse_model_config(const std::string& json_text, const std::string& 
   }
   if (dtype != nullptr) c.dtype = parse_dtype(*dtype, dtype_key, source_name);
 
-  const std::optional<int64_t> default_special =
-      qwen || gpt_oss ? std::nullopt : std::optional<int64_t>(1);  // Llama/Mistral/Mixtral: bos 1, eos 2
-  c.bos_token_id = top.contains("bos_token_id") ? top.get_optional_int("bos_token_id") : default_special;
-  c.eos_token_id.clear();
-  if (const json* eos = top.find("eos_token_id")) {
-    if (eos->is_array()) {
-      for (const auto& id : *eos) c.eos_token_id.push_back(top.as_int(id, "eos_token_id"));
-    } else {
-      c.eos_token_id.push_back(top.as_int(*eos, "eos_token_id"));
-    }
-  } else if (!top.contains("eos_token_id") && !qwen && !gpt_oss) {
-    c.eos_token_id.push_back(2);
-  }
-  c.pad_token_id = top.get_optional_int("pad_token_id");
-  if (c.pad_token_id) {
-    TORCH_CHECK(*c.pad_token_id >= 0 && *c.pad_token_id < c.vocab_size, source_name, ": key \"pad_token_id\" = ",
-                *c.pad_token_id, " is outside the vocabulary [0, ", c.vocab_size, ")");
-  }
+  parse_special_tokens(top, c);
   top.find("architectures");  // regenerated from model_type by to_json
   c.extra_json = top.rest().dump();
   return c;
@@ -564,18 +595,12 @@ ModelConfig load_model_config(const std::string& path) {
 std::string to_json(const ModelConfig& c) {
   json j = json::parse(c.extra_json);
   TORCH_CHECK(j.is_object(), "ModelConfig::extra_json must be a JSON object, got ", c.extra_json);
-  const bool qwen3 = c.model_type == "qwen3";
-  const bool mistral = c.model_type == "mistral";
-  const bool qwen3_moe = c.model_type == "qwen3_moe";
-  const bool mixtral = c.model_type == "mixtral";
-  const bool gpt_oss = c.model_type == "gpt_oss";
-  j["architectures"] = json::array({qwen3       ? "Qwen3ForCausalLM"
-                                    : mistral   ? "MistralForCausalLM"
-                                    : qwen3_moe ? "Qwen3MoeForCausalLM"
-                                    : mixtral   ? "MixtralForCausalLM"
-                                    : gpt_oss   ? "GptOssForCausalLM"
-                                                : "LlamaForCausalLM"});
-  j["model_type"] = c.model_type;
+  const bool qwen3 = c.architecture == Architecture::kQwen3;
+  const bool mistral = c.architecture == Architecture::kMistral;
+  const bool qwen3_moe = c.architecture == Architecture::kQwen3Moe;
+  const bool mixtral = c.architecture == Architecture::kMixtral;
+  j["architectures"] = json::array({c.traits().hf_class});
+  j["model_type"] = c.traits().model_type;
   j["vocab_size"] = c.vocab_size;
   j["hidden_size"] = c.hidden_size;
   j["intermediate_size"] = c.intermediate_size;
@@ -589,8 +614,8 @@ std::string to_json(const ModelConfig& c) {
   j["rms_norm_eps"] = c.rms_norm_eps;
   j["attention_dropout"] = c.attention_dropout;
   j["tie_word_embeddings"] = c.tie_word_embeddings;
-  if (!mistral && !mixtral) j["attention_bias"] = c.attention_bias;
-  if (c.model_type == "llama") j["mlp_bias"] = c.mlp_bias;
+  if (c.traits().attention_bias_key) j["attention_bias"] = c.attention_bias;
+  if (c.traits().mlp_bias_key) j["mlp_bias"] = c.mlp_bias;
   json rope = {{"rope_type", c.rope.rope_type}, {"rope_theta", c.rope.rope_theta}};
   const std::string& rope_type = c.rope.rope_type;
   if (rope_type == "linear" || rope_type == "llama3" || rope_type == "yarn") rope["factor"] = c.rope.factor;
@@ -618,28 +643,7 @@ std::string to_json(const ModelConfig& c) {
     j["use_sliding_window"] = c.use_sliding_window;
     j["sliding_window"] = c.sliding_window ? json(*c.sliding_window) : json(nullptr);
   }
-  if (c.is_moe()) {
-    j.erase("num_local_experts");
-    j.erase("num_experts");
-    j[qwen3_moe ? "num_experts" : "num_local_experts"] = c.num_experts;
-    // The weights are written in the compute dtype, never quantized (docs/models.md).
-    j.erase("quantization_config");
-    j["num_experts_per_tok"] = c.num_experts_per_tok;
-    j["router_aux_loss_coef"] = c.router_aux_loss_coef;
-    if (qwen3_moe) {
-      j["moe_intermediate_size"] = c.moe_intermediate_size;
-      j["norm_topk_prob"] = c.norm_topk_prob;
-      j["decoder_sparse_step"] = c.decoder_sparse_step;
-      j["mlp_only_layers"] = c.mlp_only_layers;
-    } else if (gpt_oss) {
-      j["swiglu_alpha"] = c.swiglu_alpha;
-      j["swiglu_limit"] = c.swiglu_limit;
-      j["sliding_window"] = c.sliding_window ? json(*c.sliding_window) : json(nullptr);
-      j["layer_types"] = c.layer_types;
-    } else {
-      j["router_jitter_noise"] = 0.0;
-    }
-  }
+  if (c.is_moe()) experts_to_json(c, j);
   if (qwen3) {
     j["use_sliding_window"] = c.use_sliding_window;
     j["sliding_window"] = c.sliding_window ? json(*c.sliding_window) : json(nullptr);

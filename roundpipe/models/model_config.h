@@ -10,6 +10,8 @@
 #include <string>
 #include <vector>
 
+#include "roundpipe/models/architecture.h"
+
 namespace roundpipe::models {
 
 /// Rotary position embedding parameters (HF `rope_parameters`, formerly `rope_theta` +
@@ -51,12 +53,14 @@ struct RopeParameters {
 /// The fields of a HF Llama/Mistral/Qwen3/Qwen3-MoE/Mixtral `config.json` that define the model,
 /// with HF's defaults for the model type applied. A plain value type (copyable, no shared state).
 ///
-/// Supported: model_type "llama", "mistral", "qwen3", "qwen3_moe", "mixtral", "gpt_oss"; hidden_act "silu";
+/// Supported: the architectures of architecture.h (model_type "llama", "mistral", "qwen3",
+/// "qwen3_moe", "mixtral", "gpt_oss"); hidden_act "silu";
 /// causal attention, full or sliding-window; rope types "default", "linear", "llama3", "yarn". Anything
 /// else fails in parse_model_config with the key (other mixture-of-experts types name the
 /// supported ones).
 struct ModelConfig {
-  std::string model_type = "llama";
+  /// HF `model_type` (architecture.h; model_type_name() gives the string back).
+  Architecture architecture = Architecture::kLlama;
   int64_t vocab_size = 32000;
   int64_t hidden_size = 4096;
   int64_t intermediate_size = 11008;
@@ -119,6 +123,8 @@ struct ModelConfig {
   /// as a JSON object; to_json writes them back so a save round-trips them.
   std::string extra_json = "{}";
 
+  /// The traits row of `architecture`.
+  const ArchitectureTraits& traits() const { return architecture_traits(architecture); }
   /// True when layer `layer` attends within `sliding_window` only.
   bool layer_uses_sliding_window(int64_t layer) const;
   /// True for a mixture-of-experts architecture (qwen3_moe, mixtral, gpt_oss), whatever its layers.

@@ -76,7 +76,7 @@ void ExpertsImpl::reset() {
   const int64_t e = config_.num_experts;
   const int64_t h = config_.hidden_size;
   const int64_t i = config_.moe_intermediate_size;
-  if (config_.model_type == "gpt_oss") {
+  if (config_.architecture == Architecture::kGptOss) {
     gate_up_proj = register_parameter("gate_up_proj", at::empty({e, h, 2 * i}, param_options(gate_up_proj, options_)));
     gate_up_proj_bias =
         register_parameter("gate_up_proj_bias", at::empty({e, 2 * i}, param_options(gate_up_proj_bias, options_)));
@@ -106,7 +106,7 @@ SparseMoeBlockImpl::SparseMoeBlockImpl(const ModelConfig& config, int64_t layer_
 
 void SparseMoeBlockImpl::reset() {
   const auto options = experts ? param_options(experts->gate_up_proj, options_) : options_;
-  const bool gpt_oss = config_.model_type == "gpt_oss";
+  const bool gpt_oss = config_.architecture == Architecture::kGptOss;
   if (gpt_oss) {  // transformers' order: GptOssMLP registers the router first, the others last
     gate = register_module("router", Linear(config_.hidden_size, config_.num_experts, /*bias=*/true, options));
   }
@@ -123,7 +123,7 @@ std::vector<at::Tensor> SparseMoeBlockImpl::forward(const at::Tensor& x) {
   const at::Tensor flat = x.reshape({-1, h});
   const int64_t tokens = flat.size(0);
   const at::Tensor logits = gate(flat);  // [N, E], the model's dtype
-  const bool gpt_oss = config_.model_type == "gpt_oss";
+  const bool gpt_oss = config_.architecture == Architecture::kGptOss;
   // gpt-oss chooses on the raw logits; the others on p = softmax in fp32 (the same order).
   const at::Tensor probs = gpt_oss ? at::Tensor() : at::softmax(logits, -1, at::kFloat);
 
@@ -149,7 +149,7 @@ std::vector<at::Tensor> SparseMoeBlockImpl::forward(const at::Tensor& x) {
     weights = probs.gather(1, routing.indices);
     if (config_.norm_topk_prob) weights = weights / weights.sum(-1, /*keepdim=*/true);
   }
-  const bool fp32_products = config_.model_type == "mixtral";
+  const bool fp32_products = config_.architecture == Architecture::kMixtral;
   if (!fp32_products) weights = weights.to(logits.scalar_type());
 
   // Tokens sorted by expert (stable: within an expert, in (token, slot) order).
@@ -177,7 +177,7 @@ std::vector<at::Tensor> SparseMoeBlockImpl::forward(const at::Tensor& x) {
 MoeDecoderLayerImpl::MoeDecoderLayerImpl(const ModelConfig& config, int64_t layer_index,
                                          const at::TensorOptions& options)
     : config_(config), layer_index_(layer_index), options_(options) {
-  TORCH_CHECK(config.is_moe(), "MoeDecoderLayer: model_type ", config.model_type,
+  TORCH_CHECK(config.is_moe(), "MoeDecoderLayer: model_type ", model_type_name(config.architecture),
               " is not a mixture of experts; use DecoderLayer");
   TORCH_CHECK(layer_index >= 0 && layer_index < config.num_hidden_layers, "MoeDecoderLayer: layer_index = ",
               layer_index, " is outside [0, num_hidden_layers = ", config.num_hidden_layers, ")");

@@ -97,9 +97,9 @@ Pretrained load_pretrained(const std::string& hf_dir, const LoadOptions& options
     std::string list;
     for (size_t i = 0; i < unexpected.size() && i < 8; ++i) list += (i ? ", \"" : "\"") + unexpected[i] + "\"";
     if (unexpected.size() > 8) list += ", ... (" + std::to_string(unexpected.size()) + " in all)";
-    TORCH_CHECK(false, hf_dir, ": the checkpoint has tensors that the ", config.model_type,
+    TORCH_CHECK(false, hf_dir, ": the checkpoint has tensors that the ", model_type_name(config.architecture),
                 " model of its config.json does not use: ", list,
-                " (is model_type right? Supported: llama, mistral, qwen3, qwen3_moe, mixtral)");
+                " (is model_type right? Supported: ", model_type_list(), ")");
   }
   // Note [Releasing mapped pages]: each tensor's mapped pages are dropped once it has been copied
   // (when the next one is asked for, and after the last), so the peak resident set is the model

@@ -31,7 +31,7 @@ TEST(ConfigTest, Defaults_MatchTheDocumentedValues) {
   LauncherConfig c;
   EXPECT_EQ(c.out_dir, "runs/example");
   EXPECT_EQ(c.model.pretrained, "");
-  EXPECT_EQ(c.model.preset, "");
+  EXPECT_FALSE(c.model.preset.has_value());
   EXPECT_EQ(c.model.config_json, "{}");
   EXPECT_EQ(c.model.dtype, c10::kFloat);
   EXPECT_EQ(c.model.master_dtype, c10::kFloat);
@@ -66,7 +66,7 @@ TEST(ConfigTest, Defaults_MatchTheDocumentedValues) {
   EXPECT_EQ(c.eval.every, 0);
   EXPECT_EQ(c.eval.max_batches, 0);
   EXPECT_EQ(c.log.every, 1);
-  EXPECT_EQ(c.log.level, "info");
+  EXPECT_EQ(c.log.level, LogLevel::kInfo);
 }
 
 TEST(ConfigTest, Load_ReadsEverySectionAndLoraDefaults) {
@@ -96,8 +96,19 @@ TEST(ConfigTest, Load_ReadsEverySectionAndLoraDefaults) {
   EXPECT_EQ(c.run.num_microbatch, 4);
   EXPECT_EQ(c.run.recompute, RecomputeGrain::kLayer);
   EXPECT_EQ(c.run.step_mode, StepMode::kSync);
-  EXPECT_EQ(c.log.level, "debug");
+  EXPECT_EQ(c.log.level, LogLevel::kDebug);
   EXPECT_EQ(data_vocab_size(c), 256);
+}
+
+TEST(ConfigTest, Enums_ParseFromAndPrintAsTheirYamlNames) {
+  EXPECT_EQ(parse_with("").distributed.backend, DistributedBackend::kAuto);
+  const LauncherConfig c = parse_with("distributed: {backend: nccl}\nlog: {level: warn}\n");
+  EXPECT_EQ(c.distributed.backend, DistributedBackend::kNccl);
+  EXPECT_EQ(c.log.level, LogLevel::kWarn);
+  const std::string yaml = to_yaml(c);
+  EXPECT_NE(yaml.find("backend: nccl"), std::string::npos) << yaml;
+  EXPECT_NE(yaml.find("level: warn"), std::string::npos) << yaml;
+  EXPECT_CONFIG_ERROR(parse_with("", {"distributed.backend=mpi"}), "distributed.backend", "mpi");
 }
 
 TEST(ConfigTest, UnknownKey_NamesPathAndSuggestsClosest) {
@@ -279,7 +290,7 @@ TEST(ConfigTest, ResolvedModelConfig_LaysModelConfigOverPretrained) {
 TEST(ConfigTest, DefaultYaml_LoadsWithSyntheticData) {
   const std::string path = std::string(ROUNDPIPE_SOURCE_DIR) + "/configs/default.yaml";
   LauncherConfig c = load_config(path, {"data.format=synthetic", "data.train=", "data.valid="});
-  EXPECT_EQ(c.model.preset, "llama");
+  EXPECT_TRUE(c.model.preset == models::Architecture::kLlama);
   EXPECT_EQ(data_vocab_size(c), 256);
 }
 

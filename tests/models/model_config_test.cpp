@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <fstream>
+#include <optional>
 #include <string>
 
 #include "tests/common/python_oracle.h"
@@ -171,6 +172,25 @@ TEST(ModelConfigTest, Parse_UnknownModelTypeNamesKey) {
   EXPECT_THROW_WITH(parse_model_config(R"({"model_type": "gpt2"})", "my/config.json"),
                     "my/config.json: key \"model_type\" = \"gpt2\"");
   EXPECT_THROW_WITH(parse_model_config(R"({"hidden_size": 8})"), "no \"model_type\"");
+}
+
+TEST(ArchitectureTest, Table_OneRowPerArchitectureRoundTripsTheModelType) {
+  EXPECT_EQ(models::all_architectures().size(), 6u);
+  for (const models::ArchitectureTraits& row : models::all_architectures()) {
+    const std::optional<models::Architecture> parsed = models::architecture_from_model_type(row.model_type);
+    ASSERT_TRUE(parsed.has_value()) << row.model_type;
+    EXPECT_TRUE(*parsed == row.architecture) << row.model_type;
+    EXPECT_EQ(&models::architecture_traits(row.architecture), &row) << row.model_type;
+    const ModelConfig config = parse_model_config(std::string(R"({"model_type": ")") + row.model_type + "\"}");
+    EXPECT_TRUE(config.architecture == row.architecture) << row.model_type;
+    EXPECT_EQ(config.is_moe(), row.moe) << row.model_type;
+    const std::string json = models::to_json(config);
+    EXPECT_NE(json.find(std::string("\"") + row.hf_class + "\""), std::string::npos) << json;
+    EXPECT_TRUE(parse_model_config(json) == config) << json;
+  }
+  EXPECT_FALSE(models::architecture_from_model_type("gpt2").has_value());
+  EXPECT_EQ(models::model_type_list(), "llama, mistral, qwen3, qwen3_moe, mixtral, gpt_oss");
+  EXPECT_EQ(models::model_type_list(/*moe_only=*/true, " and "), "qwen3_moe, mixtral and gpt_oss");
 }
 
 TEST(ModelConfigTest, Parse_MoeKeysNameKey) {

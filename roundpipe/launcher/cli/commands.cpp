@@ -153,7 +153,7 @@ void run_plan(const LauncherConfig& config, std::ostream& out, const std::string
   const std::vector<scheduler::LayerCost> costs = model.layer_costs();
   const int64_t numel = counts.total;
 
-  out << "model: " << pre.config.model_type << ", " << pre.config.num_hidden_layers
+  out << "model: " << models::model_type_name(pre.config.architecture) << ", " << pre.config.num_hidden_layers
       << " decoder layers, " << numel << " parameters, compute " << dtype_name(config.model.dtype)
       << ", masters " << dtype_name(config.model.master_dtype) << "\n";
   if (pre.lora.has_value()) {

@@ -58,7 +58,7 @@ void add_config_args(CLI::App* command, ConfigArgs& args) {
 // Ranks other than 0 of a data-parallel job write <stem>.rank<R>.log.
 void open_log(const LauncherConfig& config, const std::string& name) {
   make_directories(config.out_dir);
-  roundpipe::set_log_level(roundpipe::parse_log_level(config.log.level));
+  roundpipe::set_log_level(config.log.level);
   std::string file = name;
   const char* rank = std::getenv("RANK");
   if (rank != nullptr && *rank != '\0' && std::string(rank) != "0") {

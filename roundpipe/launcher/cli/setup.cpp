@@ -42,7 +42,8 @@ void check_supported(const LauncherConfig& config, const models::ModelConfig& mo
     // The router's load-balancing loss is weighted by every position of a microbatch, padding
     // included, while chat losses are normalized by trained labels: the mix would not be
     // transformers' (which masks padding out of the router statistics).
-    throw ConfigError("data.format: chat with a mixture-of-experts model (" + model_config.model_type +
+    throw ConfigError("data.format: chat with a mixture-of-experts model (" +
+                      std::string(models::model_type_name(model_config.architecture)) +
                       ") is not supported yet: the router's load-balancing loss would count padding; "
                       "train it on token data (data.format: tokens) for now");
   }
@@ -57,8 +58,8 @@ void check_supported(const LauncherConfig& config, const models::ModelConfig& mo
 
 models::ModelConfig resolve_model_config(const LauncherConfig& config) {
   nlohmann::json json = nlohmann::json::parse(resolved_model_config_json(config));
-  if (!config.model.preset.empty() && !json.contains("model_type")) {
-    json["model_type"] = config.model.preset;
+  if (config.model.preset && !json.contains("model_type")) {
+    json["model_type"] = models::model_type_name(*config.model.preset);
   }
   try {
     return models::parse_model_config(json.dump(), config.model.pretrained.empty()
@@ -139,7 +140,8 @@ LauncherModel make_launcher_model(const LauncherConfig& config, bool allocate_on
     if (std::find(targets.begin(), targets.end(), "all-linear") != targets.end()) {
       // PEFT's all-linear on these models also adapts every router and the fused experts
       // (target_parameters); adapting less would silently differ from PEFT.
-      throw ConfigError("model.lora.targets: all-linear on a mixture-of-experts model (" + model_config.model_type +
+      throw ConfigError("model.lora.targets: all-linear on a mixture-of-experts model (" +
+                        std::string(models::model_type_name(model_config.architecture)) +
                         ") means, in PEFT, the attention projections plus every router and the fused experts, "
                         "which RoundPipe cannot adapt yet; list the modules instead, e.g. "
                         "[q_proj, k_proj, v_proj, o_proj]");
@@ -229,9 +231,9 @@ std::shared_ptr<comm::ProcessGroup> make_process_group(const LauncherConfig& con
   const auto cuda = std::find_if(devices.begin(), devices.end(), [](const c10::Device& d) { return d.is_cuda(); });
   comm::ProcessGroupOptions options;
   options.timeout(std::chrono::milliseconds(static_cast<int64_t>(config.distributed.timeout_s * 1000.0)));
-  if (config.distributed.backend == "gloo") {
+  if (config.distributed.backend == DistributedBackend::kGloo) {
     options.backend("gloo");
-  } else if (config.distributed.backend == "nccl") {
+  } else if (config.distributed.backend == DistributedBackend::kNccl) {
     if (cuda == devices.end()) {
       throw ConfigError("distributed.backend: nccl needs CUDA devices, but this rank's run.devices are CPU; use "
                         "distributed.backend=gloo (or auto)");

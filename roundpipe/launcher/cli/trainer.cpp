@@ -13,8 +13,8 @@
 #include <cstdio>
 #include <iostream>
 #include <memory>
-#include <mutex>
 #include <sstream>
+#include <utility>
 
 #include "amp/grad_scaler.h"
 #include "base/logging.h"
@@ -27,6 +27,7 @@
 #include "roundpipe/launcher/loss_plot.h"
 #include "roundpipe/launcher/lr_schedule.h"
 #include "roundpipe/launcher/metrics.h"
+#include "roundpipe/launcher/step_loss.h"
 #include "roundpipe/models/layers.h"
 #include "roundpipe/models/moe.h"
 
@@ -71,262 +72,294 @@ std::string plot_title(const LauncherConfig& config) { return "roundpipe train: 
 // sum / N whatever the split into microbatches, passes and ranks, and whatever padding the rows
 // carry (transformers' gradient-accumulation fix of 2024, num_items_in_batch, is the same rule).
 // Token streams label every position, so N = rows * seq_len as before.
+// StepLoss (roundpipe/launcher/step_loss.h) holds the rule: its loss function reads nothing to the
+// host per microbatch, and the trainer reads one summed loss per pass, the CPU tensor
+// forward_backward returns (tests/launcher/step_loss_test.cpp counts the reads).
 void run_training(const LauncherConfig& config, const std::optional<std::string>& resume) {
-  const auto start_time = std::chrono::steady_clock::now();
-  auto seconds_since_start = [&] {
-    return std::chrono::duration<double>(std::chrono::steady_clock::now() - start_time).count();
-  };
-  // Data parallelism (docs/distributed.md): every rank trains on its slice of each global batch;
-  // only rank 0 (the lead) writes config.yaml, metrics, the plot and checkpoints.
-  const std::shared_ptr<comm::ProcessGroup> group = make_process_group(config);
-  const int64_t world = group ? group->world_size() : 1;
-  const int64_t rank = group ? group->rank() : 0;
-  const bool lead = rank == 0;
-  check_memory_fits(config);  // refuses, before loading anything, what will not fit (memory_plan.h)
-  // The data first: a bad line of a chat file fails before the weights load.
-  const LauncherData train_data = open_data(config, config.data.train, 0);
-  std::optional<LauncherData> valid_data;
-  if (!config.data.valid.empty() || config.data.format == DataFormat::kSynthetic) {
-    valid_data = open_data(config, config.data.valid, 1);
-  }
-  if (lead && train_data.chat) {
-    std::cerr << "train data: " << train_data.describe() << "\n";
-    if (valid_data) std::cerr << "valid data: " << valid_data->describe() << "\n";
-  }
-  ROUNDPIPE_LOG(launcher_log(), kInfo, "train data: ", train_data.describe());
-  LauncherModel pre = make_launcher_model(config);
-  const models::LoraOptions* lora = pre.lora.has_value() ? &*pre.lora : nullptr;
-  const std::string parameter_line = describe_parameter_counts(count_parameters(*pre.model));
-  if (lead) {
-    make_directories(join_path(config.out_dir, "checkpoints"));
-    remove_stale_temporaries(join_path(config.out_dir, "checkpoints"));
-    write_file_atomically(join_path(config.out_dir, "config.yaml"), to_yaml(config));
-  }
+  Trainer(config, resume).run();
+}
 
-  RoundPipe model(pre.model, round_pipe_options(config).process_group(group));
-  std::unique_ptr<torch::optim::Optimizer> optimizer = make_optimizer(model, config);
-  amp::GradScaler scaler(amp::GradScalerOptions()
-                             .enabled(config.amp.scaler)
-                             .init_scale(config.amp.init_scale)
-                             .growth_interval(config.amp.growth_interval));
+Trainer::Trainer(const LauncherConfig& config, std::optional<std::string> resume)
+    : config_(config),
+      resume_(std::move(resume)),
+      start_time_(std::chrono::steady_clock::now()),
+      schedule_(config.optimizer.lr, config.schedule.min_lr, config.schedule.warmup_steps, config.train.steps,
+                config.schedule.decay) {}
+
+void Trainer::run() {
+  setup();
+  // setup() checks the memory plan (check_memory_fits) before it opens the data; nothing before
+  // load_model() touches the weights.
+  load_model();
+  if (resume_.has_value()) resume(resolve_resume_dir(config_, *resume_));
+  report_start();
+  if (valid_data_ && config_.eval.at_start && !resume_.has_value()) evaluate();  // step 0: before training
+  while (step_ < config_.train.steps) {
+    const StepResult result = train_step();
+    if (due(config_.log.every) || step_ == config_.train.steps) report(result);
+    if (valid_data_ && due(config_.eval.every) && step_ != config_.train.steps) evaluate();
+    if (due(config_.checkpoint.every) && step_ != config_.train.steps) checkpoint();
+  }
+  finish();
+}
+
+// Data parallelism (docs/distributed.md): every rank trains on its slice of each global batch;
+// only rank 0 (the lead) writes config.yaml, metrics, the plot and checkpoints. The data comes
+// before the model: a bad line of a chat file fails before the weights load.
+void Trainer::setup() {
+  group_ = make_process_group(config_);
+  world_ = group_ ? group_->world_size() : 1;
+  rank_ = group_ ? group_->rank() : 0;
+  lead_ = rank_ == 0;
+  check_memory_fits(config_);  // refuses, before loading anything, what will not fit (memory_plan.h)
+  train_data_ = open_data(config_, config_.data.train, 0);
+  if (!config_.data.valid.empty() || config_.data.format == DataFormat::kSynthetic) {
+    valid_data_ = open_data(config_, config_.data.valid, 1);
+  }
+  if (lead_ && train_data_->chat) {
+    std::cerr << "train data: " << train_data_->describe() << "\n";
+    if (valid_data_) std::cerr << "valid data: " << valid_data_->describe() << "\n";
+  }
+  ROUNDPIPE_LOG(launcher_log(), kInfo, "train data: ", train_data_->describe());
+}
+
+void Trainer::load_model() {
+  pre_ = make_launcher_model(config_);
+  parameter_line_ = describe_parameter_counts(count_parameters(*pre_->model));
+  if (lead_) prepare_out_dir();
+  model_ = std::make_unique<RoundPipe>(pre_->model, round_pipe_options(config_).process_group(group_));
+  optimizer_ = make_optimizer(*model_, config_);
+  scaler_.emplace(amp::GradScalerOptions()
+                      .enabled(config_.amp.scaler)
+                      .init_scale(config_.amp.init_scale)
+                      .growth_interval(config_.amp.growth_interval));
   // The global batch (batch_size rows per rank) is drawn the same on every rank, whatever the world
   // size; rank r trains on rows [r * batch_size, (r + 1) * batch_size).
-  const std::unique_ptr<BatchSampler> sampler = train_data.sampler(config.train.batch_size * world, config.train.seed);
-  const LrSchedule schedule(config.optimizer.lr, config.schedule.min_lr, config.schedule.warmup_steps,
-                            config.train.steps, config.schedule.decay);
+  sampler_ = train_data_->sampler(config_.train.batch_size * world_, config_.train.seed);
+}
 
-  int64_t step = 0;
-  int64_t tokens = 0;
-  if (resume.has_value()) {
-    const std::string dir = resolve_resume_dir(config, *resume);
-    TrainerState state = load_checkpoint_dir(dir, model, pre.config, *optimizer, lora);
-    if (state.world_size != world) {
-      throw ConfigError("--resume " + dir + ": the checkpoint was written by a job of " +
-                        std::to_string(state.world_size) + " rank(s), this job has " + std::to_string(world) +
-                        "; resume with the same number of ranks (train.batch_size is per rank)");
-    }
-    step = state.step;
-    tokens = state.tokens;
-    sampler->set_state(state.sampler_state);
-    at::Generator cpu_generator = at::detail::getDefaultCPUGenerator();  // a handle: shares the state
-    cpu_generator.set_state(state.cpu_rng_state);
-    if (config.amp.scaler) scaler.load_state_dict(state.scaler);
-    ROUNDPIPE_LOG(launcher_log(), kInfo, "resumed from ", dir, " at step ", step);
-    if (lead) std::cerr << "resumed from " << dir << " at step " << step << "\n";
-    if (state.iteration >= 0) {
-      model.set_iteration(state.iteration);  // the dropout masks of the uninterrupted run
-    } else if (lora != nullptr && lora->dropout() > 0.0) {
-      ROUNDPIPE_LOG(launcher_log(), kWarn, "model.lora.dropout = ", lora->dropout(), ": the checkpoint predates "
-                    "the saved iteration index, so the resumed run draws other dropout masks than a straight "
-                    "run would (RoundPipe's iteration counter restarts at 0): not bitwise equal to one");
-    }
+void Trainer::prepare_out_dir() {
+  make_directories(join_path(config_.out_dir, "checkpoints"));
+  remove_stale_temporaries(join_path(config_.out_dir, "checkpoints"));
+  write_file_atomically(join_path(config_.out_dir, "config.yaml"), to_yaml(config_));
+}
+
+void Trainer::resume(const std::string& dir) {
+  TrainerState state = load_checkpoint_dir(dir, *model_, pre_->config, *optimizer_, lora());
+  if (state.world_size != world_) {
+    throw ConfigError("--resume " + dir + ": the checkpoint was written by a job of " +
+                      std::to_string(state.world_size) + " rank(s), this job has " + std::to_string(world_) +
+                      "; resume with the same number of ranks (train.batch_size is per rank)");
   }
+  step_ = state.step;
+  tokens_ = state.tokens;
+  sampler_->set_state(state.sampler_state);
+  at::Generator cpu_generator = at::detail::getDefaultCPUGenerator();  // a handle: shares the state
+  cpu_generator.set_state(state.cpu_rng_state);
+  if (config_.amp.scaler) scaler_->load_state_dict(state.scaler);
+  ROUNDPIPE_LOG(launcher_log(), kInfo, "resumed from ", dir, " at step ", step_);
+  if (lead_) std::cerr << "resumed from " << dir << " at step " << step_ << "\n";
+  if (state.iteration >= 0) {
+    model_->set_iteration(state.iteration);  // the dropout masks of the uninterrupted run
+  } else if (lora() != nullptr && lora()->dropout() > 0.0) {
+    ROUNDPIPE_LOG(launcher_log(), kWarn, "model.lora.dropout = ", lora()->dropout(), ": the checkpoint predates "
+                  "the saved iteration index, so the resumed run draws other dropout masks than a straight "
+                  "run would (RoundPipe's iteration counter restarts at 0): not bitwise equal to one");
+  }
+}
+
+// The parameter line, the metrics file and the progress line (which need the resumed step), and the
+// mixture-of-experts router log.
+void Trainer::report_start() {
   std::string lora_line;
-  if (lora != nullptr) {
+  if (lora() != nullptr) {
     std::string targets;
-    for (const std::string& t : lora->target_modules()) targets += (targets.empty() ? "" : ", ") + t;
-    lora_line = "LoRA rank " + std::to_string(lora->rank()) + " on " + targets + "; ";
+    for (const std::string& t : lora()->target_modules()) targets += (targets.empty() ? "" : ", ") + t;
+    lora_line = "LoRA rank " + std::to_string(lora()->rank()) + " on " + targets + "; ";
   }
-  if (lead) std::cerr << lora_line << parameter_line << "\n";
-  ROUNDPIPE_LOG(launcher_log(), kInfo, lora_line, parameter_line);
-  std::optional<MetricsWriter> metrics;
-  if (lead) metrics.emplace(config.out_dir, resume.has_value() ? std::optional<int64_t>(step) : std::nullopt);
-  std::ostringstream quiet;  // other ranks' progress goes nowhere
-  ProgressLine progress(lead ? static_cast<std::ostream&>(std::cerr) : quiet, lead && ::isatty(2) != 0,
-                        config.train.steps, step);
-  ROUNDPIPE_LOG(launcher_log(), kInfo, "training ", config.train.steps, " steps on ", model.devices().size(),
-                " device(s); plan ", model.plan().to_string());
-
-  // Mixture of experts: the heads report each microbatch's load-balancing loss here.
-  std::shared_ptr<models::RouterLossLog> router_log;
-  double aux_coef = 0.0;
-  if (pre.config.is_moe()) {
-    auto head = model.module()->ptr<models::LmHeadImpl>(model.module()->size() - 1);
-    router_log = std::make_shared<models::RouterLossLog>();
-    head->set_router_loss_log(router_log);
-    aux_coef = head->router_aux_loss_coef();
+  if (lead_) std::cerr << lora_line << parameter_line_ << "\n";
+  ROUNDPIPE_LOG(launcher_log(), kInfo, lora_line, parameter_line_);
+  if (lead_) metrics_.emplace(config_.out_dir, resume_.has_value() ? std::optional<int64_t>(step_) : std::nullopt);
+  progress_.emplace(lead_ ? static_cast<std::ostream&>(std::cerr) : quiet_, lead_ && ::isatty(2) != 0,
+                    config_.train.steps, step_);
+  ROUNDPIPE_LOG(launcher_log(), kInfo, "training ", config_.train.steps, " steps on ", model_->devices().size(),
+                " device(s); plan ", model_->plan().to_string());
+  if (pre_->config.is_moe()) {
+    auto head = model_->module()->ptr<models::LmHeadImpl>(model_->module()->size() - 1);
+    router_log_ = std::make_shared<models::RouterLossLog>();
+    head->set_router_loss_log(router_log_);
+    aux_coef_ = head->router_aux_loss_coef();
   }
-  double step_loss = 0.0;  // unscaled: the sum of forward_backward's results over the step's passes
-  const std::vector<at::Tensor> masters = model.optim_parameters();
-  std::mutex norm_mutex;
-  std::optional<double> grad_norm;  // of the last finished step (async: may lag by one)
-  std::string last_checkpoint;
-  const double first_time = seconds_since_start();
-  int64_t window_tokens = 0;
-  double window_start = first_time;
+  masters_ = model_->optim_parameters();
+  first_time_ = seconds_since_start();
+  window_start_ = first_time_;
+}
 
-  auto write_plot = [&] {
-    write_loss_plot(join_path(config.out_dir, "loss.svg"), metrics->records(), plot_title(config));
-  };
-  auto checkpoint = [&] {
-    if (!lead) {
-      // A checkpoint is a sync point (Note [Checkpoints are sync points]) on every rank, or the
-      // ranks' next steps would see parameters of different staleness.
-      model.synchronize();
-      return;
+// One optimizer step: train.grad_accum passes of forward_backward, each read once (StepLoss), then
+// the optimizer step queued on the optimizer thread and the scaler's update.
+Trainer::StepResult Trainer::train_step() {
+  StepResult result;
+  result.lr = schedule_.at(step_);
+  StepBatches batches = draw_step_batches();
+  StepLoss loss(batches.labels, world_, *scaler_);
+  for (Batch& batch : batches.passes) {
+    if (world_ > 1) {
+      batch.inputs = batch.inputs.narrow(0, rank_ * config_.train.batch_size, config_.train.batch_size);
+      batch.labels = batch.labels.narrow(0, rank_ * config_.train.batch_size, config_.train.batch_size);
     }
-    TrainerState state;
-    state.world_size = world;
-    state.iteration = model.iteration();
-    state.step = step;
-    state.tokens = tokens;
-    state.sampler_state = sampler->state();
-    state.cpu_rng_state = at::detail::getDefaultCPUGenerator().get_state();
-    state.scaler = scaler.state_dict();
-    last_checkpoint = save_checkpoint_dir({model, pre.config, *optimizer, config, state, lora});
-    write_plot();
-    ROUNDPIPE_LOG(launcher_log(), kInfo, "checkpoint ", last_checkpoint);
-  };
-  auto run_eval = [&] {
-    model.synchronize();
-    const EvalResult result = evaluate(model, config, *valid_data);  // the same on every rank
-    if (!lead) return;
-    metrics->log_eval({step, result.loss, result.accuracy});
-    ROUNDPIPE_LOG(launcher_log(), kInfo, "step ", step, " eval_loss ", result.loss, " eval_accuracy ", result.accuracy);
-    char accuracy[32];
-    std::snprintf(accuracy, sizeof(accuracy), "%.1f%%", 100.0 * result.accuracy);
-    progress.print_above("step " + std::to_string(step) + " | eval loss " + std::to_string(result.loss) +
-                         " | token accuracy " + accuracy);
-  };
-
-  if (valid_data && config.eval.at_start && !resume.has_value()) run_eval();  // step 0: before training
-  while (step < config.train.steps) {
-    const double lr = schedule.at(step);
-    step_loss = 0.0;
-    // Every rank draws the step's global batches, so every rank knows the step's trained-label
-    // count without communicating: Note [Loss normalization].
-    std::vector<Batch> passes;
-    int64_t step_labels = 0;
-    int64_t step_tokens = 0;
-    for (int64_t micro = 0; micro < config.train.grad_accum; ++micro) {
-      passes.push_back(sampler->next());
-      step_labels += passes.back().labels.ne(kIgnoreLabel).sum().item<int64_t>();
-      step_tokens += passes.back().tokens;
-    }
-    TORCH_CHECK(step_labels > 0, "step ", step + 1, " has no trained label");
-    const double normalizer = static_cast<double>(step_labels) / static_cast<double>(world);
     // The LmHead returns each microbatch's summed token loss (RoundPipeOptions::label_to_last_layer:
-    // chunked, no logits). No host read here: on a GPU worker a .item() per microbatch would
-    // synchronize the device.
-    const LossFn loss_fn = [&scaler, normalizer](const at::Tensor& summed_loss, const at::Tensor& /*labels*/) {
-      at::Tensor loss = summed_loss / normalizer;
-      return scaler.is_enabled() ? scaler.scale(loss) : loss;
-    };
-    for (Batch& batch : passes) {
-      if (world > 1) {
-        batch.inputs = batch.inputs.narrow(0, rank * config.train.batch_size, config.train.batch_size);
-        batch.labels = batch.labels.narrow(0, rank * config.train.batch_size, config.train.batch_size);
-      }
-      const at::Tensor pass_loss = model.forward_backward({batch.inputs}, batch.labels, loss_fn);  // on the CPU
-      // The scale the pass's losses were multiplied by (update() runs after the step).
-      step_loss += pass_loss.item<double>() / (scaler.is_enabled() ? scaler.get_scale() : 1.0);
-    }
-    // Mixture of experts: the passes' losses include coef * aux (Note [Router statistics] in
-    // models/moe.h); the logged loss is the cross-entropy alone, aux its own field.
-    std::optional<double> step_aux;
-    if (router_log) {
-      step_aux = router_log->take();
-      step_loss -= aux_coef * *step_aux;
-    }
-    model.step(
-        [&, lr] {
-          for (auto& group : optimizer->param_groups()) group.options().set_lr(lr);
-          std::optional<double> norm;
-          if (config.train.clip_grad_norm > 0.0) {
-            if (scaler.is_enabled()) scaler.unscale_(*optimizer);
-            norm = torch::nn::utils::clip_grad_norm_(masters, config.train.clip_grad_norm);
-          }
-          if (scaler.is_enabled()) {
-            scaler.step(*optimizer);
-          } else {
-            optimizer->step();
-          }
-          optimizer->zero_grad();
-          std::lock_guard<std::mutex> lock(norm_mutex);
-          grad_norm = norm;
-        },
-        config.run.step_mode);
-    if (scaler.is_enabled()) scaler.update();
-    if (group) {
-      // The logged loss is the global batch's: the mean of the ranks' (equal token counts).
-      at::Tensor sum = at::full({2}, step_loss, at::kDouble);
-      sum[1].fill_(step_aux.value_or(0.0));
-      group->all_reduce(sum).wait();
-      step_loss = sum[0].item<double>() / static_cast<double>(world);
-      if (step_aux) step_aux = sum[1].item<double>() / static_cast<double>(world);
-    }
-    ++step;
-    tokens += step_tokens;
-    window_tokens += step_tokens;
-    TORCH_CHECK(std::isfinite(step_loss), "the training loss is ", step_loss, " at step ", step,
-                " (diverged): lower optimizer.lr, set train.clip_grad_norm or enable amp.scaler");
-
-    if (step % config.log.every == 0 || step == config.train.steps) {
-      const double now = seconds_since_start();
-      TrainRecord record;
-      record.step = step;
-      record.loss = step_loss;
-      record.aux_loss = step_aux;
-      record.lr = lr;
-      record.tokens = tokens;
-      record.tokens_per_s = window_tokens / std::max(now - window_start, 1e-9);
-      {
-        std::lock_guard<std::mutex> lock(norm_mutex);
-        record.grad_norm = grad_norm;
-      }
-      if (scaler.is_enabled()) record.scale = scaler.get_scale();
-      record.time_s = now;
-      if (lead) metrics->log_train(record);
-      progress.update({step, step_loss, record.tokens_per_s, lr, record.scale, now - first_time});
-      ROUNDPIPE_LOG(launcher_log(), kInfo, "step ", step, " loss ", step_loss, " lr ", lr, " tok/s ",
-                    record.tokens_per_s);
-      window_tokens = 0;
-      window_start = now;
-    }
-    if (valid_data && config.eval.every > 0 && step % config.eval.every == 0 &&
-        step != config.train.steps) {
-      run_eval();
-    }
-    if (config.checkpoint.every > 0 && step % config.checkpoint.every == 0 && step != config.train.steps) {
-      checkpoint();
-    }
+    // chunked, no logits); forward_backward returns their sum on the CPU.
+    loss.add_pass(model_->forward_backward({batch.inputs}, batch.labels, loss.loss_fn()));
   }
-  if (valid_data && (config.eval.every > 0 || !config.data.valid.empty())) run_eval();
-  checkpoint();
-  progress.finish();
-  // Every rank exits once the lead's final checkpoint is written (or fails naming it if it died).
-  if (group) group->barrier();
-  if (!lead) return;
+  result.loss = loss.unscaled_sum();
+  // Mixture of experts: the passes' losses include coef * aux (Note [Router statistics] in
+  // models/moe.h); the logged loss is the cross-entropy alone, aux its own field.
+  if (router_log_) {
+    result.aux_loss = router_log_->take();
+    result.loss -= aux_coef_ * *result.aux_loss;
+  }
+  const double lr = result.lr;
+  model_->step([this, lr] { optimizer_step(lr); }, config_.run.step_mode);
+  if (scaler_->is_enabled()) scaler_->update();
+  if (group_) average_over_ranks(result);
+  ++step_;
+  tokens_ += batches.tokens;
+  window_tokens_ += batches.tokens;
+  TORCH_CHECK(std::isfinite(result.loss), "the training loss is ", result.loss, " at step ", step_,
+              " (diverged): lower optimizer.lr, set train.clip_grad_norm or enable amp.scaler");
+  return result;
+}
 
-  const auto& train_records = metrics->records().train;
-  std::cout << "trained " << step << " steps in " << format_duration(seconds_since_start());
+// Every rank draws the step's global batches, so every rank knows the step's trained-label count
+// without communicating: Note [Loss normalization]. The labels are host tensors: no device read.
+Trainer::StepBatches Trainer::draw_step_batches() {
+  StepBatches batches;
+  for (int64_t pass = 0; pass < config_.train.grad_accum; ++pass) {
+    batches.passes.push_back(sampler_->next());
+    batches.labels += batches.passes.back().labels.ne(kIgnoreLabel).sum().item<int64_t>();
+    batches.tokens += batches.passes.back().tokens;
+  }
+  TORCH_CHECK(batches.labels > 0, "step ", step_ + 1, " has no trained label");
+  return batches;
+}
+
+// The logged loss is the global batch's: the mean of the ranks' (equal token counts).
+void Trainer::average_over_ranks(StepResult& result) {
+  at::Tensor sum = at::full({2}, result.loss, at::kDouble);
+  sum[1].fill_(result.aux_loss.value_or(0.0));
+  group_->all_reduce(sum).wait();
+  result.loss = sum[0].item<double>() / static_cast<double>(world_);
+  if (result.aux_loss) result.aux_loss = sum[1].item<double>() / static_cast<double>(world_);
+}
+
+void Trainer::optimizer_step(double lr) {
+  for (auto& group : optimizer_->param_groups()) group.options().set_lr(lr);
+  std::optional<double> norm;
+  if (config_.train.clip_grad_norm > 0.0) {
+    if (scaler_->is_enabled()) scaler_->unscale_(*optimizer_);
+    norm = torch::nn::utils::clip_grad_norm_(masters_, config_.train.clip_grad_norm);
+  }
+  if (scaler_->is_enabled()) {
+    scaler_->step(*optimizer_);
+  } else {
+    optimizer_->step();
+  }
+  optimizer_->zero_grad();
+  grad_norm_.set(norm);
+}
+
+// The metrics record, the progress line and the log line of a logged step.
+void Trainer::report(const StepResult& result) {
+  const double now = seconds_since_start();
+  TrainRecord record;
+  record.step = step_;
+  record.loss = result.loss;
+  record.aux_loss = result.aux_loss;
+  record.lr = result.lr;
+  record.tokens = tokens_;
+  record.tokens_per_s = window_tokens_ / std::max(now - window_start_, 1e-9);
+  record.grad_norm = grad_norm_.get();  // of the last finished step (async: may lag by one)
+  if (scaler_->is_enabled()) record.scale = scaler_->get_scale();
+  record.time_s = now;
+  if (lead_) metrics_->log_train(record);
+  progress_->update({step_, result.loss, record.tokens_per_s, result.lr, record.scale, now - first_time_});
+  ROUNDPIPE_LOG(launcher_log(), kInfo, "step ", step_, " loss ", result.loss, " lr ", result.lr, " tok/s ",
+                record.tokens_per_s);
+  window_tokens_ = 0;
+  window_start_ = now;
+}
+
+void Trainer::evaluate() {
+  model_->synchronize();
+  const EvalResult result = launcher::evaluate(*model_, config_, *valid_data_);  // the same on every rank
+  if (!lead_) return;
+  metrics_->log_eval({step_, result.loss, result.accuracy});
+  ROUNDPIPE_LOG(launcher_log(), kInfo, "step ", step_, " eval_loss ", result.loss, " eval_accuracy ",
+                result.accuracy);
+  char accuracy[32];
+  std::snprintf(accuracy, sizeof(accuracy), "%.1f%%", 100.0 * result.accuracy);
+  progress_->print_above("step " + std::to_string(step_) + " | eval loss " + std::to_string(result.loss) +
+                         " | token accuracy " + accuracy);
+}
+
+void Trainer::checkpoint() {
+  if (!lead_) {
+    // A checkpoint is a sync point (Note [Checkpoints are sync points]) on every rank, or the
+    // ranks' next steps would see parameters of different staleness.
+    model_->synchronize();
+    return;
+  }
+  TrainerState state;
+  state.world_size = world_;
+  state.iteration = model_->iteration();
+  state.step = step_;
+  state.tokens = tokens_;
+  state.sampler_state = sampler_->state();
+  state.cpu_rng_state = at::detail::getDefaultCPUGenerator().get_state();
+  state.scaler = scaler_->state_dict();
+  last_checkpoint_ = save_checkpoint_dir({*model_, pre_->config, *optimizer_, config_, state, lora()});
+  write_loss_plot(join_path(config_.out_dir, "loss.svg"), metrics_->records(), plot_title(config_));
+  ROUNDPIPE_LOG(launcher_log(), kInfo, "checkpoint ", last_checkpoint_);
+}
+
+// The last evaluation and checkpoint; every rank exits once the lead's final checkpoint is written
+// (or fails naming it if it died).
+void Trainer::finish() {
+  if (valid_data_ && (config_.eval.every > 0 || !config_.data.valid.empty())) evaluate();
+  checkpoint();
+  progress_->finish();
+  if (group_) group_->barrier();
+  if (lead_) print_summary();
+}
+
+void Trainer::print_summary() const {
+  const auto& train_records = metrics_->records().train;
+  std::cout << "trained " << step_ << " steps in " << format_duration(seconds_since_start());
   if (!train_records.empty()) std::cout << ", final loss " << train_records.back().loss;
-  if (!metrics->records().eval.empty()) std::cout << ", eval loss " << metrics->records().eval.back().eval_loss;
-  if (world > 1) std::cout << " (" << world << " ranks)";
-  std::cout << "\n  metrics:    " << metrics->path()
-            << "\n  loss plot:  " << join_path(config.out_dir, "loss.svg")
-            << "\n  checkpoint: " << last_checkpoint << " (also " << join_path(config.out_dir, "checkpoints/latest")
-            << ")\n  log:        " << join_path(config.out_dir, "train.log") << "\n";
+  if (!metrics_->records().eval.empty()) std::cout << ", eval loss " << metrics_->records().eval.back().eval_loss;
+  if (world_ > 1) std::cout << " (" << world_ << " ranks)";
+  std::cout << "\n  metrics:    " << metrics_->path()
+            << "\n  loss plot:  " << join_path(config_.out_dir, "loss.svg")
+            << "\n  checkpoint: " << last_checkpoint_ << " (also " << join_path(config_.out_dir, "checkpoints/latest")
+            << ")\n  log:        " << join_path(config_.out_dir, "train.log") << "\n";
+}
+
+const models::LoraOptions* Trainer::lora() const { return pre_->lora.has_value() ? &*pre_->lora : nullptr; }
+
+double Trainer::seconds_since_start() const {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start_time_).count();
+}
+
+bool Trainer::due(int64_t every) const { return every > 0 && step_ % every == 0; }
+
+void Trainer::GradNormSlot::set(std::optional<double> norm) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  norm_ = norm;
+}
+
+std::optional<double> Trainer::GradNormSlot::get() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return norm_;
 }
 
 }  // namespace roundpipe::launcher

@@ -29,13 +29,13 @@ std::optional<int64_t> model_vocab_size(const LauncherConfig& c) {
 std::vector<Rule> build_rules() {
   std::vector<Rule> r;
   r.push_back({"Exactly one of `model.pretrained` and `model.preset` is set.", [](const C& c) {
-                 if (c.model.pretrained.empty() && c.model.preset.empty()) {
+                 if (c.model.pretrained.empty() && !c.model.preset) {
                    config_fail("model", "{pretrained: null, preset: null}",
                                "set model.pretrained (a Hugging Face checkpoint directory) or "
                                "model.preset (llama or qwen3, to train from scratch)");
                  }
-                 if (!c.model.pretrained.empty() && !c.model.preset.empty()) {
-                   config_fail("model.preset", c.model.preset,
+                 if (!c.model.pretrained.empty() && c.model.preset) {
+                   config_fail("model.preset", models::model_type_name(*c.model.preset),
                                "model.pretrained is set too (" + quoted(c.model.pretrained) +
                                    "): set only one of them (the architecture of a pretrained "
                                    "model comes from its config.json)");

@@ -159,7 +159,16 @@ std::vector<KeySpec> build_schema() {
                   "Architecture of a model trained from scratch (random initial weights).")
                   .one_of({"llama", "mistral", "qwen3", "qwen3_moe", "mixtral"})
                   .nullable()
-                  .field([](C& c) -> std::string& { return c.model.preset; }));
+                  .custom(
+                      [](C& c, const Value& v) {
+                        c.model.preset = std::holds_alternative<std::string>(v)
+                                             ? models::architecture_from_model_type(std::get<std::string>(v))
+                                             : std::nullopt;
+                      },
+                      [](const C& c) -> Value {
+                        if (!c.model.preset) return Value();
+                        return std::string(models::model_type_name(*c.model.preset));
+                      }));
   t.push_back(Key("model.config", KeyKind::kFreeMap, "{}",
                   "Hugging Face config.json keys (hidden_size, num_hidden_layers, "
                   "num_attention_heads, vocab_size, ...), handed to the model as JSON. With "
@@ -455,7 +464,9 @@ std::vector<KeySpec> build_schema() {
   t.push_back(Key("distributed.backend", KeyKind::kChoice, "auto",
                   "Collective backend: `nccl` with CUDA devices and `gloo` otherwise (`auto`), or forced.")
                   .one_of({"auto", "gloo", "nccl"})
-                  .field([](C& c) -> std::string& { return c.distributed.backend; }));
+                  .enum_field([](C& c) -> DistributedBackend& { return c.distributed.backend; },
+                              std::vector<DistributedBackend>{DistributedBackend::kAuto, DistributedBackend::kGloo,
+                                                              DistributedBackend::kNccl}));
   t.push_back(Key("distributed.timeout_s", KeyKind::kFloat, "600.0",
                   "Seconds the rendezvous and each collective may take before the job fails naming the "
                   "missing rank.")
@@ -468,7 +479,9 @@ std::vector<KeySpec> build_schema() {
                   .field([](C& c) -> int64_t& { return c.log.every; }));
   t.push_back(Key("log.level", KeyKind::kChoice, "info", "Log level of the launcher and RoundPipe.")
                   .one_of({"trace", "debug", "info", "warn", "error", "off"})
-                  .field([](C& c) -> std::string& { return c.log.level; }));
+                  .enum_field([](C& c) -> LogLevel& { return c.log.level; },
+                              std::vector<LogLevel>{LogLevel::kTrace, LogLevel::kDebug, LogLevel::kInfo,
+                                                    LogLevel::kWarn, LogLevel::kError, LogLevel::kOff}));
   return t;
 }
 

@@ -16,7 +16,7 @@ enum class ExpertTensor { kNone, kGateUp, kDown, kRouter };
 // Splits "model.layers.{i}.mlp.<rest>" into its layer prefix "model.layers.{i}." and the kind.
 ExpertTensor classify(const std::string& name, const ModelConfig& config, std::string* prefix) {
   // gpt-oss checkpoints hold the fused tensors under the parameters' own names.
-  if (!config.is_moe() || config.model_type == "gpt_oss" || name.rfind("model.layers.", 0) != 0) {
+  if (!config.is_moe() || config.architecture == Architecture::kGptOss || name.rfind("model.layers.", 0) != 0) {
     return ExpertTensor::kNone;
   }
   const size_t dot = name.find('.', 13);
@@ -25,13 +25,13 @@ ExpertTensor classify(const std::string& name, const ModelConfig& config, std::s
   const std::string rest = name.substr(dot + 1);
   if (rest == "mlp.experts.gate_up_proj") return ExpertTensor::kGateUp;
   if (rest == "mlp.experts.down_proj") return ExpertTensor::kDown;
-  if (rest == "mlp.gate.weight" && config.model_type == "mixtral") return ExpertTensor::kRouter;
+  if (rest == "mlp.gate.weight" && config.architecture == Architecture::kMixtral) return ExpertTensor::kRouter;
   return ExpertTensor::kNone;
 }
 
 // The per-expert weight names of expert e: {gate, up, down}.
 std::vector<std::string> expert_weight_names(const std::string& prefix, const ModelConfig& config, int64_t e) {
-  if (config.model_type == "mixtral") {
+  if (config.architecture == Architecture::kMixtral) {
     const std::string base = prefix + "block_sparse_moe.experts." + std::to_string(e) + ".";
     return {base + "w1.weight", base + "w3.weight", base + "w2.weight"};
   }
@@ -42,7 +42,7 @@ std::vector<std::string> expert_weight_names(const std::string& prefix, const Mo
 }  // namespace
 
 std::vector<std::string> mxfp4_names(const std::string& name, const ModelConfig& config) {
-  if (config.model_type != "gpt_oss" || name.rfind("model.layers.", 0) != 0) return {};
+  if (config.architecture != Architecture::kGptOss || name.rfind("model.layers.", 0) != 0) return {};
   if (!ends_with(name, ".mlp.experts.gate_up_proj") && !ends_with(name, ".mlp.experts.down_proj")) return {};
   return {name + "_blocks", name + "_scales"};
 }
