@@ -16,8 +16,8 @@ namespace roundpipe::launcher {
 /// The loss of one optimizer step, from its passes' summed losses.
 ///
 ///   StepLoss loss(step_labels, world, scaler);
-///   for (const Batch& batch : passes) loss.add_pass(model.forward_backward({batch.inputs}, batch.labels, loss.loss_fn()));
-///   double logged = loss.unscaled_sum();  // the step's mean token loss on this rank
+///   for (const Batch& batch : passes) loss.add_pass(model.forward_backward({batch.inputs}, batch.labels,
+///   loss.loss_fn())); double logged = loss.unscaled_sum();  // the step's mean token loss on this rank
 ///
 /// Host reads (the test counts them, tests/launcher/step_loss_test.cpp): loss_fn() none per
 /// microbatch (on a GPU worker a read would synchronize the device each microbatch); add_pass one

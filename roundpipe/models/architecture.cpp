@@ -13,7 +13,9 @@ using A = Architecture;
 // num_key_value_heads (0: heads), max_position_embeddings, head_dim (0: hidden / heads),
 // rms_norm_eps, rope_theta, attention_bias.
 const std::vector<ArchitectureTraits>& table() {
-  static const std::vector<ArchitectureTraits> rows = {
+  // One row per architecture, each on its own lines: not reflowed.
+  // clang-format off
+  static const std::vector<ArchitectureTraits> kRows = {
       {A::kLlama, "llama", "LlamaForCausalLM", false, false, false, false, true, true, true,
        32000, 4096, 11008, 32, 32, 0, 2048, 0, 1e-6, 10000.0, false},
       {A::kMistral, "mistral", "MistralForCausalLM", false, false, false, false, false, false, true,
@@ -27,7 +29,8 @@ const std::vector<ArchitectureTraits>& table() {
       {A::kGptOss, "gpt_oss", "GptOssForCausalLM", true, false, true, true, true, false, false,
        201088, 2880, 2880, 36, 64, 8, 131072, 64, 1e-5, 150000.0, true},
   };
-  return rows;
+  // clang-format on
+  return kRows;
 }
 
 }  // namespace

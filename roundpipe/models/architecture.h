@@ -18,14 +18,14 @@ enum class Architecture { kLlama, kMistral, kQwen3, kQwen3Moe, kMixtral, kGptOss
 /// transformers 5's XxxConfig, used when config.json omits the key.
 struct ArchitectureTraits {
   Architecture architecture;
-  const char* model_type;  ///< HF config.json "model_type"
-  const char* hf_class;    ///< HF config.json "architectures" entry
-  bool moe;                ///< a mixture of experts (expert keys, MoeDecoderLayer)
-  bool qk_norm;            ///< RMSNorm on each head's q and k (q_norm, k_norm)
-  bool attention_sinks;    ///< a learned per-head sink logit in the softmax (sinks)
-  bool norm_weight_fp32;   ///< RMSNorm multiplies by its weight in float32, then casts
-  bool attention_bias_key;  ///< config.json's "attention_bias" is read (else: no biases, key kept)
-  bool mlp_bias_key;        ///< config.json's "mlp_bias" is read (else: no biases, key kept)
+  const char* model_type;     ///< HF config.json "model_type"
+  const char* hf_class;       ///< HF config.json "architectures" entry
+  bool moe;                   ///< a mixture of experts (expert keys, MoeDecoderLayer)
+  bool qk_norm;               ///< RMSNorm on each head's q and k (q_norm, k_norm)
+  bool attention_sinks;       ///< a learned per-head sink logit in the softmax (sinks)
+  bool norm_weight_fp32;      ///< RMSNorm multiplies by its weight in float32, then casts
+  bool attention_bias_key;    ///< config.json's "attention_bias" is read (else: no biases, key kept)
+  bool mlp_bias_key;          ///< config.json's "mlp_bias" is read (else: no biases, key kept)
   bool llama_special_tokens;  ///< bos_token_id 1, eos_token_id 2 when the file omits them
   // HF's defaults.
   int64_t vocab_size;
@@ -35,7 +35,7 @@ struct ArchitectureTraits {
   int64_t num_attention_heads;
   int64_t num_key_value_heads;  ///< 0: num_attention_heads
   int64_t max_position_embeddings;
-  int64_t head_dim;             ///< 0: hidden_size / num_attention_heads
+  int64_t head_dim;  ///< 0: hidden_size / num_attention_heads
   double rms_norm_eps;
   double rope_theta;
   bool attention_bias;

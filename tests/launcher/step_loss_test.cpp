@@ -18,12 +18,10 @@ class HostReadCounter {
  public:
   HostReadCounter() {
     handle_ = at::addGlobalCallback(
-        at::RecordFunctionCallback(
-            [](const at::RecordFunction& fn) -> std::unique_ptr<at::ObserverContext> {
-              if (std::strcmp(fn.name(), "aten::_local_scalar_dense") == 0) reads().fetch_add(1);
-              return nullptr;
-            })
-            .scopes({at::RecordScope::FUNCTION}));
+        at::RecordFunctionCallback([](const at::RecordFunction& fn) -> std::unique_ptr<at::ObserverContext> {
+          if (std::strcmp(fn.name(), "aten::_local_scalar_dense") == 0) reads().fetch_add(1);
+          return nullptr;
+        }).scopes({at::RecordScope::FUNCTION}));
     reads().store(0);
   }
   ~HostReadCounter() { at::removeCallback(handle_); }

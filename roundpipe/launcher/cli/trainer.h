@@ -127,8 +127,8 @@ class Trainer {
   GradNormSlot grad_norm_;
 
   // Progress. Caller thread only.
-  int64_t step_ = 0;    // optimizer steps done (with resume: since the first run)
-  int64_t tokens_ = 0;  // tokens trained on (the same)
+  int64_t step_ = 0;           // optimizer steps done (with resume: since the first run)
+  int64_t tokens_ = 0;         // tokens trained on (the same)
   int64_t window_tokens_ = 0;  // since the last logged step, for tokens/s
   double window_start_ = 0.0;
   double first_time_ = 0.0;  // seconds_since_start() when the first step began
