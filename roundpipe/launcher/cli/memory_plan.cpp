@@ -10,6 +10,7 @@
 
 #include "roundpipe/devices.h"
 #include "roundpipe/launcher/cli/setup.h"
+#include "roundpipe/models/architecture.h"
 
 namespace roundpipe::launcher {
 namespace {
@@ -67,7 +68,7 @@ scheduler::TransformerShape shape_of(const LauncherConfig& config) {
   s.heads = m.num_attention_heads;
   s.kv_heads = m.num_key_value_heads;
   s.head_dim = m.head_dim;
-  s.qk_norm = m.model_type == "qwen3" || m.model_type == "qwen3_moe";
+  s.qk_norm = models::architecture_traits(m.architecture).qk_norm;
   s.attention_bias = m.attention_bias;
   s.tied_embeddings = m.tie_word_embeddings;
   if (m.is_moe()) {
