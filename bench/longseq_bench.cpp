@@ -10,10 +10,9 @@
 //           chunked vs full logits in plain LibTorch, in one run: the ratio of their times.
 // Usage: longseq_bench [memory|speed|all] [--max-seq 32768] [--full-max-seq 4096]
 //        longseq_bench child <train|eval> <fused|full> <seq> <vocab>   (one row; used by memory)
-#include <torch/torch.h>
-
 #include <sys/resource.h>
 #include <sys/wait.h>
+#include <torch/torch.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -80,10 +79,12 @@ int child(const std::string& what, const std::string& head, int64_t seq, int64_t
     }();
     for (int step = 0; step < 2; ++step) {
       loss = model.forward_backward({ids}, targets, loss_fn).item<double>();
-      model.step([&] {
-        sgd.step();
-        sgd.zero_grad();
-      }, rp::StepMode::kSync);
+      model.step(
+          [&] {
+            sgd.step();
+            sgd.zero_grad();
+          },
+          rp::StepMode::kSync);
     }
   } else {
     at::NoGradGuard no_grad;
@@ -130,8 +131,9 @@ void memory_table(int64_t max_seq, int64_t full_max_seq) {
   constexpr int64_t kVocab = 151936, kSmallVocab = 256;
   std::printf("## memory: peak RSS (GiB), Qwen3-shaped, vocab %lld, hidden %lld, 2 layers, fp32, 1 CPU device\n",
               static_cast<long long>(kVocab), static_cast<long long>(kHidden));
-  std::printf("| T | train fused | train vocab 256 | head/loss part | train full logits | eval fused | eval vocab 256 | "
-              "eval full logits |\n|---|---|---|---|---|---|---|---|\n");
+  std::printf(
+      "| T | train fused | train vocab 256 | head/loss part | train full logits | eval fused | eval vocab 256 | "
+      "eval full logits |\n|---|---|---|---|---|---|---|---|\n");
   for (int64_t seq = 2048; seq <= max_seq; seq *= 2) {
     const std::string t = std::to_string(seq), v = std::to_string(kVocab), s = std::to_string(kSmallVocab);
     const double train = child_peak_gib({"child", "train", "fused", t, v});
@@ -142,8 +144,8 @@ void memory_table(int64_t max_seq, int64_t full_max_seq) {
     const double eval_full = seq <= full_max_seq ? child_peak_gib({"child", "eval", "full", t, v}) : -2;
     std::printf("| %lld | %s | %s | %s | %s | %s | %s | %s |\n", static_cast<long long>(seq), cell(train).c_str(),
                 cell(train_small).c_str(), cell(train - train_small).c_str(),
-                train_full == -2 ? "(not run)" : cell(train_full).c_str(), cell(eval).c_str(),
-                cell(eval_small).c_str(), eval_full == -2 ? "(not run)" : cell(eval_full).c_str());
+                train_full == -2 ? "(not run)" : cell(train_full).c_str(), cell(eval).c_str(), cell(eval_small).c_str(),
+                eval_full == -2 ? "(not run)" : cell(eval_full).c_str());
     std::fflush(stdout);
   }
 }
@@ -163,10 +165,12 @@ double median_seconds(int reps, Fn fn) {
 }
 
 void speed_table() {
-  std::printf("\n## speed: head forward + backward (projection, loss, grads of hidden and weight), fp32, "
-              "median of 5\n");
-  std::printf("| tokens | hidden | vocab | full logits ms | chunk MiB | tokens/chunk | chunked ms | chunked / full |\n"
-              "|---|---|---|---|---|---|---|---|\n");
+  std::printf(
+      "\n## speed: head forward + backward (projection, loss, grads of hidden and weight), fp32, "
+      "median of 5\n");
+  std::printf(
+      "| tokens | hidden | vocab | full logits ms | chunk MiB | tokens/chunk | chunked ms | chunked / full |\n"
+      "|---|---|---|---|---|---|---|---|\n");
   struct Shape {
     int64_t tokens, hidden, vocab;
   };
@@ -188,11 +192,10 @@ void speed_table() {
     const double full = median_seconds(5, [&] { run(false, 0); });
     for (int64_t mib : {64, 256, 1024}) {
       const double chunked = median_seconds(5, [&] { run(true, mib); });
-      std::printf("| %lld | %lld | %lld | %.1f | %lld | %lld | %.1f | %.3f |\n", static_cast<long long>(s.tokens),
-                  static_cast<long long>(s.hidden), static_cast<long long>(s.vocab), full * 1e3,
-                  static_cast<long long>(mib),
-                  static_cast<long long>(rm::loss_chunk_tokens(s.vocab, at::kFloat, mib << 20)), chunked * 1e3,
-                  chunked / full);
+      std::printf(
+          "| %lld | %lld | %lld | %.1f | %lld | %lld | %.1f | %.3f |\n", static_cast<long long>(s.tokens),
+          static_cast<long long>(s.hidden), static_cast<long long>(s.vocab), full * 1e3, static_cast<long long>(mib),
+          static_cast<long long>(rm::loss_chunk_tokens(s.vocab, at::kFloat, mib << 20)), chunked * 1e3, chunked / full);
       std::fflush(stdout);
     }
   }

@@ -127,18 +127,28 @@ int main(int argc, char** argv) {
       }
       return std::atoll(argv[++i]);
     };
-    if (a == "--tokens") s.tokens = next();
-    else if (a == "--hidden") s.hidden = next();
-    else if (a == "--width") s.width = next();
-    else if (a == "--experts") s.experts = next();
-    else if (a == "--top-k") s.top_k = next();
-    else if (a == "--reps") s.reps = next();
-    else if (a == "--threads") s.threads = next();
-    else if (a == "--python" && i + 1 < argc) python = argv[++i];
-    else if (a == "--no-python") python.clear();
+    if (a == "--tokens")
+      s.tokens = next();
+    else if (a == "--hidden")
+      s.hidden = next();
+    else if (a == "--width")
+      s.width = next();
+    else if (a == "--experts")
+      s.experts = next();
+    else if (a == "--top-k")
+      s.top_k = next();
+    else if (a == "--reps")
+      s.reps = next();
+    else if (a == "--threads")
+      s.threads = next();
+    else if (a == "--python" && i + 1 < argc)
+      python = argv[++i];
+    else if (a == "--no-python")
+      python.clear();
     else {
-      std::fprintf(stderr, "usage: moe_bench [--tokens N] [--hidden H] [--width I] [--experts E] [--top-k K] "
-                           "[--reps R] [--threads N] [--python PATH | --no-python]\n");
+      std::fprintf(stderr,
+                   "usage: moe_bench [--tokens N] [--hidden H] [--width I] [--experts E] [--top-k K] "
+                   "[--reps R] [--threads N] [--python PATH | --no-python]\n");
       return 2;
     }
   }
@@ -165,11 +175,12 @@ int main(int argc, char** argv) {
   const double dense_ms = run([&] { return dense(x); });
   const auto hf = python_times(python, s, threads);
 
-  std::printf("Qwen3-MoE-shaped layer, forward + backward, CPU, %lld thread(s): %lld tokens, hidden %lld, "
-              "%lld experts of width %lld, top-%lld (median of %lld)\n",
-              static_cast<long long>(threads), static_cast<long long>(s.tokens), static_cast<long long>(s.hidden),
-              static_cast<long long>(s.experts), static_cast<long long>(s.width), static_cast<long long>(s.top_k),
-              static_cast<long long>(s.reps));
+  std::printf(
+      "Qwen3-MoE-shaped layer, forward + backward, CPU, %lld thread(s): %lld tokens, hidden %lld, "
+      "%lld experts of width %lld, top-%lld (median of %lld)\n",
+      static_cast<long long>(threads), static_cast<long long>(s.tokens), static_cast<long long>(s.hidden),
+      static_cast<long long>(s.experts), static_cast<long long>(s.width), static_cast<long long>(s.top_k),
+      static_cast<long long>(s.reps));
   std::printf("| implementation | ms | ours is x faster |\n|---|---|---|\n");
   std::printf("| ours: SparseMoeBlock (sorted experts) | %.1f | 1.00 |\n", ours);
   for (const auto& [name, ms] : hf) {

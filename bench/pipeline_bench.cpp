@@ -22,6 +22,7 @@
 // Usage: pipeline_bench [sleep_ms=2] [layers=12] | pipeline_bench paper [iteration_ms=2000] [workload name part]
 //        | pipeline_bench steady [iteration_ms=2000] [workload name part, "" for all] [rng: keep preserve_rng_state on]
 #include <ATen/ops/_fused_adam.h>
+#include <sys/resource.h>
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -32,8 +33,6 @@
 #include <functional>
 #include <string>
 #include <thread>
-
-#include <sys/resource.h>
 
 #include "optim/adam.h"
 #include "roundpipe/detail/device_io.h"
@@ -152,7 +151,7 @@ TORCH_MODULE(SleepPairLayer);
 struct PaperWorkload {
   const char* name;
   int layers;
-  double fwd, bwd, head_fwd, head_bwd;  // ms per microbatch (bwd without recompute), the artifact's
+  double fwd, bwd, head_fwd, head_bwd;             // ms per microbatch (bwd without recompute), the artifact's
   double paper_isolated, paper_async, paper_1f1b;  // % bubble, the artifact's simulator
 };
 
@@ -174,23 +173,29 @@ void paper_workloads(double target_ms, const std::string& only) {
   using roundpipe::RunConfig;
   constexpr int kDevices = 8, kMicro = 16, kIsolatedRuns = 3, kAsyncRuns = 10, kAsyncWarmup = 2;
   const std::vector<PaperWorkload>& workloads = paper_workload_list();
-  std::printf("== 5. paper workloads: %d CPU device workers, %d microbatches, sleeping layers scaled to ~%.0f ms "
-              "per iteration\n", kDevices, kMicro, target_ms);
-  std::printf("bubble = 1 - work / (%d x time); work = the layers' sleep (blocks recomputed, the fused tail not). "
-              "sim = scheduler::simulate with the true costs and no overheads; async = back-to-back kAsync "
-              "iterations, mean of the last %d; sim_async = simulate_steady_state of the async plan.\n",
-              kDevices, kAsyncRuns - 1 - kAsyncWarmup);
-  std::printf("hop_fit = the per-hop latency (SimulateOptions::hop_latency, ms) that makes the simulated isolated "
-              "makespan equal the measured one. Plans: isolated | async (the runtime plans for the mode of the "
-              "last step; 'planned' = plan_by_simulation with the true costs, kIsolated | kSteadyState).\n");
-  std::printf("real_* = the bubble against the time the layers really slept (sleep_for overshoots), meas_* "
-              "against the nominal sleep.\n");
-  std::printf("cpu iso/asy/layers = the process's CPU time (all threads: the engine, the layers' tensor work, the "
-              "optimizer) as a share of %d x wall time, isolated and async; sleeps use none. layers = the CPU time "
-              "of a plain loop running the same layers without sleeps (no engine), against the isolated time.\n",
-              kDevices);
-  std::printf("%-12s %-20s %6s %8s %8s %8s %8s %8s %8s %8s %8s %7s %10s  %s\n", "workload", "plan", "scale",
-              "sim_iso", "meas_iso", "real_iso", "sim_async", "meas_asy", "real_asy", "paper", "1F1B", "hop_fit",
+  std::printf(
+      "== 5. paper workloads: %d CPU device workers, %d microbatches, sleeping layers scaled to ~%.0f ms "
+      "per iteration\n",
+      kDevices, kMicro, target_ms);
+  std::printf(
+      "bubble = 1 - work / (%d x time); work = the layers' sleep (blocks recomputed, the fused tail not). "
+      "sim = scheduler::simulate with the true costs and no overheads; async = back-to-back kAsync "
+      "iterations, mean of the last %d; sim_async = simulate_steady_state of the async plan.\n",
+      kDevices, kAsyncRuns - 1 - kAsyncWarmup);
+  std::printf(
+      "hop_fit = the per-hop latency (SimulateOptions::hop_latency, ms) that makes the simulated isolated "
+      "makespan equal the measured one. Plans: isolated | async (the runtime plans for the mode of the "
+      "last step; 'planned' = plan_by_simulation with the true costs, kIsolated | kSteadyState).\n");
+  std::printf(
+      "real_* = the bubble against the time the layers really slept (sleep_for overshoots), meas_* "
+      "against the nominal sleep.\n");
+  std::printf(
+      "cpu iso/asy/layers = the process's CPU time (all threads: the engine, the layers' tensor work, the "
+      "optimizer) as a share of %d x wall time, isolated and async; sleeps use none. layers = the CPU time "
+      "of a plain loop running the same layers without sleeps (no engine), against the isolated time.\n",
+      kDevices);
+  std::printf("%-12s %-20s %6s %8s %8s %8s %8s %8s %8s %8s %8s %7s %10s  %s\n", "workload", "plan", "scale", "sim_iso",
+              "meas_iso", "real_iso", "sim_async", "meas_asy", "real_asy", "paper", "1F1B", "hop_fit",
               "cpu iso/asy/layers", "isolated plan  |  async plan");
   for (const auto& w : workloads) {
     if (!only.empty() && std::string(w.name).find(only) == std::string::npos) continue;
@@ -243,7 +248,8 @@ void paper_workloads(double target_ms, const std::string& only) {
     }();
     // Runs isolated iterations with `iso_plan` and back-to-back async ones with `async_plan` (the
     // runtime's automatic plans when not given: it plans for the mode of the last step).
-    auto run = [&](const char* what, std::optional<rs::ExecutePlan> iso_plan, std::optional<rs::ExecutePlan> async_plan) {
+    auto run = [&](const char* what, std::optional<rs::ExecutePlan> iso_plan,
+                   std::optional<rs::ExecutePlan> async_plan) {
       RoundPipe model(make(scale), RoundPipeOptions().devices(std::vector<c10::Device>(kDevices, c10::kCPU)));
       RunConfig cfg;
       cfg.num_microbatch = kMicro;
@@ -292,7 +298,8 @@ void paper_workloads(double target_ms, const std::string& only) {
       model.synchronize();
       const rs::ExecutePlan aplan = model.plan(cfg);
       const auto asim = rs::simulate(aplan, rs::RunType::kFused, costs, kDevices, kMicro, sim_options);
-      const auto steady = rs::simulate_steady_state(aplan, rs::RunType::kFused, costs, kDevices, kMicro, steady_options);
+      const auto steady =
+          rs::simulate_steady_state(aplan, rs::RunType::kFused, costs, kDevices, kMicro, steady_options);
       const int measured = kAsyncRuns - 1 - kAsyncWarmup;
       const double async_ms =
           std::chrono::duration<double, std::milli>(ends.back() - ends[kAsyncWarmup]).count() / measured;
@@ -315,12 +322,13 @@ void paper_workloads(double target_ms, const std::string& only) {
       // The CPU the process used, as a share of the devices' capacity (8 x wall time).
       const double cpu_share_iso = cpu_iso / (kDevices * iso_total);
       const double cpu_share_async = (cpu_async_to - cpu_async_from) / (kDevices * async_ms * measured);
-      std::printf("%-12s %-20s %6.3f %7.1f%% %7.1f%% %7.1f%% %7.1f%% %7.1f%% %7.1f%% %3.1f/%3.1f %7.1f%% %7.3f "
-                  "%4.1f/%4.1f/%4.1f%%  %s  |  %s\n",
-                  w.name, what, scale, 100 * sim.bubble_ratio(), 100 * (1 - sim.work / capacity_iso), 100 * real_iso,
-                  100 * steady.bubble_ratio(), 100 * (1 - asim.work / capacity_async), 100 * real_async,
-                  w.paper_isolated, w.paper_async, w.paper_1f1b, lo, 100 * cpu_share_iso, 100 * cpu_share_async,
-                  100 * layer_cpu_ms / capacity_iso, plan.to_string().c_str(), aplan.to_string().c_str());
+      std::printf(
+          "%-12s %-20s %6.3f %7.1f%% %7.1f%% %7.1f%% %7.1f%% %7.1f%% %7.1f%% %3.1f/%3.1f %7.1f%% %7.3f "
+          "%4.1f/%4.1f/%4.1f%%  %s  |  %s\n",
+          w.name, what, scale, 100 * sim.bubble_ratio(), 100 * (1 - sim.work / capacity_iso), 100 * real_iso,
+          100 * steady.bubble_ratio(), 100 * (1 - asim.work / capacity_async), 100 * real_async, w.paper_isolated,
+          w.paper_async, w.paper_1f1b, lo, 100 * cpu_share_iso, 100 * cpu_share_async,
+          100 * layer_cpu_ms / capacity_iso, plan.to_string().c_str(), aplan.to_string().c_str());
       std::fflush(stdout);
     };
     run("runtime (auto)", std::nullopt, std::nullopt);
@@ -343,22 +351,26 @@ void steady_workloads(double target_ms, const std::string& only, bool keep_rng) 
   using roundpipe::RoundPipeOptions;
   using roundpipe::RunConfig;
   constexpr int kDevices = 8, kMicro = 16, kWarmup = 4, kMeasured = 10, kRuns = kWarmup + kMeasured;
-  std::printf("== 6. steady state, end to end (issue 32): %d CPU device workers, %d microbatches, sleeping layers "
-              "scaled to ~%.0f ms per iteration; fresh RoundPipe, automatic plan, forward_backward + step(kAsync) "
-              "(SGD step + zero_grad), %d warm-up + %d measured iterations, then synchronize(); preserve_rng_state %s\n",
-              kDevices, kMicro, target_ms, kWarmup, kMeasured, keep_rng ? "on (default)" : "off");
-  std::printf("W = the plan's layer work per iteration (nominal sleeps; recompute counted); ideal = W / %d. "
-              "e2e = (end of synchronize - start of call %d) / %d (the issue's figure); period = mean time between "
-              "returns of calls %d..%d (steady state, no final drain); drain = last return to end of synchronize. "
-              "bubble = 1 - ideal / time: nominal, and real (W x the run's measured sleep overshoot).\n",
-              kDevices, kWarmup + 1, kMeasured, kWarmup, kRuns);
-  std::printf("sim = simulate_steady_state of the plan the runtime ran (true costs, the runtime's model): its "
-              "period, and the same protocol (iterations 1..13 after the measuring call, from return 3 to end 13); "
-              "pdef = the paper's 'async' bubble: the intra share of one isolated simulated iteration (idle "
-              "that is not fill or drain), of this async plan / of the plan planned for one isolated iteration. per min/max: the shortest and longest return-to-return interval (ms).\n");
-  std::printf("%-12s %-9s %8s %8s %8s %8s | %6s %6s | %6s %6s | %8s %6s %8s %6s | %9s %6s | %5s %13s  %s\n",
-              "workload", "iter0,1", "ideal", "e2e", "period", "drain", "e2e_n", "e2e_r", "per_n", "per_r", "sim_per",
-              "sim_b", "sim_e2e", "sim_eb", "pdef", "paper", "cpu", "per min/max", "async plan");
+  std::printf(
+      "== 6. steady state, end to end (issue 32): %d CPU device workers, %d microbatches, sleeping layers "
+      "scaled to ~%.0f ms per iteration; fresh RoundPipe, automatic plan, forward_backward + step(kAsync) "
+      "(SGD step + zero_grad), %d warm-up + %d measured iterations, then synchronize(); preserve_rng_state %s\n",
+      kDevices, kMicro, target_ms, kWarmup, kMeasured, keep_rng ? "on (default)" : "off");
+  std::printf(
+      "W = the plan's layer work per iteration (nominal sleeps; recompute counted); ideal = W / %d. "
+      "e2e = (end of synchronize - start of call %d) / %d (the issue's figure); period = mean time between "
+      "returns of calls %d..%d (steady state, no final drain); drain = last return to end of synchronize. "
+      "bubble = 1 - ideal / time: nominal, and real (W x the run's measured sleep overshoot).\n",
+      kDevices, kWarmup + 1, kMeasured, kWarmup, kRuns);
+  std::printf(
+      "sim = simulate_steady_state of the plan the runtime ran (true costs, the runtime's model): its "
+      "period, and the same protocol (iterations 1..13 after the measuring call, from return 3 to end 13); "
+      "pdef = the paper's 'async' bubble: the intra share of one isolated simulated iteration (idle "
+      "that is not fill or drain), of this async plan / of the plan planned for one isolated iteration. per min/max: "
+      "the shortest and longest return-to-return interval (ms).\n");
+  std::printf("%-12s %-9s %8s %8s %8s %8s | %6s %6s | %6s %6s | %8s %6s %8s %6s | %9s %6s | %5s %13s  %s\n", "workload",
+              "iter0,1", "ideal", "e2e", "period", "drain", "e2e_n", "e2e_r", "per_n", "per_r", "sim_per", "sim_b",
+              "sim_e2e", "sim_eb", "pdef", "paper", "cpu", "per min/max", "async plan");
   for (const auto& w : paper_workload_list()) {
     if (!only.empty() && std::string(w.name).find(only) == std::string::npos) continue;
     std::vector<rs::LayerCost> costs(w.layers, rs::LayerCost{w.fwd, w.fwd + w.bwd, 0, 0});
@@ -409,13 +421,11 @@ void steady_workloads(double target_ms, const std::string& only, bool keep_rng) 
     const double ideal = W / kDevices;
     const auto steady = rs::simulate_steady_state(plan, rs::RunType::kFused, costs, kDevices, kMicro, model_options);
     // The paper's definition on the plan that minimizes one isolated iteration (true costs).
-    const auto iso_plan = rs::plan_by_simulation(costs, rs::RunType::kFused,
-                                                 rs::PlannerOptions()
-                                                     .set_num_devices(kDevices)
-                                                     .set_num_microbatch(kMicro)
-                                                     .set_simulate(rs::SimulateOptions(model_options)
-                                                                       .set_overlap_backward_tail(false)))
-                              .plan;
+    const auto iso_plan =
+        rs::plan_by_simulation(costs, rs::RunType::kFused,
+                               rs::PlannerOptions().set_num_devices(kDevices).set_num_microbatch(kMicro).set_simulate(
+                                   rs::SimulateOptions(model_options).set_overlap_backward_tail(false)))
+            .plan;
     const auto iso_of_iso = rs::simulate(iso_plan, rs::RunType::kFused, costs, kDevices, kMicro, model_options);
     // The protocol in the simulator: iteration 0 (the measuring call, another plan) ran alone, so
     // calls 1..13 are simulated iterations 0..12; the clock runs from return 2 to end 12.
@@ -424,7 +434,8 @@ void steady_workloads(double target_ms, const std::string& only, bool keep_rng) 
     const double sim_e2e = proto.mean_iteration_time(kWarmup - 1, kRuns - 2);  // Note [Measured windows]
 
     const double e2e = std::chrono::duration<double, std::milli>(end - begin[kWarmup]).count() / kMeasured;
-    const double period = std::chrono::duration<double, std::milli>(ret[kRuns - 1] - ret[kWarmup - 1]).count() / kMeasured;
+    const double period =
+        std::chrono::duration<double, std::milli>(ret[kRuns - 1] - ret[kWarmup - 1]).count() / kMeasured;
     const double drain = std::chrono::duration<double, std::milli>(end - ret[kRuns - 1]).count();
     auto bubble = [&](double work, double t) { return 100 * (1 - work / (kDevices * t)); };
     double per_min = 1e300, per_max = 0;
@@ -437,19 +448,20 @@ void steady_workloads(double target_ms, const std::string& only, bool keep_rng) 
     int jobs = 0;
     for (const auto& s : spans) jobs += s.upload_begin_ms >= w0 && s.compute_end_ms <= w1 ? 1 : 0;
     const double jobs_per_iter = static_cast<double>(jobs) / kMeasured;
-    std::printf("%-12s %4.0f,%-4.0f %8.1f %8.1f %8.1f %8.1f | %5.1f%% %5.1f%% | %5.1f%% %5.1f%% | %8.1f %5.1f%% %8.1f "
-                "%5.1f%% | %4.1f/%3.1f%% %5.1f%% | %4.1f%% %6.0f/%-6.0f  %s\n",
-                w.name, std::chrono::duration<double, std::milli>(ret[0] - begin[0]).count(),
-                std::chrono::duration<double, std::milli>(ret[1] - begin[1]).count(), ideal, e2e, period, drain,
-                bubble(W, e2e), bubble(W * overshoot, e2e), bubble(W, period), bubble(W * overshoot, period),
-                steady.period, 100 * steady.bubble_ratio(), sim_e2e, bubble(W, sim_e2e),
-                100 * (iso.steady_ratio() + iso.overhead_ratio()),
-                100 * (iso_of_iso.steady_ratio() + iso_of_iso.overhead_ratio()), w.paper_async, 100 * cpu_ms / (kDevices * e2e * kMeasured),
-                per_min, per_max, plan.to_string().c_str());
-    std::printf("%-12s   overshoot %.3f, %.1f jobs per iteration, sim drain %.1f ms (measured %.1f), sim iso makespan "
-                "%.1f ms\n",
-                "", overshoot, jobs_per_iter, proto.iteration_end[kRuns - 2] - proto.iteration_return[kRuns - 2], drain,
-                iso.makespan);
+    std::printf(
+        "%-12s %4.0f,%-4.0f %8.1f %8.1f %8.1f %8.1f | %5.1f%% %5.1f%% | %5.1f%% %5.1f%% | %8.1f %5.1f%% %8.1f "
+        "%5.1f%% | %4.1f/%3.1f%% %5.1f%% | %4.1f%% %6.0f/%-6.0f  %s\n",
+        w.name, std::chrono::duration<double, std::milli>(ret[0] - begin[0]).count(),
+        std::chrono::duration<double, std::milli>(ret[1] - begin[1]).count(), ideal, e2e, period, drain, bubble(W, e2e),
+        bubble(W * overshoot, e2e), bubble(W, period), bubble(W * overshoot, period), steady.period,
+        100 * steady.bubble_ratio(), sim_e2e, bubble(W, sim_e2e), 100 * (iso.steady_ratio() + iso.overhead_ratio()),
+        100 * (iso_of_iso.steady_ratio() + iso_of_iso.overhead_ratio()), w.paper_async,
+        100 * cpu_ms / (kDevices * e2e * kMeasured), per_min, per_max, plan.to_string().c_str());
+    std::printf(
+        "%-12s   overshoot %.3f, %.1f jobs per iteration, sim drain %.1f ms (measured %.1f), sim iso makespan "
+        "%.1f ms\n",
+        "", overshoot, jobs_per_iter, proto.iteration_end[kRuns - 2] - proto.iteration_return[kRuns - 2], drain,
+        iso.makespan);
     // What planning could do for this protocol (simulated, true costs): the runtime's objective
     // (kSteadyState over 100 iterations), the same over 10, and the protocol's own
     // (kMeasuredWindow over 10: period + drain / 10), rated on the steady state and on the protocol.
@@ -467,13 +479,15 @@ void steady_workloads(double target_ms, const std::string& only, bool keep_rng) 
                                .plan;
       const auto r = rs::simulate_steady_state(what_if, rs::RunType::kFused, costs, kDevices, kMicro,
                                                rs::SimulateOptions(model_options).set_num_iterations(kRuns - 1));
-      const auto exact = rs::simulate_steady_state(what_if, rs::RunType::kFused, costs, kDevices, kMicro, model_options);
-      std::printf("%-12s   what-if, true costs, %s over %3lld iterations: %lldF+%lldB, simulated period "
-                  "bubble %.1f%%, protocol %.1f%%\n",
-                  "", objective == rs::PlanObjective::kSteadyState ? "kSteadyState  " : "kMeasuredWindow",
-                  static_cast<long long>(horizon), static_cast<long long>(what_if.forward_stages().size()),
-                  static_cast<long long>(what_if.backward_stages().size()), 100 * exact.bubble_ratio(),
-                  100 * r.window_bubble_ratio(kWarmup - 1, kRuns - 2));
+      const auto exact =
+          rs::simulate_steady_state(what_if, rs::RunType::kFused, costs, kDevices, kMicro, model_options);
+      std::printf(
+          "%-12s   what-if, true costs, %s over %3lld iterations: %lldF+%lldB, simulated period "
+          "bubble %.1f%%, protocol %.1f%%\n",
+          "", objective == rs::PlanObjective::kSteadyState ? "kSteadyState  " : "kMeasuredWindow",
+          static_cast<long long>(horizon), static_cast<long long>(what_if.forward_stages().size()),
+          static_cast<long long>(what_if.backward_stages().size()), 100 * exact.bubble_ratio(),
+          100 * r.window_bubble_ratio(kWarmup - 1, kRuns - 2));
     }
     std::fflush(stdout);
   }
@@ -499,15 +513,20 @@ int main(int argc, char** argv) {
   torch::set_num_threads(1);
 
   namespace rs = roundpipe::scheduler;
-  std::printf("== 1. schedule quality: %d sleeping layers, forward %.1f ms, recompute + backward %.1f ms per layer "
-              "and microbatch (the fused tail: forward + backward %.1f ms)\n", layers, t, 3 * t, 3 * t);
-  std::printf("isolated = forward_backward + kSync step (median of 6); async = back-to-back kAsync iterations "
-              "(mean of the last 8, overlapping; the runtime plans for the last step's mode: stages iso|async); sim = scheduler::simulate, steady = simulate_steady_state\n");
+  std::printf(
+      "== 1. schedule quality: %d sleeping layers, forward %.1f ms, recompute + backward %.1f ms per layer "
+      "and microbatch (the fused tail: forward + backward %.1f ms)\n",
+      layers, t, 3 * t, 3 * t);
+  std::printf(
+      "isolated = forward_backward + kSync step (median of 6); async = back-to-back kAsync iterations "
+      "(mean of the last 8, overlapping; the runtime plans for the last step's mode: stages iso|async); sim = "
+      "scheduler::simulate, steady = simulate_steady_state\n");
   std::printf("%-8s %-6s %-7s %-9s %-9s %-8s %-9s %-8s %-9s %-8s\n", "devices", "micro", "stages", "iso_ms", "async_ms",
               "sim_iso", "meas_iso", "steady", "meas_asy", "gpipe");
   for (int devices = 2; devices <= 8; ++devices) {
     const int micro = devices + 1;
-    RoundPipe model(sleep_model(layers, t, 1), RoundPipeOptions().devices(std::vector<c10::Device>(devices, c10::kCPU)));
+    RoundPipe model(sleep_model(layers, t, 1),
+                    RoundPipeOptions().devices(std::vector<c10::Device>(devices, c10::kCPU)));
     RunConfig cfg;
     cfg.num_microbatch = micro;
     cfg.preserve_rng_state = false;  // no dropout: skip the CPU generator lock (Note [Layer RNG])
@@ -545,9 +564,9 @@ int main(int argc, char** argv) {
     const std::vector<rs::LayerCost> costs(layers, rs::LayerCost{t, 3 * t, 0, 0});
     const auto sim = rs::simulate(iso_plan, rs::RunType::kFused, costs, devices, micro,
                                   rs::SimulateOptions().set_recompute_ahead(true).set_overlap_backward_tail(false));
-    const auto steady = rs::simulate_steady_state(
-        async_plan, rs::RunType::kFused, costs, devices, micro,
-        rs::SimulateOptions().set_recompute_ahead(true).set_overlap_backward_tail(true));
+    const auto steady =
+        rs::simulate_steady_state(async_plan, rs::RunType::kFused, costs, devices, micro,
+                                  rs::SimulateOptions().set_recompute_ahead(true).set_overlap_backward_tail(true));
     const double gpipe = static_cast<double>(devices - 1) / (micro + devices - 1);
     std::printf("%-8d %-6d %3lld|%-3lld %-9.1f %-9.1f %-8.3f %-9.3f %-8.3f %-9.3f %-8.3f\n", devices, micro,
                 static_cast<long long>(iso_plan.num_stages()), static_cast<long long>(async_plan.num_stages()), iso,
@@ -592,10 +611,12 @@ int main(int argc, char** argv) {
       auto t0 = Clock::now();
       model.forward_backward({x}, torch::Tensor(), sum_loss(), cfg);
       auto t1 = Clock::now();
-      model.step([&] {
-        optimizer.step();
-        optimizer.zero_grad();
-      }, mode);
+      model.step(
+          [&] {
+            optimizer.step();
+            optimizer.zero_grad();
+          },
+          mode);
       steps.push_back(ms_since(t1));
       if (rep > 0) iters.push_back(ms_since(t0));
     }
@@ -615,8 +636,10 @@ int main(int argc, char** argv) {
     }
   }
 
-  std::printf("\n== 3b. step() with bf16 compute copies and fp32 masters: %d sleeping layers, 64M parameters, "
-              "roundpipe::optim::Adam, kSync\n", layers);
+  std::printf(
+      "\n== 3b. step() with bf16 compute copies and fp32 masters: %d sleeping layers, 64M parameters, "
+      "roundpipe::optim::Adam, kSync\n",
+      layers);
   std::printf("%-34s %-14s %-10s\n", "master gradients, optimizer", "step_call_ms", "best_ms");
   for (int variant : {0, 1, 2}) {  // 0: ATen's fused Adam (fp32 grads), 1: ours (fp32 grads), 2: ours (bf16 grads)
     const bool uncast = variant == 2;
@@ -650,18 +673,21 @@ int main(int argc, char** argv) {
     for (int rep = 0; rep < 8; ++rep) {
       model.forward_backward({x}, torch::Tensor(), sum_loss(), cfg);
       auto t1 = Clock::now();
-      model.step([&] {
-        if (variant == 0) {
-          aten_step();
-        } else {
-          optimizer.step();
-          optimizer.zero_grad();
-        }
-      }, StepMode::kSync);
+      model.step(
+          [&] {
+            if (variant == 0) {
+              aten_step();
+            } else {
+              optimizer.step();
+              optimizer.zero_grad();
+            }
+          },
+          StepMode::kSync);
       if (rep > 0) steps.push_back(ms_since(t1));
     }
     const char* names[] = {"fp32, at::_fused_adam_", "fp32, roundpipe Adam", "bf16 uncast, roundpipe Adam"};
-    std::printf("%-34s %-14.1f %-10.1f\n", names[variant], median(steps), *std::min_element(steps.begin(), steps.end()));
+    std::printf("%-34s %-14.1f %-10.1f\n", names[variant], median(steps),
+                *std::min_element(steps.begin(), steps.end()));
   }
 
   std::printf("\n== 4. per-job layer copy on a CPU device: Linear(2048, 2048), 4.2M fp32 parameters\n");

@@ -47,11 +47,11 @@ struct LoraConfig {
 };
 
 struct ModelConfig {
-  std::string pretrained;        ///< directory with config.json + weights; "" = none
+  std::string pretrained;                      ///< directory with config.json + weights; "" = none
   std::optional<models::Architecture> preset;  ///< nullopt: none (model.pretrained instead)
-  std::string config_json;       ///< model.config as a JSON object text ("{}" when unset)
-  c10::ScalarType dtype;         ///< compute dtype: Float | BFloat16 | Half
-  c10::ScalarType master_dtype;  ///< optimizer master weights: Float
+  std::string config_json;                     ///< model.config as a JSON object text ("{}" when unset)
+  c10::ScalarType dtype;                       ///< compute dtype: Float | BFloat16 | Half
+  c10::ScalarType master_dtype;                ///< optimizer master weights: Float
   std::optional<LoraConfig> lora;
 };
 
@@ -71,7 +71,7 @@ struct OptimizerConfig {
   std::array<double, 2> betas;
   double eps;
   double weight_decay;
-  double momentum;  ///< sgd only
+  double momentum;                  ///< sgd only
   OptimizerStateDtype state_dtype;  ///< adam / adamw only
 };
 
@@ -156,8 +156,7 @@ LauncherConfig load_config(const std::string& path, const std::vector<std::strin
 
 /// load_config from YAML text; `source` names it in messages. An empty text is an empty map (all
 /// defaults; then validation asks for the required keys).
-LauncherConfig parse_config(const std::string& yaml_text,
-                            const std::vector<std::string>& overrides = {},
+LauncherConfig parse_config(const std::string& yaml_text, const std::vector<std::string>& overrides = {},
                             const std::string& source = "<config>");
 
 /// The resolved configuration as YAML: every key, in schema order, with its value. Loading the

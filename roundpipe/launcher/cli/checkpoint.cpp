@@ -12,12 +12,11 @@
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
-#include <functional>
 #include <fstream>
+#include <functional>
 #include <iterator>
-#include <sstream>
-
 #include <nlohmann/json.hpp>
+#include <sstream>
 
 #include "roundpipe/launcher/atomic_file.h"
 #include "roundpipe/launcher/cli/setup.h"
@@ -83,8 +82,8 @@ void save_archive_to_file(torch::serialize::OutputArchive& archive, const std::s
     return size;
   });
   if (::close(fd) != 0 && error == 0) error = errno;
-  TORCH_CHECK(error == 0, "writing '", path, "' failed: ", std::strerror(error),
-              " (errno ", error, "); check free disk space, quotas and file-size limits");
+  TORCH_CHECK(error == 0, "writing '", path, "' failed: ", std::strerror(error), " (errno ", error,
+              "); check free disk space, quotas and file-size limits");
 }
 
 std::string archive_bytes(torch::serialize::OutputArchive& archive) {
@@ -104,15 +103,15 @@ void maybe_inject_failure(int64_t step) {
   if (spec.size() > point.size()) {
     if (spec[point.size()] != '@' || std::stoll(spec.substr(point.size() + 1)) != step) return;
   }
-  TORCH_CHECK(false, "injected failure (ROUNDPIPE_TEST_FAIL_AT=", spec, ") before publishing the "
-              "checkpoint of step ", step);
+  TORCH_CHECK(false, "injected failure (ROUNDPIPE_TEST_FAIL_AT=", spec,
+              ") before publishing the "
+              "checkpoint of step ",
+              step);
 }
 
 }  // namespace
 
-bool is_lora_checkpoint_dir(const std::string& dir) {
-  return is_regular_file(join_path(dir, kAdapterConfigFile));
-}
+bool is_lora_checkpoint_dir(const std::string& dir) { return is_regular_file(join_path(dir, kAdapterConfigFile)); }
 
 bool is_checkpoint_dir(const std::string& dir) {
   return is_regular_file(join_path(dir, kTrainerStateFile)) &&
@@ -153,8 +152,7 @@ std::string save_checkpoint_dir(CheckpointContents c) {
     archive.write("tokens", at::scalar_tensor(c.state.tokens, at::kLong));
     archive.write("world_size", at::scalar_tensor(c.state.world_size, at::kLong));
     archive.write("iteration", at::scalar_tensor(c.state.iteration, at::kLong));
-    archive.write("sampler_state",
-                  at::scalar_tensor(static_cast<int64_t>(c.state.sampler_state), at::kLong));
+    archive.write("sampler_state", at::scalar_tensor(static_cast<int64_t>(c.state.sampler_state), at::kLong));
     archive.write("cpu_rng_state", c.state.cpu_rng_state);
     torch::serialize::OutputArchive scaler;
     c.state.scaler.save(scaler);
@@ -198,9 +196,9 @@ void check_adapter_config(const std::string& dir, const models::LoraOptions& lor
   }
   const int64_t rank = json.value("r", int64_t{-1});
   const double alpha = json.value("lora_alpha", -1.0);
-  TORCH_CHECK(rank == lora.rank() && alpha == lora.alpha(), "checkpoint '", dir, "' holds LoRA adapters with r = ",
-              rank, ", lora_alpha = ", alpha, " but the run's model.lora has rank ", lora.rank(), ", alpha ",
-              lora.alpha(), ": resume with the configuration of that run");
+  TORCH_CHECK(rank == lora.rank() && alpha == lora.alpha(), "checkpoint '", dir,
+              "' holds LoRA adapters with r = ", rank, ", lora_alpha = ", alpha, " but the run's model.lora has rank ",
+              lora.rank(), ", alpha ", lora.alpha(), ": resume with the configuration of that run");
 }
 
 // Copies each trainable parameter of `module` (compute copy) and each master from `get(hf_name)`.
@@ -213,8 +211,8 @@ void load_weights(RoundPipe& model, const models::ModelConfig& model_config, boo
       if (!item.value().requires_grad()) continue;
       const std::string hf_name = models::hf_parameter_name(item.key(), model_config.num_hidden_layers);
       at::Tensor saved = get(hf_name);
-      TORCH_CHECK(saved.sizes() == item.value().sizes(), "checkpoint '", dir, "': tensor '", hf_name,
-                  "' has shape ", saved.sizes(), " but the model's is ", item.value().sizes());
+      TORCH_CHECK(saved.sizes() == item.value().sizes(), "checkpoint '", dir, "': tensor '", hf_name, "' has shape ",
+                  saved.sizes(), " but the model's is ", item.value().sizes());
       item.value().copy_(saved);
     }
   } else {
@@ -224,22 +222,23 @@ void load_weights(RoundPipe& model, const models::ModelConfig& model_config, boo
   for (const auto& [name, master] : model.optim_named_parameters()) {
     const std::string hf_name = models::hf_parameter_name(name, model_config.num_hidden_layers);
     at::Tensor saved = get(hf_name);
-    TORCH_CHECK(saved.sizes() == master.sizes(), "checkpoint '", dir, "': tensor '", hf_name,
-                "' has shape ", saved.sizes(), " but the model's is ", master.sizes());
+    TORCH_CHECK(saved.sizes() == master.sizes(), "checkpoint '", dir, "': tensor '", hf_name, "' has shape ",
+                saved.sizes(), " but the model's is ", master.sizes());
     master.copy_(saved);
   }
 }
 
 }  // namespace
 
-TrainerState load_checkpoint_dir(const std::string& dir, RoundPipe& model,
-                                 const models::ModelConfig& model_config,
+TrainerState load_checkpoint_dir(const std::string& dir, RoundPipe& model, const models::ModelConfig& model_config,
                                  torch::optim::Optimizer& optimizer, const models::LoraOptions* lora) {
   const bool lora_checkpoint = is_lora_checkpoint_dir(dir);
-  TORCH_CHECK(!lora_checkpoint || lora != nullptr, "checkpoint '", dir, "' is a LoRA checkpoint (adapters only) "
+  TORCH_CHECK(!lora_checkpoint || lora != nullptr, "checkpoint '", dir,
+              "' is a LoRA checkpoint (adapters only) "
               "but this run trains every weight: set model.lora as in that run (or train from a merged "
               "export: roundpipe export --merge)");
-  TORCH_CHECK(lora_checkpoint || lora == nullptr, "checkpoint '", dir, "' holds a full model, not LoRA adapters, "
+  TORCH_CHECK(lora_checkpoint || lora == nullptr, "checkpoint '", dir,
+              "' holds a full model, not LoRA adapters, "
               "but this run has model.lora: remove model.lora to resume it (or set model.pretrained to it to "
               "start LoRA from those weights)");
   // Compute copies (rounded to model.dtype) and exact master values.

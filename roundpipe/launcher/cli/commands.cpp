@@ -11,10 +11,9 @@
 #include <iomanip>
 #include <iterator>
 #include <limits>
+#include <nlohmann/json.hpp>
 #include <sstream>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 #include "roundpipe/launcher/atomic_file.h"
 #include "roundpipe/launcher/cli/checkpoint.h"
@@ -68,10 +67,16 @@ void copy_file(const std::string& from, const std::string& to) {
   for (;;) {
     ssize_t n = ::read(in, buffer.data(), buffer.size());
     if (n == 0) break;
-    if (n < 0) { ok = false; break; }
+    if (n < 0) {
+      ok = false;
+      break;
+    }
     for (ssize_t done = 0; done < n;) {
       ssize_t w = ::write(out, buffer.data() + done, static_cast<size_t>(n - done));
-      if (w <= 0) { ok = false; break; }
+      if (w <= 0) {
+        ok = false;
+        break;
+      }
       done += w;
     }
     if (!ok) break;
@@ -99,7 +104,8 @@ std::string lora_base_dir(const std::string& checkpoint_dir, const std::string& 
                                ? json["base_model_name_or_path"].get<std::string>()
                                : std::string();
   TORCH_CHECK(!base.empty() && is_regular_file(join_path(base, "config.json")), "export --merge: the base model '",
-              base, "' named by ", path, " (base_model_name_or_path) is not a Hugging Face directory here: pass "
+              base, "' named by ", path,
+              " (base_model_name_or_path) is not a Hugging Face directory here: pass "
               "--base DIR (the model.pretrained of the LoRA run)");
   return base;
 }
@@ -124,8 +130,8 @@ void export_lora(const std::string& checkpoint_dir, const std::string& out_dir, 
     if (base_dtype.has_value()) save.dtype(*base_dtype);
     make_directories(out_dir);
     models::save_pretrained(pre.model, pre.config, out_dir, save);
-    out << "exported the merged model (base " << base << " + adapters of " << checkpoint_dir << ") to "
-        << out_dir << " (load with transformers' AutoModelForCausalLM.from_pretrained)\n";
+    out << "exported the merged model (base " << base << " + adapters of " << checkpoint_dir << ") to " << out_dir
+        << " (load with transformers' AutoModelForCausalLM.from_pretrained)\n";
     return;
   }
   make_directories(out_dir);
@@ -154,8 +160,8 @@ void run_plan(const LauncherConfig& config, std::ostream& out, const std::string
   const int64_t numel = counts.total;
 
   out << "model: " << models::model_type_name(pre.config.architecture) << ", " << pre.config.num_hidden_layers
-      << " decoder layers, " << numel << " parameters, compute " << dtype_name(config.model.dtype)
-      << ", masters " << dtype_name(config.model.master_dtype) << "\n";
+      << " decoder layers, " << numel << " parameters, compute " << dtype_name(config.model.dtype) << ", masters "
+      << dtype_name(config.model.master_dtype) << "\n";
   if (pre.lora.has_value()) {
     out << "LoRA: rank " << pre.lora->rank() << ", alpha " << pre.lora->alpha() << " on";
     for (const std::string& t : pre.lora->target_modules()) out << " " << t;
@@ -166,8 +172,8 @@ void run_plan(const LauncherConfig& config, std::ostream& out, const std::string
   for (const c10::Device& d : model.devices()) out << " " << d.str();
   out << "\n";
   const scheduler::ExecutePlan plan = model.plan();
-  out << "layers: " << num_layers << " (0 = embeddings, 1.." << num_layers - 2
-      << " = decoder layers, " << num_layers - 1 << " = norm + lm_head)\n";
+  out << "layers: " << num_layers << " (0 = embeddings, 1.." << num_layers - 2 << " = decoder layers, "
+      << num_layers - 1 << " = norm + lm_head)\n";
   out << "stages (" << plan.num_stages() << "): forward stages, then backward stages deepest first; "
       << "the first backward stage runs forward + loss + backward fused\n";
   int index = 0;
@@ -176,9 +182,8 @@ void run_plan(const LauncherConfig& config, std::ostream& out, const std::string
     for (int64_t l = range.begin; l < range.end; ++l) {
       bytes += backward ? costs[l].backward_bytes : costs[l].bytes;
     }
-    out << "  stage " << index++ << "  " << kind << "  layers " << layer_span(range, num_layers)
-        << "  " << format_bytes(bytes) << (backward ? " (parameters + gradients)" : " (parameters)")
-        << "\n";
+    out << "  stage " << index++ << "  " << kind << "  layers " << layer_span(range, num_layers) << "  "
+        << format_bytes(bytes) << (backward ? " (parameters + gradients)" : " (parameters)") << "\n";
   };
   for (const auto& range : plan.forward_stages()) print_stage("fwd", range, false);
   for (const auto& range : plan.backward_stages()) print_stage("bwd", range, true);
@@ -203,9 +208,8 @@ void run_plan(const LauncherConfig& config, std::ostream& out, const std::string
     }
     sim = scheduler::simulate(plan, scheduler::RunType::kFused, scaled, num_devices, num_microbatch, rules);
   }
-  const auto preview = scheduler::PreviewOptions()
-                           .set_time_unit("")
-                           .set_title("simulated timeline (size-based costs; one iteration = 100)");
+  const auto preview = scheduler::PreviewOptions().set_time_unit("").set_title(
+      "simulated timeline (size-based costs; one iteration = 100)");
   out << "\n" << scheduler::timeline_text(sim, preview);
   if (!svg_path.empty()) {
     write_file_atomically(svg_path, scheduler::timeline_svg(sim, preview));
@@ -236,7 +240,8 @@ void run_export(const std::string& checkpoint_dir, const std::string& out_dir, s
     export_lora(checkpoint_dir, out_dir, out, options);
     return;
   }
-  TORCH_CHECK(!options.merge, "export --merge: '", checkpoint_dir, "' is not a LoRA checkpoint (no "
+  TORCH_CHECK(!options.merge, "export --merge: '", checkpoint_dir,
+              "' is not a LoRA checkpoint (no "
               "adapter_config.json); a full checkpoint exports as it is, without --merge");
   TORCH_CHECK(is_checkpoint_dir(checkpoint_dir), "export: '", checkpoint_dir,
               "' is not a checkpoint directory of `roundpipe train` (expected config.json and "

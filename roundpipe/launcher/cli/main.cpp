@@ -3,9 +3,9 @@
 // (docs/launcher.md). Exit codes: 0 ok, 2 usage or configuration error, 1 runtime
 // error. Errors print one line on stderr; the detail (with LibTorch's backtrace) goes to the log
 // file <out_dir>/train.log (train) when it is open.
-#include <CLI/CLI.hpp>
 #include <c10/util/Exception.h>
 
+#include <CLI/CLI.hpp>
 #include <cstdlib>
 #include <iostream>
 #include <optional>
@@ -36,8 +36,11 @@ void add_generate_args(CLI::App* command, GenerateCommandOptions& options) {
       ->capture_default_str();
   command->add_option("--temperature", options.temperature, "0 = greedy; > 0 samples from softmax(logits / T)")
       ->capture_default_str();
-  command->add_option("--top-p", options.top_p, "nucleus sampling: keep the most probable tokens up to this "
-                      "cumulative probability (1 = off)")->capture_default_str();
+  command
+      ->add_option("--top-p", options.top_p,
+                   "nucleus sampling: keep the most probable tokens up to this "
+                   "cumulative probability (1 = off)")
+      ->capture_default_str();
   command->add_option("--top-k", options.top_k, "keep the K most probable tokens (0 = off)")->capture_default_str();
   command->add_option("--seed", options.seed, "seed of the sampling")->capture_default_str();
   command->add_option("--checkpoint", options.checkpoint,
@@ -47,8 +50,7 @@ void add_generate_args(CLI::App* command, GenerateCommandOptions& options) {
 }
 
 void add_config_args(CLI::App* command, ConfigArgs& args) {
-  command->add_option("CONFIG", args.path, "YAML configuration file (docs/config-reference.md)")
-      ->required();
+  command->add_option("CONFIG", args.path, "YAML configuration file (docs/config-reference.md)")->required();
   command->add_option("overrides", args.overrides,
                       "key=value overrides of nested keys, e.g. optimizer.lr=1e-4 train.steps=50");
 }
@@ -79,8 +81,9 @@ int fail(int code, const std::string& message, const std::string& detail) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"roundpipe: pipeline-parallel training of transformers models from a YAML config "
-               "(docs/launcher.md)"};
+  CLI::App app{
+      "roundpipe: pipeline-parallel training of transformers models from a YAML config "
+      "(docs/launcher.md)"};
   app.require_subcommand(1);
   app.set_version_flag("--version", "roundpipe 0.1");
 
@@ -89,24 +92,30 @@ int main(int argc, char** argv) {
   CLI::App* train = app.add_subcommand("train", "train a model (metrics, loss plot, checkpoints in out_dir)");
   add_config_args(train, train_args);
   CLI::Option* resume_option =
-      train->add_option("--resume", resume,
-                        "continue from a checkpoint directory (default: <out_dir>/checkpoints/latest)")
+      train
+          ->add_option("--resume", resume,
+                       "continue from a checkpoint directory (default: <out_dir>/checkpoints/latest)")
           ->expected(0, 1);
-  CLI::App* eval = app.add_subcommand("eval", "mean token cross-entropy on data.valid (else data.train); "
-                                              "last line eval_loss=<float>");
+  CLI::App* eval = app.add_subcommand("eval",
+                                      "mean token cross-entropy on data.valid (else data.train); "
+                                      "last line eval_loss=<float>");
   add_config_args(eval, eval_args);
-  CLI::App* plan = app.add_subcommand("plan", "devices, pipeline stages, memory estimates and the simulated "
-                                              "timeline, without training");
+  CLI::App* plan = app.add_subcommand("plan",
+                                      "devices, pipeline stages, memory estimates and the simulated "
+                                      "timeline, without training");
   add_config_args(plan, plan_args);
   std::string plan_svg;
   plan->add_option("--svg", plan_svg, "also write the simulated timeline as an SVG picture to this file");
   std::string checkpoint_dir, export_dir;
   ExportOptions export_options;
-  CLI::App* exp = app.add_subcommand("export", "write a transformers model directory (or, for a LoRA "
-                                               "checkpoint, a PEFT adapter directory) from a checkpoint");
+  CLI::App* exp = app.add_subcommand("export",
+                                     "write a transformers model directory (or, for a LoRA "
+                                     "checkpoint, a PEFT adapter directory) from a checkpoint");
   exp->add_option("CHECKPOINT_DIR", checkpoint_dir, "e.g. runs/default/checkpoints/latest")->required();
-  exp->add_option("OUT_DIR", export_dir, "directory to write config.json + model.safetensors (LoRA: "
-                  "adapter_config.json + adapter_model.safetensors) into")->required();
+  exp->add_option("OUT_DIR", export_dir,
+                  "directory to write config.json + model.safetensors (LoRA: "
+                  "adapter_config.json + adapter_model.safetensors) into")
+      ->required();
   exp->add_flag("--merge", export_options.merge,
                 "LoRA checkpoint: write the base model with the adapters merged in (PEFT's merge_and_unload)");
   exp->add_option("--base", export_options.base,
@@ -118,24 +127,27 @@ int main(int argc, char** argv) {
   ConfigArgs generate_args, chat_args;
   std::vector<std::string> prompts;
   GenerateCommandOptions generate_options, chat_options;
-  CLI::App* generate = app.add_subcommand("generate", "answer prompts with the configured model (model.pretrained's "
-                                                      "tokenizer and chat template), streaming the text");
+  CLI::App* generate = app.add_subcommand("generate",
+                                          "answer prompts with the configured model (model.pretrained's "
+                                          "tokenizer and chat template), streaming the text");
   add_config_args(generate, generate_args);
   generate->add_option("--prompt", prompts, "a prompt (repeat for several); rendered as one user message")
-      ->required()->expected(1)->take_all();
+      ->required()
+      ->expected(1)
+      ->take_all();
   generate->add_flag("--raw", generate_options.raw, "tokenize the prompt as it is, without the chat template");
   add_generate_args(generate, generate_options);
-  CLI::App* chat = app.add_subcommand("chat", "talk to the configured model: one user message per stdin line; "
-                                              "/reset forgets the conversation, /exit or end of input ends");
+  CLI::App* chat = app.add_subcommand("chat",
+                                      "talk to the configured model: one user message per stdin line; "
+                                      "/reset forgets the conversation, /exit or end of input ends");
   add_config_args(chat, chat_args);
   add_generate_args(chat, chat_options);
 
   LaunchOptions launch_options;
-  CLI::App* launch = app.add_subcommand(
-      "launch", "start the local ranks of a distributed job (torchrun's environment), e.g. "
-                "roundpipe launch --nproc-per-node 2 train CONFIG [key=value ...]");
-  launch->add_option("--nproc-per-node", launch_options.nproc_per_node, "ranks on this node")
-      ->capture_default_str();
+  CLI::App* launch = app.add_subcommand("launch",
+                                        "start the local ranks of a distributed job (torchrun's environment), e.g. "
+                                        "roundpipe launch --nproc-per-node 2 train CONFIG [key=value ...]");
+  launch->add_option("--nproc-per-node", launch_options.nproc_per_node, "ranks on this node")->capture_default_str();
   launch->add_option("--nnodes", launch_options.nnodes, "nodes of the job (run launch on each)")->capture_default_str();
   launch->add_option("--node-rank", launch_options.node_rank, "this node's index in [0, nnodes)")
       ->capture_default_str();
@@ -144,8 +156,9 @@ int main(int argc, char** argv) {
   launch->add_option("--master-port", launch_options.master_port,
                      "port of rank 0's store (default: a free port with one node, else 29500)");
   launch->add_option("--run-id", launch_options.run_id, "TORCHELASTIC_RUN_ID of the ranks")->capture_default_str();
-  launch->add_option("--grace-period", launch_options.grace_period_s,
-                     "seconds between SIGTERM and SIGKILL when stopping the ranks")
+  launch
+      ->add_option("--grace-period", launch_options.grace_period_s,
+                   "seconds between SIGTERM and SIGKILL when stopping the ranks")
       ->capture_default_str();
   bool no_prefix = false;
   launch->add_flag("--no-prefix", no_prefix, "let the ranks write to stdout/stderr directly, without \"[rank R]: \"");
@@ -153,8 +166,9 @@ int main(int argc, char** argv) {
   launch->footer("COMMAND [ARGS...]: what every rank runs, e.g. train CONFIG key=value (docs/launcher.md)");
 
   EnvOptions env_options;
-  CLI::App* env = app.add_subcommand("env", "print the distributed launch variables this process sees "
-                                            "(try: roundpipe launch --nproc-per-node 2 env)");
+  CLI::App* env = app.add_subcommand("env",
+                                     "print the distributed launch variables this process sees "
+                                     "(try: roundpipe launch --nproc-per-node 2 env)");
   // Test hooks (tests/launcher/launch_test.cpp), hidden from --help.
   env->add_option("--test-fail-rank", env_options.fail_rank)->group("");
   env->add_option("--test-exit-code", env_options.exit_code)->group("");

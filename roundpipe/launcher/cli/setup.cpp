@@ -4,19 +4,17 @@
 #include <ATen/core/grad_mode.h>
 #include <c10/util/Exception.h>
 
-#include <climits>
-#include <cstdlib>
-
 #include <algorithm>
 #include <chrono>
+#include <climits>
 #include <cstdio>
+#include <cstdlib>
+#include <nlohmann/json.hpp>
 #include <sstream>
 
-#include <nlohmann/json.hpp>
-
 #include "base/logging.h"
-#include "roundpipe/launcher/atomic_file.h"
 #include "roundpipe/devices.h"
+#include "roundpipe/launcher/atomic_file.h"
 #include "roundpipe/models/layers.h"
 
 namespace roundpipe::launcher {
@@ -63,8 +61,8 @@ models::ModelConfig resolve_model_config(const LauncherConfig& config) {
   }
   try {
     return models::parse_model_config(json.dump(), config.model.pretrained.empty()
-                                                        ? std::string("model.config")
-                                                        : config.model.pretrained + "/config.json");
+                                                       ? std::string("model.config")
+                                                       : config.model.pretrained + "/config.json");
   } catch (const c10::Error& e) {
     throw ConfigError("model.config: " + std::string(e.what_without_backtrace()));
   }
@@ -189,11 +187,10 @@ std::string describe_parameter_counts(const ParameterCounts& counts) {
     return out;
   };
   char percent[32];
-  std::snprintf(percent, sizeof(percent), "%.4f",
-                counts.total > 0 ? 100.0 * static_cast<double>(counts.trainable) / static_cast<double>(counts.total)
-                                 : 0.0);
-  return "trainable parameters: " + grouped(counts.trainable) + " of " + grouped(counts.total) + " (" + percent +
-         "%)";
+  std::snprintf(
+      percent, sizeof(percent), "%.4f",
+      counts.total > 0 ? 100.0 * static_cast<double>(counts.trainable) / static_cast<double>(counts.total) : 0.0);
+  return "trainable parameters: " + grouped(counts.trainable) + " of " + grouped(counts.total) + " (" + percent + "%)";
 }
 
 std::string lora_base_model_path(const LauncherConfig& config) {
@@ -235,8 +232,9 @@ std::shared_ptr<comm::ProcessGroup> make_process_group(const LauncherConfig& con
     options.backend("gloo");
   } else if (config.distributed.backend == DistributedBackend::kNccl) {
     if (cuda == devices.end()) {
-      throw ConfigError("distributed.backend: nccl needs CUDA devices, but this rank's run.devices are CPU; use "
-                        "distributed.backend=gloo (or auto)");
+      throw ConfigError(
+          "distributed.backend: nccl needs CUDA devices, but this rank's run.devices are CPU; use "
+          "distributed.backend=gloo (or auto)");
     }
     options.backend("nccl").device(*cuda);
   } else if (cuda != devices.end()) {
@@ -254,7 +252,7 @@ RoundPipeOptions round_pipe_options(const LauncherConfig& config) {
       .optim_dtype(config.model.master_dtype)
       .run_config(run)
       .seed(config.train.seed)
-      .label_to_last_layer(true)  // the LmHead computes the loss, chunked (models::linear_cross_entropy)
+      .label_to_last_layer(true)    // the LmHead computes the loss, chunked (models::linear_cross_entropy)
       .measure_layer_times(false);  // Note [Deterministic plans]
 }
 
@@ -295,8 +293,10 @@ LauncherData open_data(const LauncherConfig& config, const std::string& path, ui
       if (tokenizer->vocab_size() > model_vocab) {
         throw ConfigError("model.pretrained: " + join_path(dir, "tokenizer.json") + " has " +
                           std::to_string(tokenizer->vocab_size()) + " token ids but the model's vocab_size is " +
-                          std::to_string(model_vocab) + ": the tokenizer does not belong to this model (or set "
-                          "model.config.vocab_size >= " + std::to_string(tokenizer->vocab_size()) + ")");
+                          std::to_string(model_vocab) +
+                          ": the tokenizer does not belong to this model (or set "
+                          "model.config.vocab_size >= " +
+                          std::to_string(tokenizer->vocab_size()) + ")");
       }
       ChatDataOptions options;
       options.train_on = config.data.train_on;
@@ -322,8 +322,7 @@ EvalResult evaluate(RoundPipe& model, const LauncherConfig& config, const Launch
   int64_t count = 0;
   while (std::optional<Batch> batch = batches->next()) {
     RunConfig run;
-    run.num_microbatch = std::min<int64_t>(batch->inputs.size(0),
-                                           config.run.num_microbatch.value_or(1));
+    run.num_microbatch = std::min<int64_t>(batch->inputs.size(0), config.run.num_microbatch.value_or(1));
     // The head given the labels returns each microbatch's {summed loss, correct predictions}
     // (LmHead::set_report_correct); no logits are made.
     const at::Tensor sums = model.forward({batch->inputs}, batch->labels, run).to(at::kDouble).sum(0);

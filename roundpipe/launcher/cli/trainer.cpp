@@ -41,22 +41,21 @@ std::unique_ptr<torch::optim::Optimizer> make_optimizer(RoundPipe& model, const 
   const OptimizerConfig& o = config.optimizer;
   if (o.name == OptimizerName::kSgd) {
     return std::make_unique<torch::optim::SGD>(
-        model.parameters(),
-        torch::optim::SGDOptions(o.lr).momentum(o.momentum).weight_decay(o.weight_decay));
+        model.parameters(), torch::optim::SGDOptions(o.lr).momentum(o.momentum).weight_decay(o.weight_decay));
   }
   if (o.name == OptimizerName::kLion) {
     return std::make_unique<optim::Lion>(
         model.parameters(),
         optim::LionOptions(o.lr).betas(std::make_tuple(o.betas[0], o.betas[1])).weight_decay(o.weight_decay));
   }
-  return std::make_unique<optim::Adam>(
-      model.parameters(), optim::AdamOptions(o.lr)
-                              .betas(std::make_tuple(o.betas[0], o.betas[1]))
-                              .eps(o.eps)
-                              .weight_decay(o.weight_decay)
-                              .decoupled_weight_decay(o.name == OptimizerName::kAdamW)
-                              .state_dtype(o.state_dtype == OptimizerStateDtype::kInt8 ? optim::AdamStateDtype::kInt8
-                                                                                      : optim::AdamStateDtype::kFloat32));
+  return std::make_unique<optim::Adam>(model.parameters(), optim::AdamOptions(o.lr)
+                                                               .betas(std::make_tuple(o.betas[0], o.betas[1]))
+                                                               .eps(o.eps)
+                                                               .weight_decay(o.weight_decay)
+                                                               .decoupled_weight_decay(o.name == OptimizerName::kAdamW)
+                                                               .state_dtype(o.state_dtype == OptimizerStateDtype::kInt8
+                                                                                ? optim::AdamStateDtype::kInt8
+                                                                                : optim::AdamStateDtype::kFloat32));
 }
 
 std::string plot_title(const LauncherConfig& config) { return "roundpipe train: " + config.out_dir; }
@@ -162,7 +161,8 @@ void Trainer::resume(const std::string& dir) {
   if (state.iteration >= 0) {
     model_->set_iteration(state.iteration);  // the dropout masks of the uninterrupted run
   } else if (lora() != nullptr && lora()->dropout() > 0.0) {
-    ROUNDPIPE_LOG(launcher_log(), kWarn, "model.lora.dropout = ", lora()->dropout(), ": the checkpoint predates "
+    ROUNDPIPE_LOG(launcher_log(), kWarn, "model.lora.dropout = ", lora()->dropout(),
+                  ": the checkpoint predates "
                   "the saved iteration index, so the resumed run draws other dropout masks than a straight "
                   "run would (RoundPipe's iteration counter restarts at 0): not bitwise equal to one");
   }
@@ -294,8 +294,7 @@ void Trainer::evaluate() {
   const EvalResult result = launcher::evaluate(*model_, config_, *valid_data_);  // the same on every rank
   if (!lead_) return;
   metrics_->log_eval({step_, result.loss, result.accuracy});
-  ROUNDPIPE_LOG(launcher_log(), kInfo, "step ", step_, " eval_loss ", result.loss, " eval_accuracy ",
-                result.accuracy);
+  ROUNDPIPE_LOG(launcher_log(), kInfo, "step ", step_, " eval_loss ", result.loss, " eval_accuracy ", result.accuracy);
   char accuracy[32];
   std::snprintf(accuracy, sizeof(accuracy), "%.1f%%", 100.0 * result.accuracy);
   progress_->print_above("step " + std::to_string(step_) + " | eval loss " + std::to_string(result.loss) +
@@ -338,8 +337,7 @@ void Trainer::print_summary() const {
   if (!train_records.empty()) std::cout << ", final loss " << train_records.back().loss;
   if (!metrics_->records().eval.empty()) std::cout << ", eval loss " << metrics_->records().eval.back().eval_loss;
   if (world_ > 1) std::cout << " (" << world_ << " ranks)";
-  std::cout << "\n  metrics:    " << metrics_->path()
-            << "\n  loss plot:  " << join_path(config_.out_dir, "loss.svg")
+  std::cout << "\n  metrics:    " << metrics_->path() << "\n  loss plot:  " << join_path(config_.out_dir, "loss.svg")
             << "\n  checkpoint: " << last_checkpoint_ << " (also " << join_path(config_.out_dir, "checkpoints/latest")
             << ")\n  log:        " << join_path(config_.out_dir, "train.log") << "\n";
 }

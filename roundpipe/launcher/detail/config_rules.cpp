@@ -1,8 +1,7 @@
 // The cross-key rules of the launcher configuration (see config_schema.h): each checks one
 // combination of keys after all keys have been parsed and throws ConfigError naming them.
-#include <nlohmann/json.hpp>
-
 #include <algorithm>
+#include <nlohmann/json.hpp>
 
 #include "roundpipe/launcher/atomic_file.h"
 #include "roundpipe/launcher/detail/config_schema.h"
@@ -13,9 +12,7 @@ namespace {
 
 using C = LauncherConfig;
 
-std::string quoted(const std::string& s) {
-  return "'" + s + "'";
-}
+std::string quoted(const std::string& s) { return "'" + s + "'"; }
 
 std::optional<int64_t> model_vocab_size(const LauncherConfig& c) {
   nlohmann::json config = nlohmann::json::parse(resolved_model_config_json(c));
@@ -56,152 +53,153 @@ std::vector<Rule> build_rules() {
                                "checkpoint directory");
                  }
                }});
-  r.push_back({"`model.lora` requires `model.pretrained` (LoRA adapts a pretrained model).",
-               [](const C& c) {
+  r.push_back({"`model.lora` requires `model.pretrained` (LoRA adapts a pretrained model).", [](const C& c) {
                  if (c.model.lora && c.model.pretrained.empty()) {
                    config_fail("model.lora", "{rank: " + std::to_string(c.model.lora->rank) + ", ...}",
                                "LoRA fine-tunes a pretrained model but model.pretrained is not "
                                "set: set it, or remove model.lora to train all weights");
                  }
                }});
-  r.push_back({"`model.lora.targets` names projections of the presets (q_proj, k_proj, v_proj, o_proj, "
-               "gate_proj, up_proj, down_proj) or is `all-linear`; `model.lora.adapter`, when set, is a "
-               "directory holding adapter_config.json.",
-               [](const C& c) {
-                 if (!c.model.lora) {
-                   return;
-                 }
-                 const std::vector<std::string> known = {"q_proj", "k_proj", "v_proj", "o_proj",
-                                                         "gate_proj", "up_proj", "down_proj", "all-linear"};
-                 for (const std::string& target : c.model.lora->targets) {
-                   if (std::find(known.begin(), known.end(), target) == known.end()) {
-                     config_fail("model.lora.targets", quoted(target),
-                                 "not a Linear module of the Llama/Mistral/Qwen3 models; available: "
-                                 "q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj (or "
-                                 "all-linear for all of them)");
-                   }
-                 }
-                 const std::string& adapter = c.model.lora->adapter;
-                 if (!adapter.empty() && !is_regular_file(join_path(adapter, "adapter_config.json"))) {
-                   config_fail("model.lora.adapter", quoted(adapter),
-                               "no adapter_config.json there: point it at a PEFT adapter directory "
-                               "(a LoRA checkpoint of `roundpipe train` or `roundpipe export` output)");
-                 }
-               }});
-  r.push_back({"`model.master_dtype` is float32: low-precision master weights lose small updates "
-               "(float16 / bfloat16 masters are refused; `model.dtype` sets the compute precision).",
-               [](const C& c) {
-                 if (c.model.master_dtype != c10::kFloat) {
-                   config_fail("model.master_dtype", dtype_name(c.model.master_dtype),
-                               "master weights must be float32 (updates smaller than the "
-                               "precision would vanish); keep master_dtype: float32 and set "
-                               "model.dtype for lower-precision compute");
-                 }
-               }});
-  r.push_back({"Formats `tokens` and `bytes` need `data.train`, an existing file; `data.valid`, "
-               "when set, exists too. `synthetic` takes no files.",
-               [](const C& c) {
-                 const bool synthetic = c.data.format == DataFormat::kSynthetic;
-                 for (const auto& [path, value] : {std::pair<const char*, const std::string*>{"data.train", &c.data.train},
-                                                   {"data.valid", &c.data.valid}}) {
-                   if (synthetic) {
-                     if (!value->empty()) {
-                       config_fail(path, quoted(*value),
-                                   "data.format is synthetic (generated data, no files): remove " +
-                                       std::string(path) + " or set data.format to tokens, bytes or chat");
-                     }
-                     continue;
-                   }
-                   if (value->empty()) {
-                     if (std::string(path) == "data.train") {
-                       config_fail(path, "null",
-                                   std::string("data.format ") + data_format_name(c.data.format) +
-                                       " needs a training file: set data.train, or use "
-                                       "data.format: synthetic");
-                     }
-                     continue;
-                   }
-                   if (!is_regular_file(*value)) {
-                     config_fail(path, quoted(*value),
-                                 "file not found" +
-                                     std::string(c.data.format == DataFormat::kTokens
-                                                     ? ": make token files with scripts/prepare_data.py"
-                                                     : "") +
-                                     " (relative paths start at the working directory)");
-                   }
-                 }
-               }});
-  r.push_back({"`chat` data needs `model.pretrained` (its tokenizer.json and chat template); "
-               "`data.train_on` and `data.packing` are for `chat` only, and packing is not "
-               "supported yet.",
-               [](const C& c) {
-                 if (c.data.format != DataFormat::kChat) {
-                   if (c.data.train_on != models::ChatTrainOn::kAssistant) {
-                     config_fail("data.train_on", train_on_name(c.data.train_on),
-                                 std::string("only chat data has turns to choose from (data.format is ") +
-                                     data_format_name(c.data.format) + "): remove data.train_on");
-                   }
-                   if (c.data.packing) {
-                     config_fail("data.packing", "true",
-                                 std::string("packing applies to chat data (data.format is ") +
-                                     data_format_name(c.data.format) +
-                                     "; token streams are already cut into full windows): remove data.packing");
-                   }
-                   return;
-                 }
-                 if (c.data.packing) {
-                   config_fail("data.packing", "true",
-                               "packing conversations into shared rows is not supported yet: set "
-                               "data.packing: false (one conversation a row, padded to the batch's longest)");
-                 }
-                 if (c.model.pretrained.empty()) {
-                   config_fail("data.format", "chat",
-                               "chat data is rendered with the model's chat template and tokenizer, "
-                               "read from model.pretrained (tokenizer.json, chat_template.jinja or "
-                               "tokenizer_config.json): set model.pretrained to a Hugging Face model "
-                               "directory");
-                 }
-                 if (!is_regular_file(join_path(c.model.pretrained, "tokenizer.json"))) {
-                   config_fail("model.pretrained", quoted(c.model.pretrained),
-                               "chat data needs the model's tokenizer.json in that directory (save it with "
-                               "transformers' tokenizer.save_pretrained(DIR))");
-                 }
-               }});
-  r.push_back({"`data.vocab_size` is for `synthetic` only, which needs it or the model's "
-               "vocab_size (model.config or the pretrained config.json).",
-               [](const C& c) {
-                 if (c.data.format != DataFormat::kSynthetic) {
-                   if (c.data.vocab_size) {
-                     config_fail("data.vocab_size", std::to_string(*c.data.vocab_size),
-                                 std::string("only synthetic data takes a vocab_size (data.format "
-                                             "is ") +
-                                     data_format_name(c.data.format) +
-                                     "): remove it; the model's vocab_size applies");
-                   }
-                   return;
-                 }
-                 if (!c.data.vocab_size && !model_vocab_size(c)) {
-                   config_fail("data.vocab_size", "null",
-                               "synthetic data needs a vocabulary: set data.vocab_size or "
-                               "model.config.vocab_size");
-                 }
-               }});
-  r.push_back({"The data's tokens fit the model's vocabulary: `bytes` needs a model vocab_size >= "
-               "256, `synthetic` a data.vocab_size <= the model's.",
-               [](const C& c) {
-                 std::optional<int64_t> model_vocab = model_vocab_size(c);
-                 std::optional<int64_t> data_vocab = data_vocab_size(c);
-                 if (model_vocab && data_vocab && *data_vocab > *model_vocab) {
-                   const bool bytes = c.data.format == DataFormat::kBytes;
-                   config_fail(bytes ? "data.format" : "data.vocab_size",
-                               bytes ? "bytes" : std::to_string(*data_vocab),
-                               "the data has " + std::to_string(*data_vocab) +
-                                   " distinct tokens but the model's vocab_size is " +
-                                   std::to_string(*model_vocab) +
-                                   ": raise model.config.vocab_size" +
-                                   (bytes ? std::string() : " or lower data.vocab_size"));
-                 }
-               }});
+  r.push_back(
+      {"`model.lora.targets` names projections of the presets (q_proj, k_proj, v_proj, o_proj, "
+       "gate_proj, up_proj, down_proj) or is `all-linear`; `model.lora.adapter`, when set, is a "
+       "directory holding adapter_config.json.",
+       [](const C& c) {
+         if (!c.model.lora) {
+           return;
+         }
+         const std::vector<std::string> known = {"q_proj",    "k_proj",  "v_proj",    "o_proj",
+                                                 "gate_proj", "up_proj", "down_proj", "all-linear"};
+         for (const std::string& target : c.model.lora->targets) {
+           if (std::find(known.begin(), known.end(), target) == known.end()) {
+             config_fail("model.lora.targets", quoted(target),
+                         "not a Linear module of the Llama/Mistral/Qwen3 models; available: "
+                         "q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj (or "
+                         "all-linear for all of them)");
+           }
+         }
+         const std::string& adapter = c.model.lora->adapter;
+         if (!adapter.empty() && !is_regular_file(join_path(adapter, "adapter_config.json"))) {
+           config_fail("model.lora.adapter", quoted(adapter),
+                       "no adapter_config.json there: point it at a PEFT adapter directory "
+                       "(a LoRA checkpoint of `roundpipe train` or `roundpipe export` output)");
+         }
+       }});
+  r.push_back(
+      {"`model.master_dtype` is float32: low-precision master weights lose small updates "
+       "(float16 / bfloat16 masters are refused; `model.dtype` sets the compute precision).",
+       [](const C& c) {
+         if (c.model.master_dtype != c10::kFloat) {
+           config_fail("model.master_dtype", dtype_name(c.model.master_dtype),
+                       "master weights must be float32 (updates smaller than the "
+                       "precision would vanish); keep master_dtype: float32 and set "
+                       "model.dtype for lower-precision compute");
+         }
+       }});
+  r.push_back(
+      {"Formats `tokens` and `bytes` need `data.train`, an existing file; `data.valid`, "
+       "when set, exists too. `synthetic` takes no files.",
+       [](const C& c) {
+         const bool synthetic = c.data.format == DataFormat::kSynthetic;
+         for (const auto& [path, value] : {std::pair<const char*, const std::string*>{"data.train", &c.data.train},
+                                           {"data.valid", &c.data.valid}}) {
+           if (synthetic) {
+             if (!value->empty()) {
+               config_fail(path, quoted(*value),
+                           "data.format is synthetic (generated data, no files): remove " + std::string(path) +
+                               " or set data.format to tokens, bytes or chat");
+             }
+             continue;
+           }
+           if (value->empty()) {
+             if (std::string(path) == "data.train") {
+               config_fail(path, "null",
+                           std::string("data.format ") + data_format_name(c.data.format) +
+                               " needs a training file: set data.train, or use "
+                               "data.format: synthetic");
+             }
+             continue;
+           }
+           if (!is_regular_file(*value)) {
+             config_fail(path, quoted(*value),
+                         "file not found" +
+                             std::string(c.data.format == DataFormat::kTokens
+                                             ? ": make token files with scripts/prepare_data.py"
+                                             : "") +
+                             " (relative paths start at the working directory)");
+           }
+         }
+       }});
+  r.push_back(
+      {"`chat` data needs `model.pretrained` (its tokenizer.json and chat template); "
+       "`data.train_on` and `data.packing` are for `chat` only, and packing is not "
+       "supported yet.",
+       [](const C& c) {
+         if (c.data.format != DataFormat::kChat) {
+           if (c.data.train_on != models::ChatTrainOn::kAssistant) {
+             config_fail("data.train_on", train_on_name(c.data.train_on),
+                         std::string("only chat data has turns to choose from (data.format is ") +
+                             data_format_name(c.data.format) + "): remove data.train_on");
+           }
+           if (c.data.packing) {
+             config_fail("data.packing", "true",
+                         std::string("packing applies to chat data (data.format is ") +
+                             data_format_name(c.data.format) +
+                             "; token streams are already cut into full windows): remove data.packing");
+           }
+           return;
+         }
+         if (c.data.packing) {
+           config_fail("data.packing", "true",
+                       "packing conversations into shared rows is not supported yet: set "
+                       "data.packing: false (one conversation a row, padded to the batch's longest)");
+         }
+         if (c.model.pretrained.empty()) {
+           config_fail("data.format", "chat",
+                       "chat data is rendered with the model's chat template and tokenizer, "
+                       "read from model.pretrained (tokenizer.json, chat_template.jinja or "
+                       "tokenizer_config.json): set model.pretrained to a Hugging Face model "
+                       "directory");
+         }
+         if (!is_regular_file(join_path(c.model.pretrained, "tokenizer.json"))) {
+           config_fail("model.pretrained", quoted(c.model.pretrained),
+                       "chat data needs the model's tokenizer.json in that directory (save it with "
+                       "transformers' tokenizer.save_pretrained(DIR))");
+         }
+       }});
+  r.push_back(
+      {"`data.vocab_size` is for `synthetic` only, which needs it or the model's "
+       "vocab_size (model.config or the pretrained config.json).",
+       [](const C& c) {
+         if (c.data.format != DataFormat::kSynthetic) {
+           if (c.data.vocab_size) {
+             config_fail("data.vocab_size", std::to_string(*c.data.vocab_size),
+                         std::string("only synthetic data takes a vocab_size (data.format "
+                                     "is ") +
+                             data_format_name(c.data.format) + "): remove it; the model's vocab_size applies");
+           }
+           return;
+         }
+         if (!c.data.vocab_size && !model_vocab_size(c)) {
+           config_fail("data.vocab_size", "null",
+                       "synthetic data needs a vocabulary: set data.vocab_size or "
+                       "model.config.vocab_size");
+         }
+       }});
+  r.push_back(
+      {"The data's tokens fit the model's vocabulary: `bytes` needs a model vocab_size >= "
+       "256, `synthetic` a data.vocab_size <= the model's.",
+       [](const C& c) {
+         std::optional<int64_t> model_vocab = model_vocab_size(c);
+         std::optional<int64_t> data_vocab = data_vocab_size(c);
+         if (model_vocab && data_vocab && *data_vocab > *model_vocab) {
+           const bool bytes = c.data.format == DataFormat::kBytes;
+           config_fail(bytes ? "data.format" : "data.vocab_size", bytes ? "bytes" : std::to_string(*data_vocab),
+                       "the data has " + std::to_string(*data_vocab) +
+                           " distinct tokens but the model's vocab_size is " + std::to_string(*model_vocab) +
+                           ": raise model.config.vocab_size" + (bytes ? std::string() : " or lower data.vocab_size"));
+         }
+       }});
   r.push_back({"`schedule.min_lr` <= `optimizer.lr`.", [](const C& c) {
                  if (c.schedule.min_lr > c.optimizer.lr) {
                    config_fail("schedule.min_lr", format_double(c.schedule.min_lr),
@@ -209,38 +207,40 @@ std::vector<Rule> build_rules() {
                                    ": the decay goes down to min_lr; lower it");
                  }
                }});
-  r.push_back({"`optimizer.momentum` is for `sgd` only (0 otherwise; Adam's momentum is "
-               "`betas[0]`).",
-               [](const C& c) {
-                 if (c.optimizer.momentum != 0 && c.optimizer.name != OptimizerName::kSgd) {
-                   config_fail("optimizer.momentum", format_double(c.optimizer.momentum),
-                               std::string("momentum applies to sgd only, optimizer.name is ") +
-                                   optimizer_name(c.optimizer.name) +
-                                   ": remove it (use optimizer.betas for Adam)");
-                 }
-               }});
+  r.push_back(
+      {"`optimizer.momentum` is for `sgd` only (0 otherwise; Adam's momentum is "
+       "`betas[0]`).",
+       [](const C& c) {
+         if (c.optimizer.momentum != 0 && c.optimizer.name != OptimizerName::kSgd) {
+           config_fail("optimizer.momentum", format_double(c.optimizer.momentum),
+                       std::string("momentum applies to sgd only, optimizer.name is ") +
+                           optimizer_name(c.optimizer.name) + ": remove it (use optimizer.betas for Adam)");
+         }
+       }});
   r.push_back({"`optimizer.state_dtype: int8` is for `adam` / `adamw` only.", [](const C& c) {
-                 const bool adam = c.optimizer.name == OptimizerName::kAdam || c.optimizer.name == OptimizerName::kAdamW;
+                 const bool adam =
+                     c.optimizer.name == OptimizerName::kAdam || c.optimizer.name == OptimizerName::kAdamW;
                  if (c.optimizer.state_dtype == OptimizerStateDtype::kInt8 && !adam) {
                    config_fail("optimizer.state_dtype", "int8",
                                std::string("8-bit states exist for adam and adamw only, optimizer.name is ") +
                                    optimizer_name(c.optimizer.name) + ": use adamw, or state_dtype: float32");
                  }
                }});
-  r.push_back({"`eval.every` > 0 and `eval.at_start` need evaluation data: `data.valid`, or `synthetic` data.",
-               [](const C& c) {
-                 if (c.eval.at_start && c.data.valid.empty() && c.data.format != DataFormat::kSynthetic) {
-                   config_fail("eval.at_start", "true",
-                               "there is no evaluation data: set data.valid (or remove eval.at_start)");
-                 }
-                 if (c.eval.every > 0 && c.data.valid.empty() && c.data.format != DataFormat::kSynthetic) {
-                   config_fail("eval.every", std::to_string(c.eval.every),
-                               "evaluation needs data.valid: set it, or set eval.every: 0");
-                 }
-               }});
-  r.push_back({"`amp.scaler` with a `model.dtype` other than float16 is allowed (the scale then "
-               "rarely changes).",
-               [](const C&) {}});
+  r.push_back(
+      {"`eval.every` > 0 and `eval.at_start` need evaluation data: `data.valid`, or `synthetic` data.", [](const C& c) {
+         if (c.eval.at_start && c.data.valid.empty() && c.data.format != DataFormat::kSynthetic) {
+           config_fail("eval.at_start", "true",
+                       "there is no evaluation data: set data.valid (or remove eval.at_start)");
+         }
+         if (c.eval.every > 0 && c.data.valid.empty() && c.data.format != DataFormat::kSynthetic) {
+           config_fail("eval.every", std::to_string(c.eval.every),
+                       "evaluation needs data.valid: set it, or set eval.every: 0");
+         }
+       }});
+  r.push_back(
+      {"`amp.scaler` with a `model.dtype` other than float16 is allowed (the scale then "
+       "rarely changes).",
+       [](const C&) {}});
   return r;
 }
 
