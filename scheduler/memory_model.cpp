@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <limits>
+#include <string>
 
 namespace roundpipe::scheduler {
 
@@ -76,6 +77,32 @@ int64_t adapted(const TransformerShape& shape, const char* name) {
   return std::count(shape.lora_targets.begin(), shape.lora_targets.end(), name) > 0 ? 1 : 0;
 }
 
+// Whether target_parameters entry `target` adapts expert weight `weight` of decoder layer `index`
+// (PEFT's suffix match; a numeric component names one layer).
+bool adapts_expert(const std::string& target, const std::string& weight, int64_t index) {
+  if (target != weight && (target.size() <= weight.size() ||
+                           target.compare(target.size() - weight.size() - 1, std::string::npos, "." + weight) != 0)) {
+    return false;
+  }
+  size_t start = 0;
+  while (start < target.size()) {
+    const size_t end = std::min(target.find('.', start), target.size());
+    const std::string part = target.substr(start, end - start);
+    if (!part.empty() && std::all_of(part.begin(), part.end(), [](char c) { return c >= '0' && c <= '9'; })) {
+      return std::stoll(part) == index;
+    }
+    start = end + 1;
+  }
+  return true;
+}
+
+int64_t adapted_experts(const TransformerShape& shape, const std::string& weight, int64_t index) {
+  for (const std::string& t : shape.lora_expert_targets) {
+    if (adapts_expert(t, weight, index)) return 1;
+  }
+  return 0;
+}
+
 bool is_sparse(const TransformerShape& shape, int64_t decoder_index) {
   if (shape.experts <= 0) return false;
   return shape.sparse_layers.empty() || shape.sparse_layers.at(static_cast<size_t>(decoder_index));
@@ -113,6 +140,11 @@ DecoderParams decoder_params(const TransformerShape& shape, int64_t index) {
       if (!adapted(shape, pr.name) || (pr.mlp && sparse)) continue;  // experts are not adapted
       p.adapters += r * (pr.in + pr.out);
       ++p.adapted_projections;
+    }
+    if (sparse) {
+      const int64_t e = shape.experts, mi = shape.moe_intermediate;
+      p.adapters += adapted_experts(shape, "gate_up_proj", index) * r * e * (h + 2 * mi);
+      p.adapters += adapted_experts(shape, "down_proj", index) * r * e * (mi + h);
     }
   }
   return p;

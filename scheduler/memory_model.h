@@ -36,6 +36,9 @@ struct TransformerShape {
   // (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj) train, the base is frozen.
   int64_t lora_rank = 0;
   std::vector<std::string> lora_targets;
+  /// Expert weights with adapters (LoraOptions::target_parameters: gate_up_proj, down_proj, or a
+  /// layer's "3.mlp.experts.down_proj"): r E (in + out) parameters each per sparse layer.
+  std::vector<std::string> lora_expert_targets;
 
   int64_t q_dim() const { return heads * head_dim; }
   int64_t kv_dim() const { return kv_heads * head_dim; }

@@ -37,13 +37,16 @@ enum class DistributedBackend { kAuto, kGloo, kNccl };
 enum class OptimizerStateDtype { kFloat32, kInt8 };
 
 /// model.lora: present (non-null) enables LoRA fine-tuning of model.pretrained.
-/// PEFT's names: rank = r, alpha = lora_alpha, dropout = lora_dropout, targets = target_modules.
+/// PEFT's names: rank = r, alpha = lora_alpha, dropout = lora_dropout, targets = target_modules,
+/// target_parameters = target_parameters.
 struct LoraConfig {
   int64_t rank;
   double alpha;
   double dropout;
   std::vector<std::string> targets;  ///< module names, e.g. q_proj, v_proj; or all-linear
-  std::string adapter;               ///< PEFT adapter directory to start from; "" = fresh adapters
+  /// PEFT's target_parameters: MoE expert weights (gate_up_proj, down_proj); empty = none
+  std::vector<std::string> target_parameters;
+  std::string adapter;  ///< PEFT adapter directory to start from; "" = fresh adapters
 };
 
 struct ModelConfig {

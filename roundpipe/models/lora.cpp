@@ -11,9 +11,11 @@
 #include <map>
 #include <set>
 #include <sstream>
+#include <tuple>
 
 #include "roundpipe/models/detail/files.h"
 #include "roundpipe/models/layers.h"
+#include "roundpipe/models/moe.h"
 #include "roundpipe/models/pretrained.h"
 #include "roundpipe/models/safetensors.h"
 #include "roundpipe/round_pipe.h"
@@ -59,6 +61,108 @@ std::vector<std::pair<std::string, std::shared_ptr<LinearImpl>>> lora_linears(co
   return out;
 }
 
+// The decoder layers of a preset Sequential: [Embedding, layers..., LmHead].
+int64_t decoder_layers(const torch::nn::Sequential& model) { return static_cast<int64_t>(model->size()) - 2; }
+
+// One adapter weight: its parameter name in the Sequential, its PEFT key, the tensor.
+struct LoraEntry {
+  std::string sequential_name;
+  std::string peft_name;
+  at::Tensor weight;
+};
+
+// Every adapter weight of `model` in module order. Expert adapters are named as PEFT nests its
+// ParamWrappers on one experts module: it wraps the targeted weights in registration order
+// (gate_up_proj, then down_proj), each wrapper around the previous one, so the first targeted
+// weight's factors sit under one "base_layer." per later target.
+std::vector<LoraEntry> lora_entries(const torch::nn::Sequential& model) {
+  const int64_t layers = decoder_layers(model);
+  std::vector<LoraEntry> out;
+  for (const auto& item : model->named_modules("", /*include_self=*/false)) {
+    if (auto linear = std::dynamic_pointer_cast<LinearImpl>(item.value()); linear && linear->has_lora()) {
+      const std::string hf = hf_parameter_name(item.key() + ".x", layers);
+      const std::string base = kPeftPrefix + hf.substr(0, hf.size() - 2);
+      out.push_back({item.key() + ".lora_A.weight", base + ".lora_A.weight", linear->lora_A->weight});
+      out.push_back({item.key() + ".lora_B.weight", base + ".lora_B.weight", linear->lora_B->weight});
+      continue;
+    }
+    auto experts = std::dynamic_pointer_cast<ExpertsImpl>(item.value());
+    if (!experts || !experts->has_lora()) continue;
+    const std::string hf = hf_parameter_name(item.key() + ".x", layers);
+    const std::string base = kPeftPrefix + hf.substr(0, hf.size() - 2);
+    const bool both = experts->lora_A_gate_up_proj.defined() && experts->lora_A_down_proj.defined();
+    for (const auto& [target, a, b] :
+         {std::make_tuple(std::string("gate_up_proj"), experts->lora_A_gate_up_proj, experts->lora_B_gate_up_proj),
+          std::make_tuple(std::string("down_proj"), experts->lora_A_down_proj, experts->lora_B_down_proj)}) {
+      if (!a.defined()) continue;
+      const std::string prefix = base + (both && target == "gate_up_proj" ? ".base_layer" : "");
+      out.push_back({item.key() + ".lora_A_" + target, prefix + ".lora_A.weight", a});
+      out.push_back({item.key() + ".lora_B_" + target, prefix + ".lora_B.weight", b});
+    }
+  }
+  return out;
+}
+
+bool ends_with(const std::string& s, const std::string& suffix) {
+  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+// PEFT's target_parameters match: the parameter's full name equals the target or ends with
+// "." + target.
+bool matches_parameter(const std::string& hf_name, const std::string& target) {
+  return hf_name == target || ends_with(hf_name, "." + target);
+}
+
+// Adds expert adapters for options.target_parameters; returns how many expert weights it adapted.
+int64_t apply_expert_lora(torch::nn::Sequential& model, const LoraOptions& options) {
+  const auto& targets = options.target_parameters();
+  if (targets.empty()) return 0;
+  for (const auto& t : targets) {
+    TORCH_CHECK(!(ends_with(t, "gate.weight") || ends_with(t, "router.weight") || ends_with(t, "router.bias")),
+                "LoraOptions::target_parameters: '", t, "' is the router; RoundPipe never adapts the router (a "
+                "trained router changes which experts see which tokens). Target the experts: gate_up_proj, down_proj");
+  }
+  TORCH_CHECK(options.dropout() == 0, "LoraOptions::target_parameters needs dropout 0, got ", options.dropout(),
+              " (as PEFT: dropout cannot be applied to a weight update, only to a layer input)");
+  const int64_t layers = decoder_layers(model);
+  std::set<std::string> unmatched(targets.begin(), targets.end());
+  int64_t adapted = 0, sparse_layers = 0;
+  for (const auto& item : model->named_modules("", /*include_self=*/false)) {
+    auto experts = std::dynamic_pointer_cast<ExpertsImpl>(item.value());
+    if (!experts) continue;
+    ++sparse_layers;
+    bool hit[2] = {false, false};
+    const char* names[2] = {"gate_up_proj", "down_proj"};
+    for (int w = 0; w < 2; ++w) {
+      const std::string hf = hf_parameter_name(item.key() + "." + names[w], layers);
+      for (const auto& t : targets) {
+        if (!matches_parameter(hf, t)) continue;
+        hit[w] = true;
+        unmatched.erase(t);
+      }
+    }
+    if (!hit[0] && !hit[1]) continue;
+    experts->enable_lora(hit[0], hit[1], options.rank(), options.alpha());
+    at::NoGradGuard no_grad;
+    for (auto* a : {&experts->lora_A_gate_up_proj, &experts->lora_A_down_proj}) {
+      if (a->defined()) kaiming_uniform_sqrt5(*a);  // PEFT: lora_A is a Linear(in, E r)
+    }
+    for (auto* b : {&experts->lora_B_gate_up_proj, &experts->lora_B_down_proj}) {
+      if (b->defined()) b->zero_();
+    }
+    for (auto& p : experts->named_parameters(/*recurse=*/false)) {
+      if (p.key().rfind("lora_", 0) == 0) p.value().requires_grad_(true);
+    }
+    adapted += (hit[0] ? 1 : 0) + (hit[1] ? 1 : 0);
+  }
+  TORCH_CHECK(sparse_layers > 0, "LoraOptions::target_parameters (", join(targets), ") adapt the experts of a ",
+              "mixture-of-experts model, and this model has none; use target_modules");
+  TORCH_CHECK(unmatched.empty(), "LoraOptions::target_parameters: '", *unmatched.begin(), "' matches no expert ",
+              "weight of the model; use gate_up_proj or down_proj, optionally with a layer prefix such as ",
+              "3.mlp.experts.gate_up_proj");
+  return adapted;
+}
+
 void write_adapter_dir(std::vector<std::pair<std::string, at::Tensor>> tensors, const LoraOptions& options,
                        const std::string& dir, const std::string& base_model) {
   TORCH_CHECK(!tensors.empty(), "save_lora_adapter: the model has no LoRA adapters (call apply_lora first)");
@@ -70,6 +174,9 @@ void write_adapter_dir(std::vector<std::pair<std::string, at::Tensor>> tensors, 
       {"lora_alpha", options.alpha()},
       {"lora_dropout", options.dropout()},
       {"target_modules", options.target_modules()},
+      {"target_parameters", options.target_parameters().empty()
+                                ? nlohmann::ordered_json(nullptr)
+                                : nlohmann::ordered_json(options.target_parameters())},
       {"bias", "none"},
       {"fan_in_fan_out", false},
       {"init_lora_weights", true},
@@ -89,8 +196,9 @@ void write_adapter_dir(std::vector<std::pair<std::string, at::Tensor>> tensors, 
 }  // namespace
 
 int64_t apply_lora(torch::nn::Sequential& model, const LoraOptions& options) {
-  TORCH_CHECK(!options.target_modules().empty(), "LoraOptions::target_modules is empty; name at least one of ",
-              "q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj");
+  TORCH_CHECK(!options.target_modules().empty() || !options.target_parameters().empty(),
+              "LoraOptions::target_modules is empty; name at least one of ",
+              "q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj (or expert target_parameters)");
   for (const auto& t : options.target_modules()) {
     TORCH_CHECK(supported_targets().count(t), "LoraOptions::target_modules: '", t, "' is not supported; use ",
                 "q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj or down_proj");
@@ -113,19 +221,23 @@ int64_t apply_lora(torch::nn::Sequential& model, const LoraOptions& options) {
     linear->lora_B->weight.requires_grad_(true);
     ++adapted;
   }
-  TORCH_CHECK(adapted > 0, "apply_lora: no Linear module of the model is named ", join(options.target_modules()));
-  return adapted;
+  TORCH_CHECK(adapted > 0 || options.target_modules().empty(), "apply_lora: no Linear module of the model is named ",
+              join(options.target_modules()));
+  return adapted + apply_expert_lora(model, options);
 }
 
 std::vector<std::pair<std::string, at::Tensor>> lora_state_dict(const torch::nn::Sequential& model,
                                                                 const ModelConfig& config) {
+  TORCH_CHECK(decoder_layers(model) == config.num_hidden_layers, "lora_state_dict: the model has ",
+              decoder_layers(model), " decoder layers but the config ", config.num_hidden_layers);
   std::vector<std::pair<std::string, at::Tensor>> out;
-  for (const auto& [name, linear] : lora_linears(model)) {
-    const std::string hf = hf_parameter_name(name + ".x", config.num_hidden_layers);
-    const std::string base = kPeftPrefix + hf.substr(0, hf.size() - 2);
-    out.emplace_back(base + ".lora_A.weight", linear->lora_A->weight.detach());
-    out.emplace_back(base + ".lora_B.weight", linear->lora_B->weight.detach());
-  }
+  for (const auto& e : lora_entries(model)) out.emplace_back(e.peft_name, e.weight.detach());
+  return out;
+}
+
+std::vector<std::pair<std::string, std::string>> lora_parameter_names(const torch::nn::Sequential& model) {
+  std::vector<std::pair<std::string, std::string>> out;
+  for (const auto& e : lora_entries(model)) out.emplace_back(e.sequential_name, e.peft_name);
   return out;
 }
 
@@ -137,14 +249,14 @@ void save_lora_adapter(const torch::nn::Sequential& model, const ModelConfig& co
 void save_lora_adapter(RoundPipe& model, const ModelConfig& config, const LoraOptions& options,
                        const std::string& dir, const std::string& base_model) {
   model.synchronize();
-  auto tensors = lora_state_dict(model.module(), config);
+  TORCH_CHECK(decoder_layers(model.module()) == config.num_hidden_layers, "save_lora_adapter: the model has ",
+              decoder_layers(model.module()), " decoder layers but the config ", config.num_hidden_layers);
   std::map<std::string, at::Tensor> masters;
-  for (const auto& [name, master] : model.optim_named_parameters()) {
-    masters[kPeftPrefix + hf_parameter_name(name, config.num_hidden_layers)] = master;
-  }
-  for (auto& [name, tensor] : tensors) {
-    auto it = masters.find(name);
-    if (it != masters.end()) tensor = it->second.detach();
+  for (const auto& [name, master] : model.optim_named_parameters()) masters[name] = master;
+  std::vector<std::pair<std::string, at::Tensor>> tensors;
+  for (const auto& e : lora_entries(model.module())) {
+    auto it = masters.find(e.sequential_name);
+    tensors.emplace_back(e.peft_name, (it != masters.end() ? it->second : e.weight).detach());
   }
   write_adapter_dir(std::move(tensors), options, dir, base_model);
 }
@@ -176,14 +288,19 @@ LoraOptions load_lora_adapter(torch::nn::Sequential& model, const ModelConfig& c
                 ": a non-empty ", pattern, " is not supported");
   }
   const auto& targets = key("target_modules");
-  TORCH_CHECK(targets.is_array(), config_path, ": target_modules = ", targets.dump(),
+  TORCH_CHECK(targets.is_array() || (targets.is_null() && json.contains("target_parameters")), config_path,
+              ": target_modules = ", targets.dump(),
               " must be a list of module names (regular expressions are not supported)");
+  const nlohmann::json parameters = json.value("target_parameters", nlohmann::json());
+  TORCH_CHECK(parameters.is_null() || parameters.is_array(), config_path, ": target_parameters = ", parameters.dump(),
+              " must be a list of parameter names or null");
   LoraOptions options;
   try {
     options.rank(key("r").get<int64_t>());
     options.alpha(key("lora_alpha").get<double>());
     options.dropout(json.value("lora_dropout", 0.0));
-    options.target_modules(targets.get<std::vector<std::string>>());
+    options.target_modules(targets.is_null() ? std::vector<std::string>{} : targets.get<std::vector<std::string>>());
+    if (!parameters.is_null()) options.target_parameters(parameters.get<std::vector<std::string>>());
   } catch (const nlohmann::json::exception& e) {
     TORCH_CHECK(false, config_path, ": ", e.what());
   }
@@ -192,19 +309,15 @@ LoraOptions load_lora_adapter(torch::nn::Sequential& model, const ModelConfig& c
   std::set<std::string> unused;
   for (const auto& name : file->names()) unused.insert(name);
   at::NoGradGuard no_grad;
-  for (const auto& [name, linear] : lora_linears(model)) {
-    const std::string hf = hf_parameter_name(name + ".x", config.num_hidden_layers);
-    const std::string base = kPeftPrefix + hf.substr(0, hf.size() - 2);
-    for (const auto& [suffix, weight] : {std::make_pair(std::string(".lora_A.weight"), linear->lora_A->weight),
-                                         std::make_pair(std::string(".lora_B.weight"), linear->lora_B->weight)}) {
-      const std::string key_name = base + suffix;
-      TORCH_CHECK(file->contains(key_name), dir, "/adapter_model.safetensors has no tensor \"", key_name, "\"");
-      const at::Tensor source = file->get(key_name);
-      TORCH_CHECK(source.sizes() == weight.sizes(), "adapter tensor \"", key_name, "\" has shape ", source.sizes(),
-                  " but the model's is ", weight.sizes(), " (another rank or model shape?)");
-      weight.copy_(source);
-      unused.erase(key_name);
-    }
+  TORCH_CHECK(decoder_layers(model) == config.num_hidden_layers, "load_lora_adapter: the model has ",
+              decoder_layers(model), " decoder layers but the config ", config.num_hidden_layers);
+  for (auto& e : lora_entries(model)) {
+    TORCH_CHECK(file->contains(e.peft_name), dir, "/adapter_model.safetensors has no tensor \"", e.peft_name, "\"");
+    const at::Tensor source = file->get(e.peft_name);
+    TORCH_CHECK(source.sizes() == e.weight.sizes(), "adapter tensor \"", e.peft_name, "\" has shape ", source.sizes(),
+                " but the model's is ", e.weight.sizes(), " (another rank or model shape?)");
+    e.weight.copy_(source);
+    unused.erase(e.peft_name);
   }
   TORCH_CHECK(unused.empty(), dir, "/adapter_model.safetensors has tensors the model does not use, e.g. \"",
               unused.empty() ? "" : *unused.begin(), "\" (adapter for another architecture or targets?)");
@@ -213,6 +326,9 @@ LoraOptions load_lora_adapter(torch::nn::Sequential& model, const ModelConfig& c
 
 void merge_lora(torch::nn::Sequential& model) {
   for (const auto& [name, linear] : lora_linears(model)) linear->merge_lora();
+  for (const auto& item : model->named_modules("", /*include_self=*/false)) {
+    if (auto experts = std::dynamic_pointer_cast<ExpertsImpl>(item.value())) experts->merge_lora();
+  }
 }
 
 }  // namespace roundpipe::models

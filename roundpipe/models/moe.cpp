@@ -2,6 +2,7 @@
 
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/argsort.h>
+#include <ATen/ops/baddbmm.h>
 #include <ATen/ops/bincount.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/floor_divide.h>
@@ -82,18 +83,82 @@ void ExpertsImpl::reset() {
         register_parameter("gate_up_proj_bias", at::empty({e, 2 * i}, param_options(gate_up_proj_bias, options_)));
     down_proj = register_parameter("down_proj", at::empty({e, i, h}, param_options(down_proj, options_)));
     down_proj_bias = register_parameter("down_proj_bias", at::empty({e, h}, param_options(down_proj_bias, options_)));
+    register_lora();
     return;
   }
   gate_up_proj = register_parameter("gate_up_proj", at::empty({e, 2 * i, h}, param_options(gate_up_proj, options_)));
   down_proj = register_parameter("down_proj", at::empty({e, h, i}, param_options(down_proj, options_)));
+  register_lora();
+}
+
+void ExpertsImpl::register_lora() {
+  if (lora_rank_ == 0) return;
+  const int64_t er = config_.num_experts * lora_rank_;
+  const int64_t h = config_.hidden_size;
+  const int64_t i = config_.moe_intermediate_size;
+  // A clone gets its own adapters (Cloneable::clone then copies their values).
+  const auto options = lora_A_gate_up_proj.defined() ? lora_A_gate_up_proj.options()
+                       : lora_A_down_proj.defined()  ? lora_A_down_proj.options()
+                                                     : down_proj.options().requires_grad(false);
+  if (lora_gate_up_) {
+    lora_A_gate_up_proj = register_parameter("lora_A_gate_up_proj", at::empty({er, h}, options));
+    lora_B_gate_up_proj = register_parameter("lora_B_gate_up_proj", at::empty({2 * i, er}, options));
+  }
+  if (lora_down_) {
+    lora_A_down_proj = register_parameter("lora_A_down_proj", at::empty({er, i}, options));
+    lora_B_down_proj = register_parameter("lora_B_down_proj", at::empty({h, er}, options));
+  }
+}
+
+void ExpertsImpl::enable_lora(bool gate_up, bool down, int64_t rank, double alpha) {
+  TORCH_CHECK(gate_up || down, "Experts::enable_lora: name gate_up_proj, down_proj or both");
+  TORCH_CHECK(rank > 0, "LoRA rank must be > 0, got ", rank);
+  TORCH_CHECK(lora_rank_ == 0, "these experts already have LoRA adapters (rank ", lora_rank_, ")");
+  lora_gate_up_ = gate_up;
+  lora_down_ = down;
+  lora_rank_ = rank;
+  lora_alpha_ = alpha;
+  register_lora();
+}
+
+// PEFT's ParamWrapper with one adapter (its _LoraFactorsProxy): lora_A [E r, in] -> A [E, r, in],
+// lora_B [out, r E] -> [out, r, E] -> B [E, out, r]; W + scaling B A for weights stored
+// [E, out, in], W + scaling A^T B^T for gpt-oss's [E, in, out], in the weight's dtype.
+at::Tensor ExpertsImpl::adapted(const at::Tensor& weight, const at::Tensor& lora_a, const at::Tensor& lora_b) const {
+  if (!lora_a.defined()) return weight;
+  const int64_t e = config_.num_experts;
+  const at::Tensor a = lora_a.reshape({e, lora_rank_, lora_a.size(1)}).to(weight.scalar_type());
+  const at::Tensor b = lora_b.reshape({lora_b.size(0), lora_rank_, e}).permute({2, 0, 1}).to(weight.scalar_type());
+  const double scaling = lora_alpha_ / static_cast<double>(lora_rank_);
+  if (config_.architecture == Architecture::kGptOss) {
+    return at::baddbmm(weight, a.transpose(1, 2), b.transpose(1, 2), /*beta=*/1, /*alpha=*/scaling);
+  }
+  return at::baddbmm(weight, b, a, /*beta=*/1, /*alpha=*/scaling);
+}
+
+void ExpertsImpl::merge_lora() {
+  if (lora_rank_ == 0) return;
+  {
+    at::NoGradGuard no_grad;
+    gate_up_proj.copy_(adapted(gate_up_proj, lora_A_gate_up_proj, lora_B_gate_up_proj));
+    down_proj.copy_(adapted(down_proj, lora_A_down_proj, lora_B_down_proj));
+  }
+  for (const char* name : {"lora_A_gate_up_proj", "lora_B_gate_up_proj", "lora_A_down_proj", "lora_B_down_proj"}) {
+    if (parameters_.contains(name)) parameters_.erase(name);
+  }
+  lora_A_gate_up_proj = lora_B_gate_up_proj = lora_A_down_proj = lora_B_down_proj = at::Tensor();
+  lora_gate_up_ = lora_down_ = false;
+  lora_rank_ = 0;
 }
 
 at::Tensor ExpertsImpl::forward(const at::Tensor& x, const std::vector<int64_t>& counts) {
+  const at::Tensor gate_up = adapted(gate_up_proj, lora_A_gate_up_proj, lora_B_gate_up_proj);
+  const at::Tensor down = adapted(down_proj, lora_A_down_proj, lora_B_down_proj);
   if (gate_up_proj_bias.defined()) {
-    return detail::sorted_clamped_glu_experts(x, gate_up_proj, gate_up_proj_bias, down_proj, down_proj_bias, counts,
+    return detail::sorted_clamped_glu_experts(x, gate_up, gate_up_proj_bias, down, down_proj_bias, counts,
                                               config_.swiglu_alpha, config_.swiglu_limit);
   }
-  return detail::sorted_swiglu_experts(x, gate_up_proj, down_proj, counts);
+  return detail::sorted_swiglu_experts(x, gate_up, down, counts);
 }
 
 // ---- SparseMoeBlock ------------------------------------------------------------------------------

@@ -53,12 +53,36 @@ class ExpertsImpl : public torch::nn::Cloneable<ExpertsImpl> {
   /// each expert's MLP on its rows (docs/models.md, "Mixture of experts": experts, fast).
   at::Tensor forward(const at::Tensor& x, const std::vector<int64_t>& counts);
 
+  /// Expert LoRA in PEFT's `target_parameters` format (PEFT's ParamWrapper on a 3-D expert
+  /// weight), on gate_up_proj and/or down_proj. For a target with in/out features (gate_up_proj:
+  /// H -> 2I, down_proj: I -> H, whichever way the weight is stored) the factors are lora_A
+  /// [E r, in] (expert e's A: rows e r .. e r + r - 1) and lora_B [out, r E] (expert e's B: columns
+  /// j E + e), and the forward uses W_e + (alpha / r) B_e A_e, as PEFT's parametrization does (one
+  /// baddbmm per target and forward, the size of W). Parameters lora_A_gate_up_proj,
+  /// lora_B_gate_up_proj, lora_A_down_proj, lora_B_down_proj (undefined when not targeted),
+  /// uninitialised: lora.h's apply_lora initialises them as PEFT does.
+  void enable_lora(bool gate_up, bool down, int64_t rank, double alpha);
+  /// Folds the adapters into the weights (W_e += (alpha / r) B_e A_e) and removes them.
+  void merge_lora();
+  bool has_lora() const { return lora_rank_ > 0; }
+  int64_t lora_rank() const { return lora_rank_; }
+  double lora_alpha() const { return lora_alpha_; }
+
   at::Tensor gate_up_proj, down_proj;
-  at::Tensor gate_up_proj_bias, down_proj_bias;  ///< gpt-oss only
+  at::Tensor gate_up_proj_bias, down_proj_bias;         ///< gpt-oss only
+  at::Tensor lora_A_gate_up_proj, lora_B_gate_up_proj;  ///< expert LoRA on gate_up_proj, else undefined
+  at::Tensor lora_A_down_proj, lora_B_down_proj;        ///< expert LoRA on down_proj, else undefined
 
  private:
+  void register_lora();
+  /// `weight` (gate_up_proj or down_proj) plus its adapters' update, or `weight` itself.
+  at::Tensor adapted(const at::Tensor& weight, const at::Tensor& lora_a, const at::Tensor& lora_b) const;
+
   ModelConfig config_;
   at::TensorOptions options_;
+  bool lora_gate_up_ = false, lora_down_ = false;
+  int64_t lora_rank_ = 0;
+  double lora_alpha_ = 0;
 };
 TORCH_MODULE(Experts);
 

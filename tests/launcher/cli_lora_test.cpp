@@ -170,6 +170,84 @@ TEST(CliLoraTest, TrainExport_PeftLoadsTheAdaptersWithOurLossLogitsAndMerge) {
   EXPECT_NEAR(eval_log.eval.back().eval_loss, train_eval_loss, 1e-6);
 }
 
+// LoRA on a mixture-of-experts model's experts (model.lora.target_parameters, PEFT's format):
+// the expert adapters train, checkpoint under PEFT's nested names, resume bitwise, and PEFT loads
+// the export to the loss of training's final evaluation.
+TEST(CliLoraTest, MoeExperts_TrainResumeAndPeftLoadsTheExport) {
+  ROUNDPIPE_REQUIRE_PYTHON("transformers peft");
+  ScratchDir dir;
+  const std::string hf = dir.file("hf");
+  run_python("from transformers import Qwen3MoeConfig, AutoModelForCausalLM\n"
+             "torch.manual_seed(3)\n"
+             "cfg = Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,"
+             " num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4,"
+             " num_experts_per_tok=2, router_aux_loss_coef=0.1)\n"
+             "model = AutoModelForCausalLM.from_config(cfg)\n"
+             "with torch.no_grad():\n"
+             "    for name, p in model.named_parameters():\n"
+             "        p.normal_(0, 0.2) if not name.endswith('norm.weight') else p.uniform_(0.8, 1.2)\n"
+             "model.save_pretrained('" + hf + "')\n");
+  std::vector<int64_t> tokens;
+  for (int64_t i = 0; i < 60; ++i) tokens.push_back((i * 13 + i / 7) % 64);
+  write_token_file(dir.file("data.bin"), tokens, TokenWidth::kUint16);
+  dir.write("moe.yaml", "out_dir: run\nmodel:\n  pretrained: " + hf + "\n  dtype: float32\n"
+                        "  lora: {rank: 2, alpha: 4.0, targets: [q_proj], target_parameters: [gate_up_proj, down_proj]}\n"
+                        "data: {train: " + dir.file("data.bin") + ", valid: " + dir.file("data.bin") +
+                        ", format: tokens, seq_len: 8}\n"
+                        "train: {steps: 4, batch_size: 2, seed: 1}\n"
+                        "optimizer: {name: adamw, lr: 2.0e-2, weight_decay: 0.0}\n"
+                        "checkpoint: {every: 2}\n"
+                        "eval: {every: 0, max_batches: 0}\n"
+                        "run: {devices: 2, num_microbatch: 1, step_mode: async}\n");
+  CliResult trained = run_cli(dir, "train moe.yaml");
+  ASSERT_EQ(trained.code, 0) << trained.err;
+  EXPECT_NE(trained.err.find("LoRA rank 2 on q_proj, gate_up_proj, down_proj"), std::string::npos) << trained.err;
+  const auto adapters = adapter_tensors(dir.file("run/checkpoints/step-000004"));
+  ASSERT_EQ(adapters.size(), 2u * 2u * 3u);  // A and B of q_proj and both expert weights, 2 layers
+  for (const char* key : {"layers.1.mlp.experts.base_layer.lora_A.weight", "layers.1.mlp.experts.lora_B.weight"}) {
+    bool found = false;
+    for (const auto& [name, tensor] : adapters) {
+      if (name != peft_name(key)) continue;
+      found = true;
+      EXPECT_GT(tensor.abs().max().item<double>(), 0.0) << name;
+    }
+    EXPECT_TRUE(found) << key;
+  }
+
+  CliResult resumed = run_cli(dir, "train moe.yaml out_dir=resumed --resume run/checkpoints/step-000002");
+  ASSERT_EQ(resumed.code, 0) << resumed.err;
+  const auto again = adapter_tensors(dir.file("resumed/checkpoints/step-000004"));
+  ASSERT_EQ(again.size(), adapters.size());
+  for (size_t i = 0; i < adapters.size(); ++i) {
+    EXPECT_EQ(again[i].first, adapters[i].first);
+    EXPECT_TRUE(tensors_equal(again[i].second, adapters[i].second)) << adapters[i].first;
+  }
+
+  ASSERT_EQ(run_cli(dir, "export run/checkpoints/latest adapter").code, 0);
+  MetricsLog log = read_metrics(dir.file("run/metrics.jsonl"));
+  ASSERT_EQ(log.eval.size(), 1u);
+  at::Tensor windows = at::tensor(std::vector<int64_t>(tokens.begin(), tokens.begin() + 54)).view({6, 9});
+  auto ref = run_python("from transformers import AutoModelForCausalLM\n"
+                        "from peft import PeftModel\n"
+                        "import torch.nn.functional as F\n"
+                        "base = AutoModelForCausalLM.from_pretrained('" + hf + "', dtype=torch.float32,"
+                        " attn_implementation='eager', experts_implementation='eager')\n"
+                        "model = PeftModel.from_pretrained(base, '" + dir.file("adapter") + "').eval()\n"
+                        "w = inputs['ids']\n"
+                        "with torch.no_grad():\n"
+                        "    logits = model(input_ids=w[:, :-1]).logits\n"
+                        "outputs['loss'] = F.cross_entropy(logits.reshape(-1, logits.size(-1)), w[:, 1:].reshape(-1))\n",
+                        {{"ids", windows}});
+  EXPECT_NEAR(log.eval.back().eval_loss, ref.at("loss").item<double>(), 1e-5);
+
+  // On a dense model target_parameters is a configuration error naming the key.
+  ScratchDir other;
+  CliResult dense = run_cli(dir, "train moe.yaml out_dir=dense model.pretrained=" + make_hf_dir(other));
+  EXPECT_EQ(dense.code, 2) << dense.err;
+  EXPECT_NE(dense.err.find("model.lora.target_parameters: [gate_up_proj,down_proj]"), std::string::npos)
+      << dense.err;
+}
+
 // A base model directory made by the launcher itself: one step of the tiny preset, float32.
 std::string make_base_with_launcher(const ScratchDir& dir) {
   dir.write("base.yaml", tiny_config("base"));

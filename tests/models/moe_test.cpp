@@ -6,9 +6,11 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <map>
 
 #include "roundpipe/models/layers.h"
+#include "roundpipe/models/lora.h"
 #include "roundpipe/models/moe.h"
 #include "roundpipe/models/pretrained.h"
 #include "roundpipe/models/safetensors.h"
@@ -55,11 +57,10 @@ MoeSpec gpt_oss_spec() {
           "swiglu_limit=1.0, router_aux_loss_coef=0.2)"};  // GptOssConfig's YaRN rope
 }
 
-// Builds the model in transformers with random weights large enough that routing matters, saves
-// it in both expert layouts, and records for inputs x, targets y: the eval logits, CE, aux and the
-// gradient of every parameter of CE + coef * aux. Fails if a token's k-th and (k+1)-th router
+// Builds `model` in transformers (config `cfg`, inputs x, y) with random weights large enough that
+// routing matters, and defines margin(model). Fails if a token's k-th and (k+1)-th router
 // probabilities are within 1e-4 (rounding could then pick other experts).
-std::string oracle_snippet(const MoeSpec& spec, const std::string& dir) {
+std::string init_snippet(const MoeSpec& spec) {
   return "import transformers\n"
          "import torch.nn.functional as F\n"
          "from transformers import AutoModelForCausalLM, " + spec.config_class + "\n"
@@ -85,7 +86,13 @@ std::string oracle_snippet(const MoeSpec& spec, const std::string& dir) {
          "                p.normal_(0, 0.15)\n"
          "    if margin(model) >= 1e-4:\n"
          "        break\n"
-         "assert margin(model) >= 1e-4, 'no seed gives router margins >= 1e-4'\n"
+         "assert margin(model) >= 1e-4, 'no seed gives router margins >= 1e-4'\n";
+}
+
+// The model of init_snippet saved in both expert layouts, and for inputs x, targets y: the eval
+// logits, CE, aux and the gradient of every parameter of CE + coef * aux.
+std::string oracle_snippet(const MoeSpec& spec, const std::string& dir) {
+  return init_snippet(spec) +
          "model.save_pretrained('" + dir + "/orig')\n"
          "model.save_pretrained('" + dir + "/fused', save_original_format=False)\n"
          "model.eval()\n"
@@ -404,6 +411,210 @@ TEST(Qwen3MoeTest, RoundPipeMatchesTransformersAndIsDeviceCountInvariant) {
   const auto one_split = run(1, 2, RecomputeGrain::kStage);
   const auto three_split = run(3, 2, RecomputeGrain::kLayer);
   for (const auto& [name, grad] : one_split) EXPECT_TRUE(grad.equal(three_split.at(name))) << name;
+}
+
+// ---- LoRA on the experts (PEFT's target_parameters) ----------------------------------------------
+
+// The model of init_snippet saved as the base, with PEFT adapters on q_proj and the expert weights
+// `targets` (a Python list), random lora_A and lora_B so every adapter matters; the adapter, the
+// eval logits, CE + coef * aux and the gradient of every trainable parameter under PEFT's names.
+std::string peft_experts_snippet(const MoeSpec& spec, const std::string& dir, const std::string& targets) {
+  return init_snippet(spec) +
+         "from peft import LoraConfig, get_peft_model\n"
+         "model.save_pretrained('" + dir + "/base')\n"
+         "peft_model = get_peft_model(model, LoraConfig(r=2, lora_alpha=6, target_modules=['q_proj'],\n"
+         "    target_parameters=" + targets + "))\n"
+         "for seed in range(7, 57):\n"
+         "    torch.manual_seed(seed)\n"
+         "    with torch.no_grad():\n"
+         "        for name, p in peft_model.named_parameters():\n"
+         "            if 'lora_' in name: p.normal_(0, 0.1)\n"
+         "    if margin(peft_model) >= 1e-4:\n"
+         "        break\n"
+         "assert margin(peft_model) >= 1e-4, 'no adapter seed gives router margins >= 1e-4'\n"
+         "peft_model.save_pretrained('" + dir + "/peft')\n"
+         "outputs['trainable'] = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)\n"
+         "peft_model.eval()\n"
+         "with torch.no_grad():\n"
+         "    outputs['logits'] = peft_model(input_ids=x).logits\n"
+         "peft_model.train()\n"
+         "out = peft_model(input_ids=x, output_router_logits=True)\n"
+         "ce = F.cross_entropy(out.logits.reshape(-1, out.logits.shape[-1]), y.reshape(-1))\n"
+         "loss = ce + cfg.router_aux_loss_coef * out.aux_loss\n"
+         "outputs['loss'] = loss.detach()\n"
+         "loss.backward()\n"
+         "for name, p in peft_model.named_parameters():\n"
+         "    if p.requires_grad: outputs['grad:' + name.replace('.default', '')] = p.grad\n";
+}
+
+std::string peft_reload_snippet(const std::string& base_dir, const std::string& adapter_dir) {
+  return "from transformers import AutoModelForCausalLM\n"
+         "from peft import PeftModel\n"
+         "base = AutoModelForCausalLM.from_pretrained('" + base_dir + "', attn_implementation='eager',\n"
+         "    experts_implementation='eager')\n"
+         "m = PeftModel.from_pretrained(base, '" + adapter_dir + "').eval()\n"
+         "with torch.no_grad():\n"
+         "    outputs['logits'] = m(input_ids=inputs['x']).logits\n";
+}
+
+// Every trainable parameter's gradient against PEFT's, by PEFT name: lora_state_dict lists the
+// adapters in module order, as named_parameters does, and shares their storage.
+void expect_lora_grads_match(const torch::nn::Sequential& model, const ModelConfig& config, const TensorMap& ref) {
+  std::vector<at::Tensor> trainable;
+  for (const auto& p : model->parameters()) {
+    if (p.requires_grad()) trainable.push_back(p);
+  }
+  const auto adapters = lora_state_dict(model, config);
+  ASSERT_EQ(adapters.size(), trainable.size());
+  int compared = 0;
+  for (size_t i = 0; i < adapters.size(); ++i) {
+    const auto& [name, weight] = adapters[i];
+    ASSERT_EQ(weight.data_ptr(), trainable[i].data_ptr()) << name;
+    ASSERT_TRUE(ref.count("grad:" + name)) << name << " is not a PEFT parameter";
+    ASSERT_TRUE(trainable[i].grad().defined()) << name;
+    const at::Tensor& expected = ref.at("grad:" + name);
+    EXPECT_LE(max_abs_diff(trainable[i].grad(), expected), 1e-5 * std::max(1.0, max_abs(expected))) << name;
+    ++compared;
+  }
+  EXPECT_EQ(compared, static_cast<int>(std::count_if(ref.begin(), ref.end(), [](const auto& kv) {
+              return kv.first.rfind("grad:", 0) == 0;
+            })));
+}
+
+// A PEFT adapter with expert targets loads, evaluates and trains (every gradient) as PEFT; ours
+// loads in PEFT to the same logits; merged, the logits stay.
+void expect_expert_lora_matches_peft(const MoeSpec& spec, const std::string& targets,
+                                     const std::vector<std::string>& expected_targets) {
+  ROUNDPIPE_REQUIRE_PYTHON("transformers peft safetensors");
+  ScratchDir scratch;
+  const std::string dir = scratch.file("hf");
+  const Batch batch = make_batch();
+  const auto ref = run_python(peft_experts_snippet(spec, dir, targets), {{"x", batch.x}, {"y", batch.y}});
+
+  Pretrained pre = load_pretrained(dir + "/base");
+  const LoraOptions options = load_lora_adapter(pre.model, pre.config, dir + "/peft");
+  auto parameters = options.target_parameters();
+  std::sort(parameters.begin(), parameters.end());
+  EXPECT_EQ(parameters, expected_targets);
+  int64_t trainable = 0;
+  for (const auto& p : unique_parameters(*pre.model)) trainable += p.requires_grad() ? p.numel() : 0;
+  EXPECT_EQ(trainable, ref.at("trainable").item<int64_t>());
+
+  pre.model->eval();
+  {
+    torch::NoGradGuard no_grad;
+    EXPECT_LE(max_abs_diff(models::forward(pre.model, batch.x), ref.at("logits")), 1e-4);
+  }
+  pre.model->train();
+  const at::Tensor loss = models::forward(pre.model, batch.x, batch.y) / static_cast<double>(batch.y.numel());
+  EXPECT_NEAR(loss.item<double>(), ref.at("loss").item<double>(), 1e-5);
+  loss.backward();
+  expect_lora_grads_match(pre.model, pre.config, ref);
+
+  save_lora_adapter(pre.model, pre.config, options, dir + "/ours", dir + "/base");
+  const auto back = run_python(peft_reload_snippet(dir + "/base", dir + "/ours"), {{"x", batch.x}});
+  EXPECT_LE(max_abs_diff(back.at("logits"), ref.at("logits")), 1e-5);
+
+  merge_lora(pre.model);
+  EXPECT_TRUE(lora_state_dict(pre.model, pre.config).empty());
+  pre.model->eval();
+  torch::NoGradGuard no_grad;
+  EXPECT_LE(max_abs_diff(models::forward(pre.model, batch.x), ref.at("logits")), 1e-4);
+}
+
+TEST(MoeLoraTest, Qwen3Moe_BothExpertWeightsMatchPeft) {
+  expect_expert_lora_matches_peft(qwen3_moe_spec(), "['gate_up_proj', 'down_proj']", {"down_proj", "gate_up_proj"});
+}
+
+TEST(MoeLoraTest, Mixtral_DownProjOnlyMatchesPeft) {
+  expect_expert_lora_matches_peft(mixtral_spec(), "['mlp.experts.down_proj']", {"mlp.experts.down_proj"});
+}
+
+TEST(MoeLoraTest, GptOss_TransposedExpertsMatchPeft) {
+  expect_expert_lora_matches_peft(gpt_oss_spec(), "['gate_up_proj', 'down_proj']", {"down_proj", "gate_up_proj"});
+}
+
+// Layer-specific targets adapt that layer only; the router, dropout and dense models are refused.
+TEST(MoeLoraTest, Targets_LayerSuffixAndRefusals) {
+  ModelConfig config = parse_model_config(
+      R"({"model_type": "mixtral", "vocab_size": 16, "hidden_size": 8, "intermediate_size": 8,
+          "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2, "num_local_experts": 4,
+          "num_experts_per_tok": 1})");
+  auto fresh = [&] { return build(config).model; };
+  auto model = fresh();
+  const auto options = LoraOptions().target_modules({}).target_parameters({"1.mlp.experts.gate_up_proj"});
+  EXPECT_EQ(apply_lora(model, options), 1);
+  const auto adapters = lora_state_dict(model, config);
+  ASSERT_EQ(adapters.size(), 2u);
+  EXPECT_EQ(adapters[0].first, "base_model.model.model.layers.1.mlp.experts.lora_A.weight");
+  EXPECT_EQ(adapters[0].second.sizes(), (std::vector<int64_t>{4 * 8, 8}));   // [E r, H]
+  EXPECT_EQ(adapters[1].second.sizes(), (std::vector<int64_t>{2 * 8, 4 * 8}));  // [2I, r E]
+  EXPECT_TRUE(adapters[1].second.eq(0).all().item<bool>());  // lora_B starts at zero, as in PEFT
+
+  auto refused = [&](const LoraOptions& o, const std::string& needle) {
+    auto m = fresh();
+    try {
+      apply_lora(m, o);
+      ADD_FAILURE() << "accepted; expected an error naming " << needle;
+    } catch (const c10::Error& e) {
+      EXPECT_NE(std::string(e.what_without_backtrace()).find(needle), std::string::npos) << e.what_without_backtrace();
+    }
+  };
+  refused(LoraOptions().target_parameters({"gate.weight"}), "never adapts the router");
+  refused(LoraOptions().target_parameters({"down_proj"}).dropout(0.1), "dropout 0");
+  refused(LoraOptions().target_parameters({"experts.up_proj"}), "matches no expert weight");
+  ModelConfig dense = parse_model_config(
+      R"({"model_type": "llama", "vocab_size": 16, "hidden_size": 8, "intermediate_size": 8,
+          "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 2})");
+  auto dense_model = build(dense).model;
+  EXPECT_THROW(apply_lora(dense_model, LoraOptions().target_parameters({"down_proj"})), c10::Error);
+}
+
+// Through RoundPipe on 3 CPU devices with the sparse layers recomputed: PEFT's gradients, and the
+// adapter saved from RoundPipe's masters is PEFT's after one step of plain SGD.
+TEST(MoeLoraTest, RoundPipeMatchesPeft) {
+  ROUNDPIPE_REQUIRE_PYTHON("transformers peft safetensors");
+  ScratchDir scratch;
+  const std::string dir = scratch.file("hf");
+  const Batch batch = make_batch();
+  const auto ref = run_python(peft_experts_snippet(qwen3_moe_spec(), dir, "['gate_up_proj', 'down_proj']"),
+                              {{"x", batch.x}, {"y", batch.y}});
+  Pretrained pre = load_pretrained(dir + "/base");
+  load_lora_adapter(pre.model, pre.config, dir + "/peft");
+  const auto before = lora_state_dict(pre.model, pre.config);
+  std::map<std::string, at::Tensor> start;
+  for (const auto& [name, w] : before) start[name] = w.clone();
+  RoundPipe model(pre.model, RoundPipeOptions()
+                                 .devices(std::vector<c10::Device>(3, c10::kCPU))
+                                 .seed(1)
+                                 .label_to_last_layer(true));
+  RunConfig cfg;
+  cfg.num_microbatch = 1;  // the aux loss is per microbatch (docs/models.md); PEFT's is the batch's
+  cfg.execute_plan = scheduler::ExecutePlan({{0, 2}, {2, 4}}, {{4, 5}, {3, 4}, {1, 3}, {0, 1}});
+  const double n = static_cast<double>(batch.y.numel());
+  const at::Tensor loss =
+      model.forward_backward({batch.x}, batch.y, [n](const at::Tensor& out, const at::Tensor&) { return out / n; }, cfg);
+  EXPECT_NEAR(loss.item<double>(), ref.at("loss").item<double>(), 1e-5);
+  model.synchronize();
+  expect_lora_grads_match(model.module(), pre.config, ref);
+  constexpr double kLr = 0.5;
+  auto masters = model.optim_parameters();
+  EXPECT_EQ(masters.size(), before.size());  // the frozen base has no master copy
+  model.step(
+      [&] {
+        torch::NoGradGuard no_grad;
+        for (auto& p : masters) p.sub_(p.grad(), kLr);
+      },
+      StepMode::kSync);
+  const LoraOptions options = LoraOptions().rank(2).alpha(6).target_modules({"q_proj"}).target_parameters(
+      {"gate_up_proj", "down_proj"});
+  save_lora_adapter(model, pre.config, options, dir + "/stepped");
+  auto file = SafetensorsFile::open(dir + "/stepped/adapter_model.safetensors");
+  EXPECT_EQ(file->names().size(), before.size());
+  for (const auto& [name, w0] : start) {
+    const at::Tensor expected = w0 - kLr * ref.at("grad:" + name);
+    EXPECT_LE(max_abs_diff(file->get(name), expected), 1e-5) << name;
+  }
 }
 
 }  // namespace

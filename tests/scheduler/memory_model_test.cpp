@@ -91,6 +91,18 @@ TEST(MemoryModelTest, LayerMemory_MixtureOfExperts) {
   // 4 (4h + 3q + 3kv) + 4 heads + 4 (4 k I_e + k h) + 8 E.
   EXPECT_EQ(layers[2].saved_per_token, 4 * (4 * 32 + 3 * 32 + 3 * 16) + 16 + 4 * (4 * 2 * 16 + 2 * 32) + 8 * 4);
   EXPECT_EQ(count_parameters(moe).total, kParams - 3 * 32 * 64 + 4 * 32 + 3 * 4 * 32 * 16);
+
+  // Expert LoRA rank 2 (PEFT's target_parameters): gate_up_proj r E (h + 2 I_e), down_proj
+  // r E (I_e + h), on the sparse layer only; a layer-specific target adapts that layer only.
+  moe.lora_rank = 2;
+  moe.lora_targets = {"q_proj"};
+  moe.lora_expert_targets = {"gate_up_proj", "mlp.experts.down_proj"};
+  const int64_t q_adapters = 2 * 2 * (32 + 32);
+  EXPECT_EQ(count_parameters(moe).trainable, q_adapters + 2 * 4 * (32 + 32) + 2 * 4 * (16 + 32));
+  moe.lora_expert_targets = {"0.mlp.experts.down_proj"};  // layer 0 is dense: nothing
+  EXPECT_EQ(count_parameters(moe).trainable, q_adapters);
+  moe.lora_expert_targets = {"layers.1.mlp.experts.down_proj"};
+  EXPECT_EQ(count_parameters(moe).trainable, q_adapters + 2 * 4 * (16 + 32));
 }
 
 TEST(MemoryModelTest, StageMemory_SumsTheTermsByHand) {

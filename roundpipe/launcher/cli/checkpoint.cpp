@@ -15,11 +15,13 @@
 #include <fstream>
 #include <functional>
 #include <iterator>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
 #include "roundpipe/launcher/atomic_file.h"
 #include "roundpipe/launcher/cli/setup.h"
+#include "roundpipe/models/lora.h"
 #include "roundpipe/models/pretrained.h"
 #include "roundpipe/models/safetensors.h"
 
@@ -245,8 +247,13 @@ TrainerState load_checkpoint_dir(const std::string& dir, RoundPipe& model, const
   if (lora_checkpoint) {
     check_adapter_config(dir, *lora);
     auto file = models::SafetensorsFile::open(join_path(dir, kAdapterWeightsFile));
+    std::map<std::string, std::string> peft_names;  // HF name -> PEFT key (expert adapters differ)
+    for (const auto& [sequential, peft] : models::lora_parameter_names(model.module())) {
+      peft_names[models::hf_parameter_name(sequential, model_config.num_hidden_layers)] = peft;
+    }
     load_weights(model, model_config, /*trainable_only=*/true, dir, [&](const std::string& name) {
-      const std::string peft_name = kPeftPrefix + name;
+      const auto it = peft_names.find(name);
+      const std::string peft_name = it != peft_names.end() ? it->second : kPeftPrefix + name;
       TORCH_CHECK(file->contains(peft_name), "checkpoint '", dir, "' has no adapter tensor '", peft_name,
                   "': it was written with other model.lora.targets or another model");
       return file->get(peft_name);

@@ -165,6 +165,7 @@ void run_plan(const LauncherConfig& config, std::ostream& out, const std::string
   if (pre.lora.has_value()) {
     out << "LoRA: rank " << pre.lora->rank() << ", alpha " << pre.lora->alpha() << " on";
     for (const std::string& t : pre.lora->target_modules()) out << " " << t;
+    for (const std::string& t : pre.lora->target_parameters()) out << " " << t;
     out << "; the base is frozen (no master, gradient or optimizer state)\n";
   }
   out << describe_parameter_counts(counts) << "\n";

@@ -80,6 +80,7 @@ scheduler::TransformerShape shape_of(const LauncherConfig& config) {
   if (const auto lora = lora_options(config)) {
     s.lora_rank = lora->rank();
     s.lora_targets = lora->target_modules();
+    s.lora_expert_targets = lora->target_parameters();
   }
   return s;
 }

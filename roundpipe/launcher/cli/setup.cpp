@@ -80,7 +80,12 @@ std::optional<models::LoraOptions> lora_options(const LauncherConfig& config) {
     }
     if (std::find(targets.begin(), targets.end(), target) == targets.end()) targets.push_back(target);
   }
-  return models::LoraOptions().rank(lora.rank).alpha(lora.alpha).dropout(lora.dropout).target_modules(targets);
+  return models::LoraOptions()
+      .rank(lora.rank)
+      .alpha(lora.alpha)
+      .dropout(lora.dropout)
+      .target_modules(targets)
+      .target_parameters(lora.target_parameters);
 }
 
 namespace {
@@ -122,6 +127,7 @@ void warn_replaced_options(const models::LoraOptions& wanted, const models::Lora
   note("alpha", text(wanted.alpha()), text(applied.alpha()));
   note("dropout", text(wanted.dropout()), text(applied.dropout()));
   note("targets", join_names(wanted.target_modules()), join_names(applied.target_modules()));
+  note("target_parameters", join_names(wanted.target_parameters()), join_names(applied.target_parameters()));
   if (!changes.empty()) {
     ROUNDPIPE_LOG(Logger::get("launcher"), kWarn, "model.lora: the adapter ", adapter,
                   " replaces model.lora's keys:", changes);
@@ -141,9 +147,20 @@ LauncherModel make_launcher_model(const LauncherConfig& config, bool allocate_on
       throw ConfigError("model.lora.targets: all-linear on a mixture-of-experts model (" +
                         std::string(models::model_type_name(model_config.architecture)) +
                         ") means, in PEFT, the attention projections plus every router and the fused experts, "
-                        "which RoundPipe cannot adapt yet; list the modules instead, e.g. "
-                        "[q_proj, k_proj, v_proj, o_proj]");
+                        "and RoundPipe never adapts the router; list the modules instead, e.g. "
+                        "targets: [q_proj, k_proj, v_proj, o_proj] with target_parameters: [gate_up_proj, down_proj]");
     }
+  }
+  if (!model_config.is_moe() && config.model.lora.has_value() && !config.model.lora->target_parameters.empty()) {
+    throw ConfigError("model.lora.target_parameters: " + join_names(config.model.lora->target_parameters) +
+                      " adapt mixture-of-experts weights, and " +
+                      std::string(models::model_type_name(model_config.architecture)) +
+                      " has no experts; remove the key (model.lora.targets adapts its Linear layers)");
+  }
+  if (config.model.lora.has_value() && !config.model.lora->target_parameters.empty() &&
+      config.model.lora->dropout != 0) {
+    throw ConfigError("model.lora.dropout: " + std::to_string(config.model.lora->dropout) +
+                      " with model.lora.target_parameters; as in PEFT, adapters on expert weights need dropout 0");
   }
   models::Pretrained pre = make_base_model(config, model_config, allocate_only);
   auto head = pre.model->ptr<models::LmHeadImpl>(pre.model->size() - 1);

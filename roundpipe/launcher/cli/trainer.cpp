@@ -175,6 +175,7 @@ void Trainer::report_start() {
   if (lora() != nullptr) {
     std::string targets;
     for (const std::string& t : lora()->target_modules()) targets += (targets.empty() ? "" : ", ") + t;
+    for (const std::string& t : lora()->target_parameters()) targets += (targets.empty() ? "" : ", ") + t;
     lora_line = "LoRA rank " + std::to_string(lora()->rank()) + " on " + targets + "; ";
   }
   if (lead_) std::cerr << lora_line << parameter_line_ << "\n";

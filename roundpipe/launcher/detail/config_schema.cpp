@@ -214,6 +214,12 @@ std::vector<KeySpec> build_schema() {
                   "down_proj, or `all-linear` for all seven (not lm_head, as in PEFT).")
                   .range(ge(1))
                   .field([](C& c) -> std::vector<std::string>& { return c.model.lora->targets; }));
+  t.push_back(Key("model.lora.target_parameters", KeyKind::kStringList, "[]",
+                  "Mixture-of-experts weights that get adapters, in PEFT's `target_parameters` "
+                  "format: gate_up_proj and/or down_proj (every sparse layer's experts), or a "
+                  "suffix of the HF name such as `3.mlp.experts.down_proj` (that layer only). "
+                  "Needs `dropout: 0`; the router is never adapted. [] = none.")
+                  .field([](C& c) -> std::vector<std::string>& { return c.model.lora->target_parameters; }));
   t.push_back(Key("model.lora.adapter", KeyKind::kString, "null",
                   "PEFT adapter directory (adapter_config.json + adapter_model.safetensors: a LoRA "
                   "checkpoint of `roundpipe train`, an export, or a PEFT save_pretrained) to start "
