@@ -14,6 +14,18 @@
 #include <cstring>
 
 namespace roundpipe::launcher {
+
+int write_fully(int fd, const char* data, size_t size) {
+  while (size > 0) {
+    const ssize_t n = ::write(fd, data, size);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return n < 0 ? errno : EIO;
+    data += n;
+    size -= static_cast<size_t>(n);
+  }
+  return 0;
+}
+
 namespace {
 
 detail::FailureHook& failure_hook() {
@@ -51,16 +63,9 @@ struct FdGuard {
 };
 
 void write_all(int fd, const char* data, size_t size, const std::string& path) {
-  while (size > 0) {
-    ssize_t n = ::write(fd, data, size);
-    if (n < 0 && errno == EINTR) {
-      continue;
-    }
-    TORCH_CHECK(n > 0, "write to '", path, "' failed: ", errno_text(errno),
-                " (disk full or the file system is read-only?)");
-    data += n;
-    size -= static_cast<size_t>(n);
-  }
+  const int error = write_fully(fd, data, size);
+  TORCH_CHECK(error == 0, "write to '", path, "' failed: ", errno_text(error),
+              " (disk full or the file system is read-only?)");
 }
 
 int remove_entry(const char* path, const struct stat*, int type, struct FTW*) {

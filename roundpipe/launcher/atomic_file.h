@@ -3,6 +3,7 @@
 // directories. POSIX only (no std::filesystem: see the helper notes on LibTorch's broken copies).
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <functional>
 #include <optional>
@@ -24,6 +25,11 @@ namespace roundpipe::launcher {
 // Thread-safety of everything in this header: the functions may be called from any thread, but
 // two concurrent writers of the same path race (last rename wins). Errors throw c10::Error naming
 // the path, the failing call and errno's text.
+
+/// Writes all `size` bytes to `fd`, retrying short writes and EINTR; returns 0, or the errno of the
+/// failing write (EIO for a write that wrote nothing). Never throws (callable from callbacks that
+/// must not, such as torch's archive writer).
+int write_fully(int fd, const char* data, size_t size);
 
 /// Writes `contents` to `path` atomically (see Note [Atomic publish]); the file gets mode 0644.
 void write_file_atomically(const std::string& path, std::string_view contents);

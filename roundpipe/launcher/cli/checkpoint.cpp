@@ -71,16 +71,7 @@ void save_archive_to_file(torch::serialize::OutputArchive& archive, const std::s
               "; check that the directory exists and is writable");
   int error = 0;
   archive.save_to([&](const void* data, size_t size) -> size_t {
-    const char* bytes = static_cast<const char*>(data);
-    for (size_t done = 0; error == 0 && done < size;) {
-      const ssize_t n = ::write(fd, bytes + done, size - done);
-      if (n < 0 && errno == EINTR) continue;
-      if (n <= 0) {
-        error = n < 0 ? errno : EIO;
-        break;
-      }
-      done += static_cast<size_t>(n);
-    }
+    if (error == 0) error = write_fully(fd, static_cast<const char*>(data), size);
     return size;
   });
   if (::close(fd) != 0 && error == 0) error = errno;
