@@ -146,6 +146,20 @@ TEST(CliMoePlanTest, Plan_HeadlineWorkloadsFromConfigJsonAlone_FullAndLora) {
   }
 }
 
+// A Qwen3-235B-A22B decoder layer (2,487,755,008 parameters, all 128 experts: bf16 weights and
+// gradients 9,951,020,032 B) alone exceeds RoundPipe's per-stage budget on GPUs of 8 GiB (half of
+// them): a config error naming the key.
+TEST(CliMoePlanTest, Plan_LayerOverTheRuntimeBudget_IsAConfigError) {
+  ScratchDir dir;
+  dir.write("full.yaml", full_yaml(kConfigs + "models/qwen3-235b-a22b", 4096));
+  const CliResult r = run_cli(dir, std::string("plan full.yaml ") + kEightGpus + " run.device_memory_gib=8");
+  EXPECT_EQ(r.code, 2) << r.out << r.err;
+  EXPECT_NE(r.err.find("run.device_memory_gib: no plan fits RoundPipe's per-stage budget of half the device's "
+                       "memory (4.00 GiB): layer 1 needs 9951020032 bytes"),
+            std::string::npos)
+      << r.err;
+}
+
 // The "trainable parameters: ..." line of `plan` (stdout) is in `train`'s stderr.
 void expect_same_counts(const ScratchDir& dir, const std::string& args) {
   const CliResult plan = run_cli(dir, "plan " + args);

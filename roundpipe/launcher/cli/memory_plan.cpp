@@ -1,6 +1,7 @@
 #include "roundpipe/launcher/cli/memory_plan.h"
 
 #include <c10/core/ScalarType.h>
+#include <c10/util/Exception.h>
 
 #include <algorithm>
 #include <cstdio>
@@ -170,7 +171,15 @@ MemoryPlan plan_memory(const LauncherConfig& config, const std::optional<schedul
   // RoundPipe's default budget on GPUs: half the smallest one's memory (round_pipe.cpp).
   const bool any_cuda = std::any_of(devices.begin(), devices.end(), [](const c10::Device& d) { return d.is_cuda(); });
   if (any_cuda && memory.device_bytes) memory.memory_budget_bytes = *memory.device_bytes / 2;
-  memory.plan = plan ? *plan : scheduler::runtime_plan(memory.shape, o, memory.num_devices, memory.memory_budget_bytes);
+  try {
+    memory.plan =
+        plan ? *plan : scheduler::runtime_plan(memory.shape, o, memory.num_devices, memory.memory_budget_bytes);
+  } catch (const c10::Error& e) {  // a layer alone over RoundPipe's per-stage budget
+    throw ConfigError(std::string(config.run.device_memory_gib ? "run.device_memory_gib" : "device memory") +
+                      ": no plan fits RoundPipe's per-stage budget of half the device's memory (" +
+                      gib(memory.memory_budget_bytes) + "): " + e.what_without_backtrace() +
+                      "; use GPUs with more memory (docs/user-guide.md, \"Planning memory\")");
+  }
   set_stages(config, memory);
   return memory;
 }
