@@ -56,9 +56,12 @@ void print_max_seq(const char* name, const sch::TransformerShape& shape) {
       for (bool layer : {false, true}) {
         o.layer_recompute = layer;
         const int64_t usable = gib * kGiB - kCudaReserved;
+        // The runtime's plan on GPUs: stages within half the device's memory (RoundPipe's default
+        // device_memory_budget_bytes).
+        const int64_t budget = gib * kGiB / 2;
         std::printf("  | %lld | %lld | %s | %lld | %lld |\n", static_cast<long long>(gib),
                     static_cast<long long>(devices), layer ? "layer" : "stage",
-                    static_cast<long long>(sch::max_seq_len(shape, o, devices, usable, true)),
+                    static_cast<long long>(sch::max_seq_len(shape, o, devices, usable, true, 1024, budget)),
                     static_cast<long long>(sch::max_seq_len(shape, o, devices, usable, false)));
       }
     }

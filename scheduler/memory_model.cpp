@@ -15,9 +15,12 @@ namespace roundpipe::scheduler {
 //
 // Device, per stage (what one stage job holds at its peak; jobs on a device run one at a time):
 //  - weights: the stage's compute copies: embeddings V h; a decoder layer h q + 2 h kv + q h
-//    (+ q + 2 kv biases) + 2 h norms (+ 2 head_dim for Qwen3's q/k norms) + 3 h I (dense MLP) or
-//    E h + 3 E h I_e (experts); the head h + V h (a tied head uploads the embedding again).
-//    Times s. LoRA adds r (in + out) per adapted projection.
+//    (+ q + 2 kv + h biases) + 2 h norms (+ 2 head_dim for Qwen3's q/k norms, + heads for
+//    gpt-oss's sinks) + 3 h I (dense MLP; + 2 I + h with mlp_bias) or E h + 3 E h I_e (experts,
+//    all E of them: a stage uploads every expert of its layers, whichever a microbatch hits;
+//    gpt-oss adds the router's E and the experts' E (2 I_e + h) biases); the head h + V h (a tied
+//    head uploads the embedding again). Times s. LoRA adds r (in + out) per adapted projection.
+//    The same counts give the host's N (below): every parameter, all experts included.
 //  - gradients (backward stages): s x the trainable parameters of its layers (LoRA: adapters only).
 //  - saved activations, per token per decoder layer, what eager autograd keeps between the forward
 //    and the backward (counted tensor by tensor from models/layers.cpp):
@@ -118,13 +121,17 @@ DecoderParams decoder_params(const TransformerShape& shape, int64_t index) {
   const int64_t h = shape.hidden, q = shape.q_dim(), kv = shape.kv_dim();
   DecoderParams p;
   p.base = h * q + 2 * h * kv + q * h + 2 * h;
-  if (shape.attention_bias) p.base += q + 2 * kv;
+  if (shape.attention_bias) p.base += q + 2 * kv + h;
   if (shape.qk_norm) p.base += 2 * shape.head_dim;
+  if (shape.attention_sinks) p.base += shape.heads;
   const bool sparse = is_sparse(shape, index);
   if (sparse) {
-    p.base += shape.experts * h + 3 * shape.experts * h * shape.moe_intermediate;
+    const int64_t experts = shape.experts, width = shape.moe_intermediate;
+    p.base += experts * h + 3 * experts * h * width;
+    if (shape.expert_bias) p.base += experts + experts * (2 * width + h);
   } else {
     p.base += 3 * h * shape.intermediate;
+    if (shape.mlp_bias) p.base += 2 * shape.intermediate + h;
   }
   if (shape.lora_rank > 0) {
     const int64_t r = shape.lora_rank, I = shape.intermediate;
@@ -278,7 +285,8 @@ int64_t cpu_device_bytes(const ExecutePlan& plan, const TransformerShape& shape,
   return total + activations;
 }
 
-ExecutePlan runtime_plan(const TransformerShape& shape, const DeviceMemoryOptions& options, int64_t num_devices) {
+ExecutePlan runtime_plan(const TransformerShape& shape, const DeviceMemoryOptions& options, int64_t num_devices,
+                         int64_t memory_budget_bytes) {
   const std::vector<LayerMemory> layers = layer_memory(shape, options);
   std::vector<int64_t> bytes, grads;
   for (const LayerMemory& l : layers) {
@@ -286,7 +294,9 @@ ExecutePlan runtime_plan(const TransformerShape& shape, const DeviceMemoryOption
     grads.push_back(l.grad_bytes);
   }
   return partition(size_based_costs(bytes, grads), RunType::kFused,
-                   PartitionOptions().set_min_stages(std::max<int64_t>(1, num_devices)));
+                   PartitionOptions()
+                       .set_min_stages(std::max<int64_t>(1, num_devices))
+                       .set_memory_budget_bytes(memory_budget_bytes));
 }
 
 bool memory_aware_plan(const TransformerShape& shape, const DeviceMemoryOptions& options, int64_t num_devices,
@@ -323,9 +333,9 @@ bool memory_aware_plan(const TransformerShape& shape, const DeviceMemoryOptions&
 }
 
 int64_t max_seq_len(const TransformerShape& shape, DeviceMemoryOptions options, int64_t num_devices,
-                    int64_t device_bytes, bool fixed_plan, int64_t granularity) {
+                    int64_t device_bytes, bool fixed_plan, int64_t granularity, int64_t memory_budget_bytes) {
   TORCH_CHECK(granularity > 0, "max_seq_len: granularity must be positive, got ", granularity);
-  const ExecutePlan fixed = runtime_plan(shape, options, num_devices);
+  const ExecutePlan fixed = runtime_plan(shape, options, num_devices, memory_budget_bytes);
   auto fits = [&](int64_t seq_len) {
     options.seq_len = seq_len;
     if (!fixed_plan) {

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -25,11 +26,15 @@ struct TransformerShape {
   int64_t head_dim = 0;
   bool qk_norm = false;  ///< RMSNorm on q and k per head (Qwen3)
   bool attention_bias = false;
+  bool attention_sinks = false;  ///< a learned sink logit per head (gpt-oss)
+  bool mlp_bias = false;         ///< biases on the dense MLP's gate/up/down (Llama's mlp_bias)
   bool tied_embeddings = false;
   // Mixture of experts (0 experts: dense).
   int64_t experts = 0;
   int64_t experts_per_token = 0;
   int64_t moe_intermediate = 0;
+  /// Biases on the router and the experts' gate_up/down projections (gpt-oss).
+  bool expert_bias = false;
   /// Per decoder layer, whether it has experts; empty with experts > 0: every layer has.
   std::vector<bool> sparse_layers;
   // LoRA: rank 0 = every parameter trains; else only rank-r adapters on `lora_targets`
@@ -104,8 +109,11 @@ std::vector<StageMemory> stage_memory(const ExecutePlan& plan, const Transformer
                                       const DeviceMemoryOptions& options);
 
 /// The plan the runtime builds for these layers before any time is measured (the launcher's
-/// deterministic plan): partition(size_based_costs(weights, grads), kFused) on `num_devices`.
-ExecutePlan runtime_plan(const TransformerShape& shape, const DeviceMemoryOptions& options, int64_t num_devices);
+/// deterministic plan): partition(size_based_costs(weights, grads), kFused) on `num_devices`, each
+/// stage within `memory_budget_bytes` by the partitioner's byte costs (RoundPipe's
+/// device_memory_budget_bytes: by default half the smallest GPU's memory, unlimited on CPU devices).
+ExecutePlan runtime_plan(const TransformerShape& shape, const DeviceMemoryOptions& options, int64_t num_devices,
+                         int64_t memory_budget_bytes = std::numeric_limits<int64_t>::max());
 
 /// A plan whose every stage fits `device_bytes` by this model (stages cut by activation bytes as
 /// well as weights), or false when even one layer per stage does not fit.
@@ -113,10 +121,11 @@ bool memory_aware_plan(const TransformerShape& shape, const DeviceMemoryOptions&
                        int64_t device_bytes, ExecutePlan* plan);
 
 /// The longest seq_len (a multiple of `granularity`) whose peak fits `device_bytes`, 0 if none.
-/// `fixed_plan`: with the runtime's plan (runtime_plan); otherwise with memory_aware_plan at each
-/// length.
+/// `fixed_plan`: with the runtime's plan (runtime_plan with `memory_budget_bytes`); otherwise with
+/// memory_aware_plan at each length.
 int64_t max_seq_len(const TransformerShape& shape, DeviceMemoryOptions options, int64_t num_devices,
-                    int64_t device_bytes, bool fixed_plan, int64_t granularity = 1024);
+                    int64_t device_bytes, bool fixed_plan, int64_t granularity = 1024,
+                    int64_t memory_budget_bytes = std::numeric_limits<int64_t>::max());
 
 /// Which optimizer keeps which state per trainable parameter.
 enum class OptimizerStateKind {

@@ -105,6 +105,38 @@ TEST(MemoryModelTest, LayerMemory_MixtureOfExperts) {
   EXPECT_EQ(count_parameters(moe).trainable, q_adapters + 2 * 4 * (16 + 32));
 }
 
+TEST(MemoryModelTest, CountParameters_BiasesSinksAndExpertBiases) {
+  // gpt-oss's extras on the tiny shape: q/k/v/o biases 32 + 16 + 16 + 32, 4 sinks; with 4 experts
+  // of width 16, the router's bias 4 and the experts' gate_up 4 x 32 and down 4 x 32 biases.
+  TransformerShape s = tiny();
+  s.attention_bias = true;
+  s.attention_sinks = true;
+  EXPECT_EQ(count_parameters(s).total, kParams + 2 * (96 + 4));
+  s.experts = 4;
+  s.experts_per_token = 2;
+  s.moe_intermediate = 16;
+  s.expert_bias = true;
+  const int64_t sparse_layer = 3136 + 96 + 4 + 4 * 32 + 3 * 4 * 32 * 16 + 4 + 4 * 2 * 16 + 4 * 32;
+  EXPECT_EQ(count_parameters(s).total, 64 * 32 + 2 * sparse_layer + 32 + 64 * 32);
+  // Llama's mlp_bias: gate and up 64 each, down 32.
+  TransformerShape llama = tiny();
+  llama.mlp_bias = true;
+  EXPECT_EQ(count_parameters(llama).total, kParams + 2 * (64 + 64 + 32));
+}
+
+TEST(MemoryModelTest, RuntimePlan_KeepsStagesWithinTheBudget) {
+  // A budget of 1.5 decoder layers' weights and gradients: no backward stage holds two decoder
+  // layers, so there are more of them than without a budget.
+  const DeviceMemoryOptions o = fp32(16, 1);
+  const ExecutePlan unlimited = runtime_plan(tiny(), o, 1);
+  const int64_t budget = 3 * kDecoderParams * 4;  // 1.5 x (weights + gradients) of a decoder layer
+  const ExecutePlan cut = runtime_plan(tiny(), o, 1, budget);
+  for (const StageMemory& m : stage_memory(cut, tiny(), o)) {
+    EXPECT_LE(m.weights + m.grads, budget) << m.layers.to_string();
+  }
+  EXPECT_GT(cut.backward_stages().size(), unlimited.backward_stages().size());
+}
+
 TEST(MemoryModelTest, StageMemory_SumsTheTermsByHand) {
   // fwd [0, 2) | fused [2, 4) | bwd [0, 2); 2 rows of 16 tokens: t = 32.
   const ExecutePlan plan({{0, 2}}, {{2, 4}, {0, 2}});

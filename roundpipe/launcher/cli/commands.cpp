@@ -143,36 +143,53 @@ void export_lora(const std::string& checkpoint_dir, const std::string& out_dir, 
       << " (load with peft.PeftModel.from_pretrained(base_model, OUT_DIR); --merge writes the merged model)\n";
 }
 
-}  // namespace
+// Note [Config-only plans]:
+// `roundpipe plan` needs the model's configuration and nothing else: no weights, no allocation, no
+// GPU. Everything it prints comes from the shape (config.json with model.config laid over it, or
+// the preset) through the memory model (scheduler/memory_model.h): the parameter counts, every
+// layer's bytes, the runtime's size-based plan on run.devices (with CUDA devices, each stage
+// within half of run.device_memory_gib, as RoundPipe's default budget is half the GPU's memory),
+// the peaks and the timeline. So a 235B-parameter model plans in milliseconds on a laptop, for 8
+// GPUs it does not have (run.devices=[cuda:0, ..., cuda:7] run.device_memory_gib=24). The
+// memory model counts parameters as the models module allocates them (every expert of an MoE
+// layer, gpt-oss's sinks and expert biases, LoRA adapters); cli_moe_plan_test.cpp checks the
+// counts against `roundpipe train`'s, which come from the built model.
 
-void run_validate(const LauncherConfig& config, std::ostream& out) {
-  models::ModelConfig model_config = resolve_model_config(config);
-  check_supported(config, model_config);
-  out << to_yaml(config);
+// "model: ...", the LoRA line and the parameter counts.
+void print_model(const LauncherConfig& config, const models::ModelConfig& model_config, const MemoryPlan& memory,
+                 std::ostream& out) {
+  out << "model: " << models::model_type_name(model_config.architecture) << ", " << model_config.num_hidden_layers
+      << " decoder layers, " << memory.params.total << " parameters, compute " << dtype_name(config.model.dtype)
+      << ", masters " << dtype_name(config.model.master_dtype) << "\n";
+  if (const std::optional<models::LoraOptions> lora = lora_options(config)) {
+    out << "LoRA: rank " << lora->rank() << ", alpha " << lora->alpha() << " on";
+    for (const std::string& t : lora->target_modules()) out << " " << t;
+    for (const std::string& t : lora->target_parameters()) out << " " << t;
+    out << "; the base is frozen (no master, gradient or optimizer state)";
+    if (!config.model.lora->adapter.empty()) out << "; model.lora.adapter's adapter_config.json replaces these";
+    out << "\n";
+  }
+  out << describe_parameter_counts({memory.params.trainable, memory.params.total}) << "\n";
 }
 
-void run_plan(const LauncherConfig& config, std::ostream& out, const std::string& svg_path) {
-  LauncherModel pre = make_launcher_model(config, /*allocate_only=*/true);
-  const ParameterCounts counts = count_parameters(*pre.model);
-  RoundPipe model(pre.model, round_pipe_options(config));
-  const int64_t num_layers = model.num_layers();
-  const std::vector<scheduler::LayerCost> costs = model.layer_costs();
-  const int64_t numel = counts.total;
-
-  out << "model: " << models::model_type_name(pre.config.architecture) << ", " << pre.config.num_hidden_layers
-      << " decoder layers, " << numel << " parameters, compute " << dtype_name(config.model.dtype) << ", masters "
-      << dtype_name(config.model.master_dtype) << "\n";
-  if (pre.lora.has_value()) {
-    out << "LoRA: rank " << pre.lora->rank() << ", alpha " << pre.lora->alpha() << " on";
-    for (const std::string& t : pre.lora->target_modules()) out << " " << t;
-    for (const std::string& t : pre.lora->target_parameters()) out << " " << t;
-    out << "; the base is frozen (no master, gradient or optimizer state)\n";
+// The size-based costs of the pipeline's layers (what RoundPipe plans with before any time is
+// measured): their weights' bytes, and gradients' in backward.
+std::vector<scheduler::LayerCost> layer_costs(const MemoryPlan& memory) {
+  std::vector<int64_t> bytes, grads;
+  for (const scheduler::LayerMemory& l : scheduler::layer_memory(memory.shape, memory.device_options)) {
+    bytes.push_back(l.param_bytes);
+    grads.push_back(l.grad_bytes);
   }
-  out << describe_parameter_counts(counts) << "\n";
-  out << "devices (" << model.devices().size() << "):";
-  for (const c10::Device& d : model.devices()) out << " " << d.str();
+  return scheduler::size_based_costs(bytes, grads);
+}
+
+// The devices and every stage of the plan with its layers and bytes.
+void print_stages(const MemoryPlan& memory, const std::vector<scheduler::LayerCost>& costs, std::ostream& out) {
+  out << "devices (" << memory.devices.size() << "):";
+  for (const c10::Device& d : memory.devices) out << " " << d.str();
   out << "\n";
-  const scheduler::ExecutePlan plan = model.plan();
+  const auto num_layers = static_cast<int64_t>(costs.size());
+  const scheduler::ExecutePlan& plan = memory.plan;
   out << "layers: " << num_layers << " (0 = embeddings, 1.." << num_layers - 2 << " = decoder layers, "
       << num_layers - 1 << " = norm + lm_head)\n";
   out << "stages (" << plan.num_stages() << "): forward stages, then backward stages deepest first; "
@@ -180,34 +197,32 @@ void run_plan(const LauncherConfig& config, std::ostream& out, const std::string
   int index = 0;
   auto print_stage = [&](const char* kind, const scheduler::LayerRange& range, bool backward) {
     int64_t bytes = 0;
-    for (int64_t l = range.begin; l < range.end; ++l) {
-      bytes += backward ? costs[l].backward_bytes : costs[l].bytes;
-    }
+    for (int64_t l = range.begin; l < range.end; ++l) bytes += backward ? costs[l].backward_bytes : costs[l].bytes;
     out << "  stage " << index++ << "  " << kind << "  layers " << layer_span(range, num_layers) << "  "
         << format_bytes(bytes) << (backward ? " (parameters + gradients)" : " (parameters)") << "\n";
   };
   for (const auto& range : plan.forward_stages()) print_stage("fwd", range, false);
   for (const auto& range : plan.backward_stages()) print_stage("bwd", range, true);
+}
 
-  // The memory model (scheduler/memory_model.h) on the plan the runtime built.
-  print_memory_plan(config, plan_memory(config, plan), out);
-
-  // The plan's simulated timeline. Before any layer time is measured the costs are size-based
-  // (bytes): rescaled so that one iteration takes 100 (the simulator is linear in the costs).
-  const int64_t num_devices = static_cast<int64_t>(model.devices().size());
-  const int64_t num_microbatch = config.run.num_microbatch.value_or(num_devices + 1);
+// The plan's simulated timeline. Before any layer time is measured the costs are size-based
+// (bytes): rescaled so that one iteration takes 100 (the simulator is linear in the costs).
+void print_timeline(const LauncherConfig& config, const MemoryPlan& memory,
+                    const std::vector<scheduler::LayerCost>& costs, const std::string& svg_path, std::ostream& out) {
+  const int64_t num_microbatch = config.run.num_microbatch.value_or(memory.num_devices + 1);
   // The runtime's rules: with the stage grain, backward stages recompute ahead (Note [Recompute
   // ahead] in roundpipe/detail/stage_jobs.cpp).
   const auto rules = scheduler::SimulateOptions().set_recompute_ahead(config.run.recompute == RecomputeGrain::kStage);
   scheduler::SimulationResult sim =
-      scheduler::simulate(plan, scheduler::RunType::kFused, costs, num_devices, num_microbatch, rules);
+      scheduler::simulate(memory.plan, scheduler::RunType::kFused, costs, memory.num_devices, num_microbatch, rules);
   if (sim.makespan > 0) {
     std::vector<scheduler::LayerCost> scaled = costs;
     for (scheduler::LayerCost& c : scaled) {
       c.forward *= 100.0 / sim.makespan;
       c.backward *= 100.0 / sim.makespan;
     }
-    sim = scheduler::simulate(plan, scheduler::RunType::kFused, scaled, num_devices, num_microbatch, rules);
+    sim =
+        scheduler::simulate(memory.plan, scheduler::RunType::kFused, scaled, memory.num_devices, num_microbatch, rules);
   }
   const auto preview = scheduler::PreviewOptions().set_time_unit("").set_title(
       "simulated timeline (size-based costs; one iteration = 100)");
@@ -216,6 +231,28 @@ void run_plan(const LauncherConfig& config, std::ostream& out, const std::string
     write_file_atomically(svg_path, scheduler::timeline_svg(sim, preview));
     out << "timeline picture: " << svg_path << "\n";
   }
+}
+
+}  // namespace
+
+void run_validate(const LauncherConfig& config, std::ostream& out) {
+  models::ModelConfig model_config = resolve_model_config(config);
+  check_supported(config, model_config);
+  check_lora_targets(config, model_config);
+  out << to_yaml(config);
+}
+
+void run_plan(const LauncherConfig& config, std::ostream& out, const std::string& svg_path) {
+  // Note [Config-only plans]
+  const models::ModelConfig model_config = resolve_model_config(config);
+  check_supported(config, model_config);
+  check_lora_targets(config, model_config);
+  const MemoryPlan memory = plan_memory(config);
+  print_model(config, model_config, memory, out);
+  const std::vector<scheduler::LayerCost> costs = layer_costs(memory);
+  print_stages(memory, costs, out);
+  print_memory_plan(config, memory, out);
+  print_timeline(config, memory, costs, svg_path, out);
 }
 
 void run_eval(const LauncherConfig& config, std::ostream& out) {

@@ -16,7 +16,9 @@ void run_validate(const LauncherConfig& config, std::ostream& out);
 
 /// Prints the devices, the stages of the training plan (layer ranges, forward/backward, bytes),
 /// estimated host and device memory and the plan's simulated timeline (scheduler/plan_preview.h),
-/// without training. A non-empty `svg_path` also gets the timeline as an SVG picture (atomically).
+/// without training, from the model's configuration alone: no weights, no allocation, no GPU
+/// (docs/launcher.md, "plan"). A non-empty `svg_path` also gets the timeline as an SVG picture
+/// (atomically).
 void run_plan(const LauncherConfig& config, std::ostream& out, const std::string& svg_path = "");
 
 /// Evaluates the configured model on data.valid (else data.train); the last line printed is

@@ -1,6 +1,7 @@
 #include "roundpipe/launcher/cli/memory_plan.h"
 
 #include <c10/core/ScalarType.h>
+#include <c10/util/Exception.h>
 
 #include <algorithm>
 #include <cstdio>
@@ -70,11 +71,14 @@ scheduler::TransformerShape shape_of(const LauncherConfig& config) {
   s.head_dim = m.head_dim;
   s.qk_norm = models::architecture_traits(m.architecture).qk_norm;
   s.attention_bias = m.attention_bias;
+  s.attention_sinks = models::architecture_traits(m.architecture).attention_sinks;
+  s.mlp_bias = m.mlp_bias;
   s.tied_embeddings = m.tie_word_embeddings;
   if (m.is_moe()) {
     s.experts = m.num_experts;
     s.experts_per_token = m.num_experts_per_tok;
     s.moe_intermediate = m.moe_intermediate_size > 0 ? m.moe_intermediate_size : m.intermediate_size;
+    s.expert_bias = m.architecture == models::Architecture::kGptOss;  // as models::Experts allocates them
     for (int64_t i = 0; i < m.num_hidden_layers; ++i) s.sparse_layers.push_back(m.layer_is_sparse(i));
   }
   if (const auto lora = lora_options(config)) {
@@ -138,7 +142,8 @@ MemoryPlan plan_memory(const LauncherConfig& config, const std::optional<schedul
   MemoryPlan memory;
   memory.shape = shape_of(config);
   memory.params = scheduler::count_parameters(memory.shape);
-  const std::vector<c10::Device> devices = round_pipe_options(config).devices();
+  memory.devices = round_pipe_options(config).devices();
+  const std::vector<c10::Device>& devices = memory.devices;
   memory.num_devices = std::max<int64_t>(1, static_cast<int64_t>(devices.size()));
   memory.cpu_devices = std::any_of(devices.begin(), devices.end(), [](const c10::Device& d) { return !d.is_cuda(); });
   scheduler::DeviceMemoryOptions& o = memory.device_options;
@@ -155,11 +160,27 @@ MemoryPlan plan_memory(const LauncherConfig& config, const std::optional<schedul
     for (const c10::Device& d : devices) {
       if (!d.is_cuda()) continue;
       const int64_t bytes = cuda_device_memory_bytes(d.index() < 0 ? 0 : d.index());
+      if (bytes <= 0) {
+        throw ConfigError("run.devices: " + d.str() +
+                          " is not a visible CUDA device, so its memory is unknown; to plan for GPUs this machine "
+                          "does not have, set run.device_memory_gib (e.g. run.device_memory_gib=24)");
+      }
       memory.device_bytes = memory.device_bytes ? std::min(*memory.device_bytes, bytes) : bytes;
     }
   }
   memory.reserved_bytes = memory.cpu_devices ? 0 : kCudaReservedBytes;
-  memory.plan = plan ? *plan : scheduler::runtime_plan(memory.shape, o, memory.num_devices);
+  // RoundPipe's default budget on GPUs: half the smallest one's memory (round_pipe.cpp).
+  const bool any_cuda = std::any_of(devices.begin(), devices.end(), [](const c10::Device& d) { return d.is_cuda(); });
+  if (any_cuda && memory.device_bytes) memory.memory_budget_bytes = *memory.device_bytes / 2;
+  try {
+    memory.plan =
+        plan ? *plan : scheduler::runtime_plan(memory.shape, o, memory.num_devices, memory.memory_budget_bytes);
+  } catch (const c10::Error& e) {  // a layer alone over RoundPipe's per-stage budget
+    throw ConfigError(std::string(config.run.device_memory_gib ? "run.device_memory_gib" : "device memory") +
+                      ": no plan fits RoundPipe's per-stage budget of half the device's memory (" +
+                      gib(memory.memory_budget_bytes) + "): " + e.what_without_backtrace() +
+                      "; use GPUs with more memory (docs/user-guide.md, \"Planning memory\")");
+  }
   set_stages(config, memory);
   return memory;
 }
@@ -192,7 +213,8 @@ void print_memory_plan(const LauncherConfig& config, const MemoryPlan& memory, s
   }
   for (int64_t bytes : sizes) {
     const int64_t usable = bytes - memory.reserved_bytes;
-    const int64_t with_plan = scheduler::max_seq_len(memory.shape, o, memory.num_devices, usable, true);
+    const int64_t with_plan =
+        scheduler::max_seq_len(memory.shape, o, memory.num_devices, usable, true, 1024, memory.memory_budget_bytes);
     const int64_t cut = scheduler::max_seq_len(memory.shape, o, memory.num_devices, usable, false);
     out << "longest data.seq_len under " << gib(bytes) << " (multiples of 1024, " << o.microbatch_rows
         << " row(s) a microbatch): " << with_plan << " with this plan, " << cut << " with stages cut by memory\n";
@@ -234,7 +256,8 @@ void check_memory_fits(const LauncherConfig& config) {
           << (memory.reserved_bytes > 0 ? " (its memory less " + gib(memory.reserved_bytes) + " reserved for CUDA)"
                                         : "")
           << ". What fits:";
-      const int64_t seq = scheduler::max_seq_len(memory.shape, o, memory.num_devices, limit, true, 1);
+      const int64_t seq =
+          scheduler::max_seq_len(memory.shape, o, memory.num_devices, limit, true, 1, memory.memory_budget_bytes);
       if (seq > 0) {
         why << " data.seq_len <= " << seq;
       } else {
@@ -286,8 +309,13 @@ void check_memory_fits(const LauncherConfig& config) {
     lora.model.lora->rank = 8;
     lora.model.lora->alpha = 16.0;
     lora.model.lora->dropout = 0.0;
-    lora.model.lora->targets = {"all-linear"};
-    consider("model.lora: {rank: 8, targets: [all-linear]} (fine-tunes model.pretrained)", lora);
+    // all-linear is refused on mixtures of experts (check_lora_targets): attention only there.
+    const bool moe = memory.shape.experts > 0;
+    lora.model.lora->targets =
+        moe ? std::vector<std::string>{"q_proj", "k_proj", "v_proj", "o_proj"} : std::vector<std::string>{"all-linear"};
+    consider(std::string("model.lora: {rank: 8, targets: ") +
+                 (moe ? "[q_proj, k_proj, v_proj, o_proj]" : "[all-linear]") + "} (fine-tunes model.pretrained)",
+             lora);
   }
   if (config.run.step_mode == StepMode::kAsync) {
     LauncherConfig sync = config;

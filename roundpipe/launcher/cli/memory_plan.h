@@ -2,7 +2,10 @@
 // predictions, printed by `roundpipe plan` and checked by `roundpipe train` before any weight loads.
 #pragma once
 
+#include <c10/core/Device.h>
+
 #include <cstdint>
+#include <limits>
 #include <optional>
 #include <ostream>
 #include <vector>
@@ -16,8 +19,12 @@ namespace roundpipe::launcher {
 struct MemoryPlan {
   scheduler::TransformerShape shape;
   scheduler::DeviceMemoryOptions device_options;
+  std::vector<c10::Device> devices;  ///< run.devices (RoundPipe's devices)
   int64_t num_devices = 1;
   bool cpu_devices = true;
+  /// The runtime's partition budget per stage (RoundPipeOptions::device_memory_budget_bytes):
+  /// with CUDA devices half of device_bytes, else unlimited.
+  int64_t memory_budget_bytes = std::numeric_limits<int64_t>::max();
   scheduler::ExecutePlan plan;                 ///< the runtime's (size-based) plan
   std::vector<scheduler::StageMemory> stages;  ///< its stages' peaks at data.seq_len
   std::optional<int64_t> device_bytes;         ///< run.device_memory_gib, else the smallest GPU's
@@ -32,9 +39,9 @@ struct MemoryPlan {
 /// measured on a GPU (docs/benchmarks.md, "Memory model").
 inline constexpr int64_t kCudaReservedBytes = int64_t{1} << 30;
 
-/// The predictions for `config` (reads model.pretrained's config.json, nothing else) on `plan`,
-/// by default the plan the runtime builds (scheduler::runtime_plan). Throws ConfigError for a
-/// model config the model cannot build.
+/// The predictions for `config` (reads model.pretrained's config.json, nothing else: no weights,
+/// no GPU) on `plan`, by default the plan the runtime builds (scheduler::runtime_plan within
+/// memory_budget_bytes). Throws ConfigError for a model config the model cannot build.
 MemoryPlan plan_memory(const LauncherConfig& config, const std::optional<scheduler::ExecutePlan>& plan = std::nullopt);
 
 /// The `roundpipe plan` lines: per-stage peaks, the longest seq_len under the device memory (and

@@ -90,12 +90,8 @@ std::optional<models::LoraOptions> lora_options(const LauncherConfig& config) {
 
 namespace {
 
-models::Pretrained make_base_model(const LauncherConfig& config, const models::ModelConfig& model_config,
-                                   bool allocate_only) {
+models::Pretrained make_base_model(const LauncherConfig& config, const models::ModelConfig& model_config) {
   const c10::ScalarType dtype = config.model.dtype;
-  if (allocate_only) {
-    return {models::make_model(model_config, at::TensorOptions().dtype(dtype)), model_config};
-  }
   if (!config.model.pretrained.empty()) {
     return models::load_pretrained(config.model.pretrained, models::LoadOptions().dtype(dtype));
   }
@@ -136,9 +132,7 @@ void warn_replaced_options(const models::LoraOptions& wanted, const models::Lora
 
 }  // namespace
 
-LauncherModel make_launcher_model(const LauncherConfig& config, bool allocate_only) {
-  models::ModelConfig model_config = resolve_model_config(config);
-  check_supported(config, model_config);
+void check_lora_targets(const LauncherConfig& config, const models::ModelConfig& model_config) {
   if (model_config.is_moe() && config.model.lora.has_value()) {
     const auto& targets = config.model.lora->targets;
     if (std::find(targets.begin(), targets.end(), "all-linear") != targets.end()) {
@@ -162,7 +156,13 @@ LauncherModel make_launcher_model(const LauncherConfig& config, bool allocate_on
     throw ConfigError("model.lora.dropout: " + std::to_string(config.model.lora->dropout) +
                       " with model.lora.target_parameters; as in PEFT, adapters on expert weights need dropout 0");
   }
-  models::Pretrained pre = make_base_model(config, model_config, allocate_only);
+}
+
+LauncherModel make_launcher_model(const LauncherConfig& config) {
+  models::ModelConfig model_config = resolve_model_config(config);
+  check_supported(config, model_config);
+  check_lora_targets(config, model_config);
+  models::Pretrained pre = make_base_model(config, model_config);
   auto head = pre.model->ptr<models::LmHeadImpl>(pre.model->size() - 1);
   head->set_loss_chunk_bytes(config.run.loss_chunk_mib << 20);
   head->set_report_correct(true);  // evaluate() reports token accuracy; training is unchanged

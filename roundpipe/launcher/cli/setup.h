@@ -41,8 +41,11 @@ std::optional<models::LoraOptions> lora_options(const LauncherConfig& config);
 /// The model in model.dtype: model.pretrained's weights, or a fresh HF-style random init seeded
 /// with train.seed. With model.lora: LoRA adapters on the frozen base (Note [LoRA in the
 /// launcher]): model.lora.adapter's weights and options, else PEFT's init seeded with train.seed.
-/// `allocate_only`: uninitialised base parameters (plan: no init cost).
-LauncherModel make_launcher_model(const LauncherConfig& config, bool allocate_only = false);
+LauncherModel make_launcher_model(const LauncherConfig& config);
+
+/// Refuses model.lora.targets that the model cannot adapt as PEFT would (`all-linear` on a
+/// mixture of experts: docs/models.md). Throws ConfigError naming the key.
+void check_lora_targets(const LauncherConfig& config, const models::ModelConfig& model_config);
 
 /// Parameter counts of a model (shared tensors once): those that train (requires_grad) and all.
 struct ParameterCounts {

@@ -9,9 +9,18 @@
 #include <map>
 
 #include "roundpipe/launcher/detail/config_error.h"
+#include "roundpipe/models/architecture.h"
 
 namespace roundpipe::launcher::detail {
 namespace {
+
+// Every architecture of the models module (architecture.h), in enum order: a new one is a preset
+// without an edit here.
+std::vector<std::string> preset_names() {
+  std::vector<std::string> names;
+  for (const models::ArchitectureTraits& row : models::all_architectures()) names.emplace_back(row.model_type);
+  return names;
+}
 
 std::string number_text(double v) {
   char buffer[32];
@@ -157,7 +166,7 @@ std::vector<KeySpec> build_schema() {
                   .field([](C& c) -> std::string& { return c.model.pretrained; }));
   t.push_back(Key("model.preset", KeyKind::kChoice, "null",
                   "Architecture of a model trained from scratch (random initial weights).")
-                  .one_of({"llama", "mistral", "qwen3", "qwen3_moe", "mixtral"})
+                  .one_of(preset_names())
                   .nullable()
                   .custom(
                       [](C& c, const Value& v) {
