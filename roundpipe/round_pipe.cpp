@@ -32,6 +32,7 @@
 #include "roundpipe/detail/stage_jobs.h"
 #include "roundpipe/detail/step_pipeline.h"
 #include "roundpipe/devices.h"
+#include "roundpipe/side_inputs.h"
 
 namespace roundpipe {
 
@@ -161,6 +162,7 @@ struct RoundPipe::Impl {
     TORCH_CHECK(!ctx.label_to_last_layer || label.defined() || !ctx.training, "RoundPipe '", options.name(), "': ",
                 entry, " needs a label: RoundPipeOptions::label_to_last_layer passes it to the last layer");
     if (ctx.training || label.defined()) ctx.labels = detail::split_label(label, rows, M, options.name());
+    ctx.side_inputs = detail::split_side_inputs(SideInputScope::current(), rows, M, options.name());
     if (ctx.training) {
       if (measure_if_automatic && !cfg.execute_plan) {
         ctx.forward_ms.assign(static_cast<size_t>(num_layers()), 0.0);

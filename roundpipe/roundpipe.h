@@ -14,6 +14,7 @@
 #include "roundpipe/recompute_data.h"
 #include "roundpipe/round_pipe.h"
 #include "roundpipe/run_config.h"
+#include "roundpipe/side_inputs.h"
 #include "roundpipe/stage_trace.h"
 #include "scheduler/dispatch.h"
 #include "scheduler/execute_plan.h"

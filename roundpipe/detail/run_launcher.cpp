@@ -66,6 +66,20 @@ std::vector<at::Tensor> split_label(const at::Tensor& label, int64_t rows, int64
   return {chunks.begin(), chunks.end()};
 }
 
+std::vector<SideInputs> split_side_inputs(const SideInputs& side, int64_t rows, int64_t num_microbatch,
+                                          const std::string& model_name) {
+  std::vector<SideInputs> per_mb(side.empty() ? 0 : static_cast<size_t>(num_microbatch));
+  for (const auto& [name, t] : side) {
+    TORCH_CHECK(t.defined() && t.dim() > 0 && t.size(0) == rows, "RoundPipe '", model_name, "': side input '", name,
+                "' has ", t.defined() && t.dim() > 0 ? std::to_string(t.size(0)) + " rows" : std::string("no rows"),
+                " but the inputs have ", rows, ": side inputs are split along dim 0 with the inputs, so give each one ",
+                "row per input row (docs/architecture.md, \"Side inputs\")");
+    auto chunks = t.tensor_split(num_microbatch, 0);
+    for (int64_t j = 0; j < num_microbatch; ++j) per_mb[j].emplace(name, chunks[j]);
+  }
+  return per_mb;
+}
+
 namespace {
 
 std::vector<ChannelPtr> channels(int64_t n) {

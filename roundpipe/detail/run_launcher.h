@@ -57,6 +57,11 @@ std::vector<at::Tensor> split_label(const at::Tensor& label, int64_t rows, int64
 std::vector<Activations> split_batch(const std::vector<at::Tensor>& tensors, int64_t num_microbatch,
                                      const std::string& what, const std::string& model_name);
 
+/// Splits every side input (roundpipe/side_inputs.h) along dim 0 into `num_microbatch` pieces like
+/// inputs of `rows` rows; [microbatch]. Checks that each has `rows` rows.
+std::vector<SideInputs> split_side_inputs(const SideInputs& side, int64_t rows, int64_t num_microbatch,
+                                          const std::string& model_name);
+
 /// The posted stage jobs of a run, in program order: [0, head) are the forward and fused jobs
 /// (all of them for inference), the rest the backward jobs.
 struct RunJobs {

@@ -252,6 +252,19 @@ class LayerLeases {
   std::vector<ShellLease> shells_;  // layers r.begin, r.begin + 1, ... leased so far
 };
 
+// Note [Side inputs]: the caller's side inputs (roundpipe/side_inputs.h), split into microbatches
+// with the inputs (ctx.side_inputs, read-only during the run), are installed by every stage job
+// around the passes of its layers on a microbatch -- forward stages, the fused tail and the
+// recompute of backward stages alike -- so a layer sees the same rows in its first pass and in
+// its recompute. One scope per (job, microbatch): each tensor is moved to the job's device at most
+// once for all of the stage's layers. The scope is the worker thread's own (thread-local); the
+// host tensors it starts from are shared read-only. The backward pass itself calls no forward:
+// what a layer derived from a side input (a mask) is in its autograd graph.
+SideInputScope microbatch_side_inputs(const RunContext& ctx, int64_t j, DeviceIo& io) {
+  SideInputs rows = ctx.side_inputs.empty() ? SideInputs{} : ctx.side_inputs[static_cast<size_t>(j)];
+  return SideInputScope(std::move(rows), io.device());
+}
+
 // `first_pass`: the layer's forward or fused pass (not a recompute); timed when measuring.
 // Note [Draws in the tail]: a training run's first pass notes whether the layer drew random
 // numbers on the microbatch (ctx.rng_used, written before the pass's output goes downstream, so
@@ -469,6 +482,7 @@ void run_forward_stage(RunContext& ctx, size_t stage, scheduler::LayerRange r, c
       pos.microbatch = j;
       Activations acts = io.upload(stage == 0 ? ctx.inputs[j] : handovers.await_input(ctx.fwd_out[stage - 1][j]));
       const at::Tensor label = label_for(ctx, r, j, io, LabelUse::kLastLayerOnly);
+      SideInputScope side = microbatch_side_inputs(ctx, j, io);
       for (int64_t l = r.begin; l < r.end; ++l) {
         pos.layer = l;
         if (!ctx.saved[l].empty()) handovers.post(j, ctx.saved[l][j], io.download_async(acts, /*copy=*/true));
@@ -508,6 +522,7 @@ void run_fused_stage(RunContext& ctx, scheduler::LayerRange r, c10::Device devic
       StageTimer timer(ctx, io, 0);
       Activations acts = leaves;
       const at::Tensor label = label_for(ctx, r, j, io, LabelUse::kLossFn);
+      SideInputScope side = microbatch_side_inputs(ctx, j, io);
       for (int64_t l = r.begin; l < r.end; ++l) {
         pos.layer = l;
         acts = run_layer(ctx, shells[l], l, j, layer_inputs(ctx, l, acts, label), io, /*first_pass=*/true,
@@ -574,6 +589,7 @@ void run_backward_stage(RunContext& ctx, size_t stage, scheduler::LayerRange r, 
       Activations grads;
       if (!ahead) grads = io.upload(handovers.await_input(ctx.bwd_grad[stage - 1][j]));
       StageTimer timer(ctx, io, stage);
+      SideInputScope side = microbatch_side_inputs(ctx, j, io);
       if (ctx.grain == RecomputeGrain::kStage) {
         // The forward of the stage's layers must be done for this microbatch (the recompute
         // replays its draws, Note [Layer RNG]): the saved input of the next stage down, or the

@@ -20,6 +20,7 @@
 #include "roundpipe/loss_fn.h"
 #include "roundpipe/recompute_data.h"
 #include "roundpipe/run_config.h"
+#include "roundpipe/side_inputs.h"
 #include "scheduler/execute_plan.h"
 
 namespace roundpipe::amp {
@@ -95,6 +96,9 @@ struct RunContext {
   RecomputeGrain grain = RecomputeGrain::kStage;
   std::vector<Activations> inputs;   // [mb]
   std::vector<at::Tensor> labels;    // [mb]
+  /// [mb] the rows of the caller's side inputs (Note [Side inputs] in stage_jobs.cpp); empty when
+  /// the call has none. Written by the caller before the jobs are posted, then read-only.
+  std::vector<SideInputs> side_inputs;
   const LossFn* loss_fn = nullptr;
   /// RoundPipeOptions::label_to_last_layer: the last layer is called with labels[mb] appended.
   bool label_to_last_layer = false;

@@ -1,10 +1,12 @@
 #include "roundpipe/launcher/chat_data.h"
 
+#include <ATen/ops/empty.h>
 #include <ATen/ops/full.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
 #include <fstream>
+#include <map>
 #include <numeric>
 #include <sstream>
 #include <stdexcept>
@@ -12,6 +14,7 @@
 #include <nlohmann/json.hpp>
 
 #include "roundpipe/launcher/config.h"
+#include "roundpipe/models/layers.h"
 
 namespace roundpipe::launcher {
 namespace {
@@ -87,6 +90,40 @@ int64_t trained_labels(const models::ChatTokens& row) {
   return n;
 }
 
+// Note [Chat packing]: with data.packing, each kept conversation (its first seq_len + 1 tokens)
+// takes n - 1 input positions of a row (all its tokens but the last, which is only a label), and
+// whole conversations are packed into rows of seq_len positions best-fit decreasing (TRL's `bfd`):
+// longest first (ties in file order), each into the open row with the least room that still
+// fits it, else a new row. The rows are made once; epochs shuffle the rows. Within a row each
+// conversation keeps its own labels (never the next conversation's first token), its positions
+// restart at 0 and its segment id is its index in the row, so the attention layers (docs/models.md,
+// "Packed sequences") compute each conversation as if it were alone: the loss equals unpacked.
+std::vector<std::vector<int64_t>> pack_best_fit_decreasing(const std::vector<int64_t>& lengths, int64_t capacity) {
+  std::vector<int64_t> order(lengths.size());
+  std::iota(order.begin(), order.end(), int64_t{0});
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return lengths[a] > lengths[b]; });
+  std::vector<std::vector<int64_t>> packs;
+  std::multimap<int64_t, size_t> room;  // room left -> pack
+  for (int64_t i : order) {
+    const int64_t n = lengths[static_cast<size_t>(i)];
+    auto it = room.lower_bound(n);  // the least room that fits
+    size_t pack = 0;
+    int64_t left = 0;
+    if (it == room.end()) {
+      pack = packs.size();
+      packs.emplace_back();
+      left = capacity;
+    } else {
+      pack = it->second;
+      left = it->first;
+      room.erase(it);
+    }
+    packs[pack].push_back(i);
+    if (left - n > 0) room.emplace(left - n, pack);
+  }
+  return packs;
+}
+
 }  // namespace
 
 ChatDataset ChatDataset::load(const std::string& path, const models::ChatTemplate& chat_template,
@@ -156,6 +193,13 @@ ChatDataset ChatDataset::load(const std::string& path, const models::ChatTemplat
                       " with all of them past data.seq_len + 1 = " + std::to_string(keep) +
                       " tokens): raise data.seq_len, or set data.train_on: all");
   }
+  if (options.packing) {
+    std::vector<int64_t> lengths;
+    lengths.reserve(data.rows_.size());
+    for (const auto& row : data.rows_) lengths.push_back(static_cast<int64_t>(row.ids.size()) - 1);
+    data.packs_ = pack_best_fit_decreasing(lengths, options.seq_len);
+    stats.packed_rows = static_cast<int64_t>(data.packs_.size());
+  }
   return data;
 }
 
@@ -169,32 +213,73 @@ std::string ChatDataset::describe() const {
             with_commas(dropped) + " dropped with nothing to train";
     if (stats_.dropped_truncated > 0) text += " (" + with_commas(stats_.dropped_truncated) + " of them by truncation)";
   }
+  if (options_.packing) {
+    const int64_t inputs = stats_.tokens - stats_.conversations;
+    const double fill = 100.0 * static_cast<double>(inputs) /
+                        static_cast<double>(std::max<int64_t>(1, stats_.packed_rows * options_.seq_len));
+    std::ostringstream f;
+    f.precision(1);
+    f << std::fixed << fill;
+    text += "; packed into " + with_commas(stats_.packed_rows) + " rows of " + std::to_string(options_.seq_len) +
+            " positions, " + f.str() + "% filled";
+  }
   return text + ")";
 }
 
 Batch ChatDataset::make_batch(const std::vector<int64_t>& indices) const {
   TORCH_CHECK(!indices.empty(), "ChatDataset::make_batch: no rows requested");
+  // [row] the conversations of each row: one, or a pack (Note [Chat packing]).
+  std::vector<std::vector<int64_t>> convs;
   int64_t width = 1;
   for (int64_t i : indices) {
     TORCH_CHECK(i >= 0 && i < size(), "ChatDataset::make_batch: row ", i, " is outside [0, ", size(), ")");
-    width = std::max<int64_t>(width, static_cast<int64_t>(rows_[static_cast<size_t>(i)].ids.size()) - 1);
+    convs.push_back(options_.packing ? packs_[static_cast<size_t>(i)] : std::vector<int64_t>{i});
+    int64_t used = 0;
+    for (int64_t c : convs.back()) used += static_cast<int64_t>(rows_[static_cast<size_t>(c)].ids.size()) - 1;
+    width = std::max(width, used);
   }
   const int64_t rows = static_cast<int64_t>(indices.size());
   at::Tensor inputs = at::full({rows, width}, options_.pad_id, at::kLong);
   at::Tensor labels = at::full({rows, width}, kIgnoreLabel, at::kLong);
+  at::Tensor positions, segments;
+  int64_t* pos = nullptr;
+  int64_t* seg = nullptr;
+  if (options_.packing) {
+    positions = at::empty({rows, width}, at::kLong);
+    segments = at::empty({rows, width}, at::kLong);
+    pos = positions.data_ptr<int64_t>();
+    seg = segments.data_ptr<int64_t>();
+  }
   int64_t* in = inputs.data_ptr<int64_t>();
   int64_t* lab = labels.data_ptr<int64_t>();
   int64_t tokens = 0;
   for (int64_t r = 0; r < rows; ++r) {
-    const models::ChatTokens& row = rows_[static_cast<size_t>(indices[static_cast<size_t>(r)])];
-    const int64_t n = static_cast<int64_t>(row.ids.size()) - 1;  // inputs: all but the last token
-    for (int64_t t = 0; t < n; ++t) {
-      in[r * width + t] = row.ids[static_cast<size_t>(t)];
-      if (row.trained[static_cast<size_t>(t + 1)] != 0) lab[r * width + t] = row.ids[static_cast<size_t>(t + 1)];
+    int64_t at = 0;
+    int64_t segment = 0;
+    for (int64_t c : convs[static_cast<size_t>(r)]) {
+      const models::ChatTokens& row = rows_[static_cast<size_t>(c)];
+      const int64_t n = static_cast<int64_t>(row.ids.size()) - 1;  // inputs: all but the last token
+      for (int64_t t = 0; t < n; ++t) {
+        const int64_t k = r * width + at + t;
+        in[k] = row.ids[static_cast<size_t>(t)];
+        if (row.trained[static_cast<size_t>(t + 1)] != 0) lab[k] = row.ids[static_cast<size_t>(t + 1)];
+        if (pos != nullptr) {
+          pos[k] = t;
+          seg[k] = segment;
+        }
+      }
+      at += n;
+      ++segment;
     }
-    tokens += n;
+    tokens += at;
+    for (int64_t t = at; pos != nullptr && t < width; ++t) {  // padding: a segment of its own
+      pos[r * width + t] = t - at;
+      seg[r * width + t] = segment;
+    }
   }
-  return Batch{inputs, labels, tokens};
+  Batch batch{inputs, labels, tokens};
+  if (options_.packing) batch.side_inputs = {{models::kPositionIds, positions}, {models::kSegmentIds, segments}};
+  return batch;
 }
 
 ChatSampler::ChatSampler(const ChatDataset& data, int64_t batch_rows, uint64_t seed)

@@ -20,6 +20,10 @@ struct ChatDataOptions {
   /// The input id of padding positions (their labels are ignored; causal attention keeps them
   /// out of the real positions).
   int64_t pad_id = 0;
+  /// data.packing: whole conversations packed into rows of seq_len input positions, best-fit
+  /// decreasing (docs/launcher.md, "Chat data"); batches then carry the side inputs
+  /// models::kPositionIds and kSegmentIds.
+  bool packing = false;
 };
 
 /// What loading a chat file kept, cut and dropped (each line is one conversation).
@@ -32,6 +36,7 @@ struct ChatDataStats {
   int64_t dropped_truncated = 0;   ///< every trained token was past seq_len + 1
   int64_t tokens = 0;              ///< kept tokens (after truncation)
   int64_t trained_tokens = 0;      ///< kept labels the loss counts
+  int64_t packed_rows = 0;         ///< with packing: the rows the conversations were packed into
 };
 
 /// The conversations of one JSONL file as training rows. Immutable after load: const methods may be
@@ -52,21 +57,29 @@ class ChatDataset {
   static ChatDataset load(const std::string& path, const models::ChatTemplate& chat_template,
                           const models::Tokenizer& tokenizer, const ChatDataOptions& options);
 
-  int64_t size() const { return static_cast<int64_t>(rows_.size()); }
+  /// Training rows: conversations, or with packing the packed rows.
+  int64_t size() const { return options_.packing ? static_cast<int64_t>(packs_.size()) : conversations(); }
+  int64_t conversations() const { return static_cast<int64_t>(rows_.size()); }
   const ChatDataStats& stats() const { return stats_; }
   /// "chat file 'train.jsonl' (120 conversations, 9,310 tokens, 4,102 trained)".
   std::string describe() const;
-  /// The conversations `indices` (each in [0, size())) as one batch: inputs [rows, T] with T the
-  /// longest of them (at most seq_len), right-padded with pad_id; labels[r][t] = the token after
-  /// position t where that token is trained, else -100. `tokens` counts the non-padding inputs.
+  /// The rows `indices` (each in [0, size())) as one batch: inputs [rows, T] with T the longest of
+  /// them (at most seq_len), right-padded with pad_id; labels[r][t] = the token after position t
+  /// where that token is trained and belongs to the same conversation, else -100. `tokens` counts
+  /// the non-padding inputs. With packing, a row holds the conversations of pack(i) one after the
+  /// other, and side_inputs gets each position's place in its conversation (kPositionIds, from 0)
+  /// and its conversation's index in the row (kSegmentIds; padding: one more).
   Batch make_batch(const std::vector<int64_t>& indices) const;
   /// Token ids and trained flags of conversation i (after truncation).
   const models::ChatTokens& row(int64_t i) const { return rows_.at(static_cast<size_t>(i)); }
+  /// With packing: the conversations of packed row i, in their order in the row.
+  const std::vector<int64_t>& pack(int64_t i) const { return packs_.at(static_cast<size_t>(i)); }
 
  private:
   std::string path_;
   ChatDataOptions options_;
   std::vector<models::ChatTokens> rows_;
+  std::vector<std::vector<int64_t>> packs_;  // with packing: [packed row] conversation indices
   ChatDataStats stats_;
 };
 

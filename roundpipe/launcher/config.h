@@ -65,7 +65,7 @@ struct DataConfig {
   int64_t seq_len;
   std::optional<int64_t> vocab_size;  ///< synthetic only
   models::ChatTrainOn train_on;       ///< chat only: which tokens the loss trains on
-  bool packing;                       ///< chat only: several conversations per row (not yet supported)
+  bool packing;                       ///< chat only: whole conversations packed into rows (chat_data.h)
 };
 
 struct OptimizerConfig {

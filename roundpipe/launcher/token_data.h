@@ -11,6 +11,8 @@
 #include <string>
 #include <vector>
 
+#include "roundpipe/side_inputs.h"
+
 namespace roundpipe::launcher {
 
 // Note [Token file format]:
@@ -94,6 +96,9 @@ struct Batch {
   at::Tensor inputs;
   at::Tensor labels;
   int64_t tokens = 0;  ///< non-padding input positions (token streams: B * seq_len)
+  /// Per-row side inputs for the layers (packed chat rows: positions and segment ids, [B, T]);
+  /// install them with a SideInputScope around the model's call. Empty otherwise.
+  SideInputs side_inputs = {};
 };
 
 /// Training batches of any data format: an endless stream whose position is one integer, so a

@@ -29,6 +29,7 @@
 #include "roundpipe/models/detail/rotary.h"
 #include "roundpipe/models/linear_cross_entropy.h"
 #include "roundpipe/models/moe.h"
+#include "roundpipe/side_inputs.h"
 
 namespace roundpipe::models {
 namespace {
@@ -104,6 +105,57 @@ at::Tensor sink_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
                                  sinks, dropout, training));
   }
   return at::cat(outputs, 2);
+}
+
+// Note [Packed attention]: a packed row holds several sequences side by side, told apart by the
+// side input kSegmentIds [B, T] (roundpipe/side_inputs.h). Query i of a row sees key j iff j <= i,
+// j is in i's segment, and (on a sliding layer) i - window < j: block-diagonal causal attention,
+// so no sequence sees another, and each sequence computes as it would alone (its positions, the
+// side input kPositionIds, restart at 0 for the rotary embedding). Queries go in blocks of
+// kMinQueryBlock rows (or the window, if larger) against the keys they may see, through SDPA with
+// a boolean [B, 1, Q, K] mask (or sink_block), so no [T, T] mask exists. Without kSegmentIds
+// nothing changes: the is_causal fast path and the unpacked window and sink paths are kept.
+
+// [B, 1, Q, K]: whether query rows [q_start, q_start + Q) and key rows [k_start, k_start + K) of
+// `segments` [B, T] are in the same segment.
+at::Tensor same_segment(const at::Tensor& segments, int64_t q_start, int64_t q_len, int64_t k_start, int64_t k_len) {
+  const at::Tensor q_seg = segments.narrow(1, q_start, q_len).unsqueeze(2);
+  const at::Tensor k_seg = segments.narrow(1, k_start, k_len).unsqueeze(1);
+  return q_seg.eq(k_seg).unsqueeze(1);
+}
+
+at::Tensor packed_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& segments,
+                            std::optional<int64_t> window, const at::Tensor& sinks, double dropout, bool training) {
+  const int64_t seq = q.size(2);
+  const int64_t block = std::max(window.value_or(0), kMinQueryBlock);
+  const auto positions = at::TensorOptions().dtype(at::kLong).device(q.device());
+  std::vector<at::Tensor> outputs;
+  outputs.reserve(static_cast<size_t>((seq + block - 1) / block));
+  for (int64_t s = 0; s < seq; s += block) {
+    const int64_t e = std::min(seq, s + block);
+    const int64_t ks = window ? std::max<int64_t>(0, s - *window + 1) : 0;
+    const at::Tensor q_pos = at::arange(s, e, positions).unsqueeze(1);
+    const at::Tensor k_pos = at::arange(ks, e, positions).unsqueeze(0);
+    at::Tensor allowed = k_pos.le(q_pos);
+    if (window) allowed = allowed.logical_and(k_pos.gt(q_pos - *window));
+    allowed = allowed.logical_and(same_segment(segments, s, e - s, ks, e - ks));
+    const at::Tensor qb = q.narrow(2, s, e - s), kb = k.narrow(2, ks, e - ks), vb = v.narrow(2, ks, e - ks);
+    outputs.push_back(sinks.defined() ? sink_block(qb, kb, vb, allowed, sinks, dropout, training)
+                                      : at::scaled_dot_product_attention(qb, kb, vb, allowed, dropout));
+  }
+  return at::cat(outputs, 2);
+}
+
+// The side input `name` ([B, T] integer) for hidden states x [B, T, ...], or an undefined tensor.
+at::Tensor packed_side_input(const char* name, const at::Tensor& x, int64_t layer_index) {
+  std::optional<at::Tensor> t = side_input(name);
+  if (!t) return {};
+  TORCH_CHECK(t->dim() == 2 && t->size(0) == x.size(0) && t->size(1) == x.size(1) &&
+                  !at::isFloatingType(t->scalar_type()),
+              "Attention (layer ", layer_index, "): side input '", name, "' must be an integer tensor [batch, seq] = [",
+              x.size(0), ", ", x.size(1), "], got ", t->scalar_type(), " ", t->sizes(),
+              " (docs/models.md, \"Packed sequences\")");
+  return t->device() == x.device() ? *t : t->to(x.device());
 }
 
 // Which of the keys at positions [k_start, k_start + K) the queries at positions
@@ -287,7 +339,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> AttentionImpl::project(const at::
   at::Tensor cos, sin;
   {
     at::NoGradGuard no_grad;
-    std::tie(cos, sin) = detail::rotary_cos_sin(config_.rope, d, seq, x.device(), x.scalar_type(), start);
+    const at::Tensor positions = packed_side_input(kPositionIds, x, layer_index_);
+    if (positions.defined()) {
+      std::tie(cos, sin) = detail::rotary_cos_sin_at(config_.rope, d, positions + start, x.scalar_type());
+    } else {
+      std::tie(cos, sin) = detail::rotary_cos_sin(config_.rope, d, seq, x.device(), x.scalar_type(), start);
+    }
   }
   return {detail::apply_rotary(q, cos, sin), detail::apply_rotary(k, cos, sin), v};
 }
@@ -296,10 +353,17 @@ std::optional<int64_t> AttentionImpl::window() const {
   return config_.layer_uses_sliding_window(layer_index_) ? config_.sliding_window : std::nullopt;
 }
 
-at::Tensor AttentionImpl::attend_causal(at::Tensor q, at::Tensor k, at::Tensor v) {
+at::Tensor AttentionImpl::attend_causal(at::Tensor q, at::Tensor k, at::Tensor v, const at::Tensor& segments) {
   const int64_t seq = q.size(2);
   const int64_t groups = config_.num_attention_heads / config_.num_key_value_heads;
   const double dropout = is_training() ? config_.attention_dropout : 0.0;
+  if (segments.defined()) {  // Note [Packed attention]
+    if (groups > 1) {
+      k = k.repeat_interleave(groups, 1);
+      v = v.repeat_interleave(groups, 1);
+    }
+    return packed_attention(q, k, v, segments, window(), sinks, dropout, is_training());
+  }
   if (sinks.defined()) {
     if (groups > 1) {
       k = k.repeat_interleave(groups, 1);
@@ -323,7 +387,7 @@ at::Tensor AttentionImpl::attend_causal(at::Tensor q, at::Tensor k, at::Tensor v
 
 at::Tensor AttentionImpl::forward(const at::Tensor& x) {
   auto [q, k, v] = project(x, /*start=*/0);
-  const at::Tensor attn = attend_causal(q, k, v);
+  const at::Tensor attn = attend_causal(q, k, v, packed_side_input(kSegmentIds, x, layer_index_));
   return o_proj(attn.transpose(1, 2).reshape({x.size(0), x.size(1), -1}));
 }
 
@@ -335,11 +399,14 @@ at::Tensor AttentionImpl::forward(const at::Tensor& x) {
 // window - 1 keys: no later query can see an older one, so its cache never grows past the window.
 at::Tensor AttentionImpl::forward_cached(const at::Tensor& x, LayerKvCache& cache) {
   const int64_t start = cache.length;
+  TORCH_CHECK(!side_input(kSegmentIds) && !side_input(kPositionIds), "Attention (layer ", layer_index_,
+              "): cached generation takes one sequence per row: run it without the side inputs of a packed batch "
+              "(docs/models.md, \"Packed sequences\")");
   auto [q, k, v] = project(x, start);
   const int64_t seq = q.size(2);
   at::Tensor attn;
   if (start == 0) {
-    attn = attend_causal(q, k, v);
+    attn = attend_causal(q, k, v, /*segments=*/{});
   } else {
     TORCH_CHECK(cache.k.defined() && cache.k.size(0) == x.size(0), "Attention (layer ", layer_index_, "): the cache of ", start,
                 " tokens holds no keys of batch size ", x.size(0));

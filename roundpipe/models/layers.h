@@ -30,6 +30,12 @@ namespace roundpipe::models {
 // Thread-safety of every module here: forward() may run concurrently on distinct clones; the
 // same instance may run concurrent forwards (no mutable state besides parameters).
 
+/// Side inputs (roundpipe/side_inputs.h) of a packed batch that the attention layers read, each
+/// an integer tensor [batch, seq]: every token's position in its own sequence (restarting at 0 for
+/// each packed sequence), and which sequence it belongs to (docs/models.md, "Packed sequences").
+inline constexpr char kPositionIds[] = "position_ids";
+inline constexpr char kSegmentIds[] = "segment_ids";
+
 /// y = x W^T (+ b), weight [out_features, in_features], as torch.nn.Linear.
 class LinearImpl : public torch::nn::Cloneable<LinearImpl> {
  public:
@@ -138,7 +144,9 @@ class AttentionImpl : public torch::nn::Cloneable<AttentionImpl> {
  public:
   AttentionImpl(const ModelConfig& config, int64_t layer_index, const at::TensorOptions& options = {});
   void reset() override;
-  /// x [B, T, hidden] -> [B, T, hidden], positions 0..T-1, causal.
+  /// x [B, T, hidden] -> [B, T, hidden], positions 0..T-1, causal. A packed batch: the side
+  /// inputs kPositionIds (rotary positions) and kSegmentIds (attention only within a segment,
+  /// causal) when set (docs/models.md, "Packed sequences").
   at::Tensor forward(const at::Tensor& x);
   /// x [B, T, hidden] at positions cache.length .. cache.length + T - 1 -> [B, T, hidden]: attends
   /// to the cached keys and its own (causal; the last `sliding_window` positions on a sliding
@@ -153,8 +161,9 @@ class AttentionImpl : public torch::nn::Cloneable<AttentionImpl> {
  private:
   // q [B, heads, T, d], k and v [B, kv_heads, T, d] of x at positions start..start+T-1.
   std::tuple<at::Tensor, at::Tensor, at::Tensor> project(const at::Tensor& x, int64_t start);
-  // Causal attention of T queries on their own T keys -> [B, heads, T, d].
-  at::Tensor attend_causal(at::Tensor q, at::Tensor k, at::Tensor v);
+  // Causal attention of T queries on their own T keys -> [B, heads, T, d]; with `segments`
+  // [B, T] defined, block-diagonal causal (docs/models.md, "Packed sequences").
+  at::Tensor attend_causal(at::Tensor q, at::Tensor k, at::Tensor v, const at::Tensor& segments);
   // This layer's sliding window, or nullopt for full attention.
   std::optional<int64_t> window() const;
 

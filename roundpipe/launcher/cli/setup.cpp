@@ -16,6 +16,7 @@
 #include "roundpipe/devices.h"
 #include "roundpipe/launcher/atomic_file.h"
 #include "roundpipe/models/layers.h"
+#include "roundpipe/side_inputs.h"
 
 namespace roundpipe::launcher {
 
@@ -318,6 +319,7 @@ LauncherData open_data(const LauncherConfig& config, const std::string& path, ui
       ChatDataOptions options;
       options.train_on = config.data.train_on;
       options.seq_len = config.data.seq_len;
+      options.packing = config.data.packing;
       data.chat = std::make_unique<ChatDataset>(ChatDataset::load(path, *chat_template, *tokenizer, options));
       return data;
     }
@@ -342,6 +344,7 @@ EvalResult evaluate(RoundPipe& model, const LauncherConfig& config, const Launch
     run.num_microbatch = std::min<int64_t>(batch->inputs.size(0), config.run.num_microbatch.value_or(1));
     // The head given the labels returns each microbatch's {summed loss, correct predictions}
     // (LmHead::set_report_correct); no logits are made.
+    SideInputScope side(batch->side_inputs);  // packed chat rows
     const at::Tensor sums = model.forward({batch->inputs}, batch->labels, run).to(at::kDouble).sum(0);
     total += sums[0].item<double>();
     correct += sums[1].item<double>();

@@ -30,6 +30,7 @@
 #include "roundpipe/launcher/step_loss.h"
 #include "roundpipe/models/layers.h"
 #include "roundpipe/models/moe.h"
+#include "roundpipe/side_inputs.h"
 
 namespace roundpipe::launcher {
 namespace {
@@ -207,9 +208,14 @@ Trainer::StepResult Trainer::train_step() {
     if (world_ > 1) {
       batch.inputs = batch.inputs.narrow(0, rank_ * config_.train.batch_size, config_.train.batch_size);
       batch.labels = batch.labels.narrow(0, rank_ * config_.train.batch_size, config_.train.batch_size);
+      for (auto& [name, t] : batch.side_inputs) {
+        t = t.narrow(0, rank_ * config_.train.batch_size, config_.train.batch_size);
+      }
     }
     // The LmHead returns each microbatch's summed token loss (RoundPipeOptions::label_to_last_layer:
-    // chunked, no logits); forward_backward returns their sum on the CPU.
+    // chunked, no logits); forward_backward returns their sum on the CPU. Packed chat rows carry
+    // their positions and segment ids to every layer as side inputs.
+    SideInputScope side(batch.side_inputs);
     loss.add_pass(model_->forward_backward({batch.inputs}, batch.labels, loss.loss_fn()));
   }
   result.loss = loss.unscaled_sum();

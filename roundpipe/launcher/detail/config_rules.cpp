@@ -132,8 +132,7 @@ std::vector<Rule> build_rules() {
        }});
   r.push_back(
       {"`chat` data needs `model.pretrained` (its tokenizer.json and chat template); "
-       "`data.train_on` and `data.packing` are for `chat` only, and packing is not "
-       "supported yet.",
+       "`data.train_on` and `data.packing` are for `chat` only.",
        [](const C& c) {
          if (c.data.format != DataFormat::kChat) {
            if (c.data.train_on != models::ChatTrainOn::kAssistant) {
@@ -148,11 +147,6 @@ std::vector<Rule> build_rules() {
                              "; token streams are already cut into full windows): remove data.packing");
            }
            return;
-         }
-         if (c.data.packing) {
-           config_fail("data.packing", "true",
-                       "packing conversations into shared rows is not supported yet: set "
-                       "data.packing: false (one conversation a row, padded to the batch's longest)");
          }
          if (c.model.pretrained.empty()) {
            config_fail("data.format", "chat",

@@ -282,8 +282,10 @@ std::vector<KeySpec> build_schema() {
                                                                models::ChatTrainOn::kLastAssistant,
                                                                models::ChatTrainOn::kAll}));
   t.push_back(Key("data.packing", KeyKind::kBool, "false",
-                  "`chat` only: pack several conversations into each row. Not supported yet: "
-                  "false (one conversation a row, right-padded to the batch's longest).")
+                  "`chat` only: pack whole conversations into rows of `data.seq_len` positions "
+                  "(best-fit decreasing), each attending only to itself with its positions "
+                  "restarting at 0, so the loss equals unpacked; false: one conversation a row, "
+                  "right-padded to the batch's longest.")
                   .field([](C& c) -> bool& { return c.data.packing; }));
 
   // ---- optimizer ----

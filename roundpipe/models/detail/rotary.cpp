@@ -115,6 +115,19 @@ std::pair<at::Tensor, at::Tensor> rotary_cos_sin(const RopeParameters& rope, int
   return {(emb.cos() * attention_factor).to(dtype), (emb.sin() * attention_factor).to(dtype)};
 }
 
+std::pair<at::Tensor, at::Tensor> rotary_cos_sin_at(const RopeParameters& rope, int64_t head_dim,
+                                                    const at::Tensor& positions, c10::ScalarType dtype) {
+  TORCH_CHECK(positions.dim() == 2 && !at::isFloatingType(positions.scalar_type()),
+              "rotary embedding: positions must be an integer tensor [batch, seq], got ", positions.scalar_type(), " ",
+              positions.sizes());
+  const at::Tensor inv_freq = rotary_inv_freq(rope, head_dim, positions.device());
+  const at::Tensor freqs = positions.to(at::kFloat).unsqueeze(-1) * inv_freq;  // [B, T, head_dim / 2]
+  const at::Tensor emb = at::cat({freqs, freqs}, -1).unsqueeze(1);             // [B, 1, T, head_dim]
+  const double attention_factor = rotary_attention_factor(rope);
+  if (attention_factor == 1.0) return {emb.cos().to(dtype), emb.sin().to(dtype)};
+  return {(emb.cos() * attention_factor).to(dtype), (emb.sin() * attention_factor).to(dtype)};
+}
+
 at::Tensor apply_rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   const int64_t half = x.size(-1) / 2;
   const at::Tensor x1 = x.narrow(-1, 0, half);

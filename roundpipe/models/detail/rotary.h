@@ -30,6 +30,12 @@ double rotary_attention_factor(const RopeParameters& rope);
 std::pair<at::Tensor, at::Tensor> rotary_cos_sin(const RopeParameters& rope, int64_t head_dim, int64_t seq_len,
                                                  c10::Device device, c10::ScalarType dtype, int64_t start = 0);
 
+/// As rotary_cos_sin, at explicit positions [B, T] (integer; a packed batch's restarting
+/// positions): (cos, sin), each [B, 1, T, head_dim], broadcasting over the heads. A row whose
+/// positions are 0..T-1 gets exactly rotary_cos_sin's values (the same fp32 products).
+std::pair<at::Tensor, at::Tensor> rotary_cos_sin_at(const RopeParameters& rope, int64_t head_dim,
+                                                    const at::Tensor& positions, c10::ScalarType dtype);
+
 /// q * cos + rotate_half(q) * sin for x [B, heads, T, head_dim] and cos/sin [T, head_dim].
 at::Tensor apply_rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 
