@@ -89,6 +89,16 @@ at::Tensor sink_block(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   return at::matmul(probs.to(v.scalar_type()), v);
 }
 
+// [Q, K] booleans: query rows [s, e) may see key rows [ks, e): causal, and inside `window`.
+at::Tensor causal_block_mask(int64_t s, int64_t e, int64_t ks, std::optional<int64_t> window,
+                             const at::TensorOptions& positions) {
+  const at::Tensor q_pos = at::arange(s, e, positions).unsqueeze(1);
+  const at::Tensor k_pos = at::arange(ks, e, positions).unsqueeze(0);
+  at::Tensor allowed = k_pos.le(q_pos);
+  if (window) allowed = allowed.logical_and(k_pos.gt(q_pos - *window));
+  return allowed;
+}
+
 at::Tensor sink_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& sinks,
                           std::optional<int64_t> window, double dropout, bool training) {
   const int64_t seq = q.size(2);
@@ -97,10 +107,7 @@ at::Tensor sink_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
   for (int64_t s = 0; s < seq; s += kSinkQueryBlock) {
     const int64_t e = std::min(seq, s + kSinkQueryBlock);
     const int64_t ks = window ? std::max<int64_t>(0, s - *window + 1) : 0;
-    const at::Tensor q_pos = at::arange(s, e, positions).unsqueeze(1);
-    const at::Tensor k_pos = at::arange(ks, e, positions).unsqueeze(0);
-    at::Tensor allowed = k_pos.le(q_pos);
-    if (window) allowed = allowed.logical_and(k_pos.gt(q_pos - *window));
+    const at::Tensor allowed = causal_block_mask(s, e, ks, window, positions);
     outputs.push_back(sink_block(q.narrow(2, s, e - s), k.narrow(2, ks, e - ks), v.narrow(2, ks, e - ks), allowed,
                                  sinks, dropout, training));
   }
@@ -134,11 +141,8 @@ at::Tensor packed_attention(const at::Tensor& q, const at::Tensor& k, const at::
   for (int64_t s = 0; s < seq; s += block) {
     const int64_t e = std::min(seq, s + block);
     const int64_t ks = window ? std::max<int64_t>(0, s - *window + 1) : 0;
-    const at::Tensor q_pos = at::arange(s, e, positions).unsqueeze(1);
-    const at::Tensor k_pos = at::arange(ks, e, positions).unsqueeze(0);
-    at::Tensor allowed = k_pos.le(q_pos);
-    if (window) allowed = allowed.logical_and(k_pos.gt(q_pos - *window));
-    allowed = allowed.logical_and(same_segment(segments, s, e - s, ks, e - ks));
+    const at::Tensor allowed =
+        causal_block_mask(s, e, ks, window, positions).logical_and(same_segment(segments, s, e - s, ks, e - ks));
     const at::Tensor qb = q.narrow(2, s, e - s), kb = k.narrow(2, ks, e - ks), vb = v.narrow(2, ks, e - ks);
     outputs.push_back(sinks.defined() ? sink_block(qb, kb, vb, allowed, sinks, dropout, training)
                                       : at::scaled_dot_product_attention(qb, kb, vb, allowed, dropout));
