@@ -66,7 +66,8 @@ class Handovers {
     held_.push_back({microbatch, std::move(deliver), std::move(download)});
   }
   void post(int64_t microbatch, const ChannelPtr& channel, DeviceIo::Pending download) {
-    post(microbatch, [channel](Activations a) { channel->set(std::move(a)); }, std::move(download));
+    post(
+        microbatch, [channel](Activations a) { channel->set(std::move(a)); }, std::move(download));
   }
   /// Hands over what was posted for microbatches before `microbatch`, in posting order.
   void flush_before(int64_t microbatch) {
@@ -155,8 +156,8 @@ Activations leaf_grads(const Activations& leaves) {
   return grads;
 }
 
-// Backward through `outputs` with `grads` (on the outputs' device), pairing by position and skipping outputs that need no
-// gradient or received none.
+// Backward through `outputs` with `grads` (on the outputs' device), pairing by position and skipping outputs that need
+// no gradient or received none.
 void backward_paired(const Activations& outputs, const Activations& grads) {
   TORCH_CHECK(outputs.size() == grads.size(), "recompute produced ", outputs.size(),
               " output tensors but the next stage sent gradients for ", grads.size(),
@@ -276,9 +277,8 @@ SideInputScope microbatch_side_inputs(const RunContext& ctx, int64_t j, DeviceIo
 // recompute) or neither (Note [Recompute data] in roundpipe/recompute_data.h).
 Activations run_layer(RunContext& ctx, ShellLease& shell, int64_t l, int64_t j, const Activations& acts, DeviceIo& io,
                       bool first_pass, PassKind kind) {
-  RecomputeSlot* slot = ctx.recompute_slots.empty()
-                            ? nullptr
-                            : &ctx.recompute_slots[static_cast<size_t>(l * ctx.num_microbatch + j)];
+  RecomputeSlot* slot =
+      ctx.recompute_slots.empty() ? nullptr : &ctx.recompute_slots[static_cast<size_t>(l * ctx.num_microbatch + j)];
   if (slot == nullptr) kind = PassKind::kPlain;
   RecomputePassScope pass(slot, kind, io.device());
   auto& layer = shell.module();
@@ -334,7 +334,9 @@ class StageTimer {
   std::chrono::steady_clock::time_point start_;
 };
 
-std::vector<at::Tensor> buffer_copies(ShellLease& shell, DeviceIo& io) { return io.download_copy(shell.module().ptr()->buffers()); }
+std::vector<at::Tensor> buffer_copies(ShellLease& shell, DeviceIo& io) {
+  return io.download_copy(shell.module().ptr()->buffers());
+}
 
 // The shell's gradients per parameter the layer uses (LayerSet::uses[l]), in host memory. A
 // parameter at several positions of the layer (a module held twice) gets the sum of the
@@ -494,8 +496,8 @@ void run_forward_stage(RunContext& ctx, size_t stage, scheduler::LayerRange r, c
       if (stage < ctx.fwd_out.size()) {
         handovers.post(j, ctx.fwd_out[stage][j], io.download_async(acts, /*copy=*/false));
       } else if (ctx.output_device.is_cpu()) {
-        handovers.post(j, [&ctx, j](Activations a) { ctx.outputs[j] = std::move(a); },
-                       io.download_async(acts, /*copy=*/false));
+        handovers.post(
+            j, [&ctx, j](Activations a) { ctx.outputs[j] = std::move(a); }, io.download_async(acts, /*copy=*/false));
       } else {
         for (const auto& t : acts) ctx.outputs[j].push_back(t.defined() ? t.to(ctx.output_device) : t);
       }
@@ -541,15 +543,17 @@ void run_fused_stage(RunContext& ctx, scheduler::LayerRange r, c10::Device devic
                   loss.defined() ? "shape " + c10::str(loss.sizes()) : "an undefined tensor",
                   ": reduce the loss to a scalar inside loss_fn (e.g. a sum over the microbatch divided by the full "
                   "batch size)");
-      TORCH_CHECK(loss.requires_grad(), "loss_fn returned a loss that does not require grad: compute it from the "
+      TORCH_CHECK(loss.requires_grad(),
+                  "loss_fn returned a loss that does not require grad: compute it from the "
                   "output tensor without detaching it (no .detach(), .item() or NoGradGuard inside loss_fn)");
       pos.step = "backward";
       loss.backward();
       timer.stop();
       pos.step = "";
       handovers.flush_before(j);
-      handovers.post(j, [&ctx, j](Activations a) { ctx.losses[j] = a[0].reshape({}); },
-                     io.download_async({loss.detach()}, /*copy=*/false));
+      handovers.post(
+          j, [&ctx, j](Activations a) { ctx.losses[j] = a[0].reshape({}); },
+          io.download_async({loss.detach()}, /*copy=*/false));
       if (r.begin > 0) handovers.post(j, ctx.bwd_grad[0][j], io.download_async(leaf_grads(leaves), /*copy=*/false));
       if (j == 0) release_after_copy(ctx, r, shells, io, ReleasePoint::kAfterFirstMicrobatch);
     }
@@ -618,8 +622,7 @@ void run_backward_stage(RunContext& ctx, size_t stage, scheduler::LayerRange r, 
           pos.layer = l;
           Activations leaves = make_leaves(io, handovers.await_input(ctx.saved[l][j]), l > 0);
           pos.step = "recompute";
-          Activations acts = run_layer(ctx, shells[l], l, j, leaves, io, /*first_pass=*/false,
-                                       PassKind::kReplays);
+          Activations acts = run_layer(ctx, shells[l], l, j, leaves, io, /*first_pass=*/false, PassKind::kReplays);
           pos.step = "backward";
           backward_paired(acts, grads);
           grads = leaf_grads(leaves);
@@ -629,7 +632,8 @@ void run_backward_stage(RunContext& ctx, size_t stage, scheduler::LayerRange r, 
       timer.stop();
       pos.step = "";
       if (!ctx.recompute_slots.empty()) {
-        for (int64_t l = r.begin; l < r.end; ++l) ctx.recompute_slots[static_cast<size_t>(l * ctx.num_microbatch + j)] = {};
+        for (int64_t l = r.begin; l < r.end; ++l)
+          ctx.recompute_slots[static_cast<size_t>(l * ctx.num_microbatch + j)] = {};
       }
       handovers.flush_before(j);
       if (r.begin > 0) handovers.post(j, ctx.bwd_grad[stage][j], io.download_async(grads, /*copy=*/false));

@@ -94,8 +94,8 @@ struct RunContext {
   bool preserve_rng = true;
   bool training = true;
   RecomputeGrain grain = RecomputeGrain::kStage;
-  std::vector<Activations> inputs;   // [mb]
-  std::vector<at::Tensor> labels;    // [mb]
+  std::vector<Activations> inputs;  // [mb]
+  std::vector<at::Tensor> labels;   // [mb]
   /// [mb] the rows of the caller's side inputs (Note [Side inputs] in stage_jobs.cpp); empty when
   /// the call has none. Written by the caller before the jobs are posted, then read-only.
   std::vector<SideInputs> side_inputs;

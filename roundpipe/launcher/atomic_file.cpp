@@ -39,17 +39,15 @@ void hook_point(std::string_view point) {
   }
 }
 
-std::string errno_text(int err) {
-  return std::strerror(err);
-}
+std::string errno_text(int err) { return std::strerror(err); }
 
 /// A unique temporary name beside `path`: "<dir>/<prefix><base>.<pid>.<n>".
 std::string temp_sibling(const std::string& path, const char* prefix) {
   static std::atomic<uint64_t> counter{0};
   std::string dir = parent_directory(path);
   std::string base = path.substr(path.find_last_of('/') == std::string::npos ? 0 : path.find_last_of('/') + 1);
-  return join_path(dir, std::string(prefix) + base + "." + std::to_string(::getpid()) + "." +
-                            std::to_string(counter.fetch_add(1)));
+  return join_path(
+      dir, std::string(prefix) + base + "." + std::to_string(::getpid()) + "." + std::to_string(counter.fetch_add(1)));
 }
 
 /// Closes fd on scope exit.
@@ -73,16 +71,12 @@ int remove_entry(const char* path, const struct stat*, int type, struct FTW*) {
   return rc == 0 || errno == ENOENT ? 0 : -1;
 }
 
-bool starts_with(std::string_view s, std::string_view prefix) {
-  return s.substr(0, prefix.size()) == prefix;
-}
+bool starts_with(std::string_view s, std::string_view prefix) { return s.substr(0, prefix.size()) == prefix; }
 
 }  // namespace
 
 namespace detail {
-void set_failure_hook(FailureHook hook) {
-  failure_hook() = std::move(hook);
-}
+void set_failure_hook(FailureHook hook) { failure_hook() = std::move(hook); }
 }  // namespace detail
 
 std::string parent_directory(const std::string& path) {
@@ -122,8 +116,7 @@ void fsync_directory(const std::string& path) {
   // Some file systems (e.g. certain network mounts) refuse fsync on directories; the rename is
   // then as durable as that file system makes it.
   if (::fsync(fd) != 0) {
-    TORCH_CHECK(errno == EINVAL || errno == EROFS, "fsync of directory '", path,
-                "' failed: ", errno_text(errno));
+    TORCH_CHECK(errno == EINVAL || errno == EROFS, "fsync of directory '", path, "' failed: ", errno_text(errno));
   }
 }
 
@@ -137,8 +130,7 @@ void make_directories(const std::string& path) {
       continue;
     }
     if (::mkdir(part.c_str(), 0755) != 0 && errno != EEXIST) {
-      TORCH_CHECK(false, "cannot create directory '", part, "' (for '", path, "'): ",
-                  errno_text(errno));
+      TORCH_CHECK(false, "cannot create directory '", part, "' (for '", path, "'): ", errno_text(errno));
     }
   }
   TORCH_CHECK(is_directory(path), "'", path, "' exists but is not a directory");
@@ -148,8 +140,8 @@ void remove_tree(const std::string& path) {
   if (!path_exists(path)) {
     return;
   }
-  TORCH_CHECK(::nftw(path.c_str(), remove_entry, 16, FTW_DEPTH | FTW_PHYS) == 0,
-              "cannot delete '", path, "': ", errno_text(errno));
+  TORCH_CHECK(::nftw(path.c_str(), remove_entry, 16, FTW_DEPTH | FTW_PHYS) == 0, "cannot delete '", path,
+              "': ", errno_text(errno));
 }
 
 std::string read_file(const std::string& path) {
@@ -194,23 +186,21 @@ void write_file_atomically(const std::string& path, std::string_view contents) {
 
 std::string make_staging_directory(const std::string& final_dir) {
   std::string tmp = temp_sibling(final_dir, ".tmp-");
-  TORCH_CHECK(::mkdir(tmp.c_str(), 0755) == 0, "cannot create staging directory '", tmp, "': ",
-              errno_text(errno), "; check that '", parent_directory(final_dir),
-              "' exists and is writable");
+  TORCH_CHECK(::mkdir(tmp.c_str(), 0755) == 0, "cannot create staging directory '", tmp, "': ", errno_text(errno),
+              "; check that '", parent_directory(final_dir), "' exists and is writable");
   return tmp;
 }
 
 void publish_directory(const std::string& tmp_dir, const std::string& final_dir) {
   TORCH_CHECK(is_directory(tmp_dir), "publish_directory: '", tmp_dir, "' is not a directory");
-  TORCH_CHECK(parent_directory(tmp_dir) == parent_directory(final_dir), "publish_directory: '",
-              tmp_dir, "' and '", final_dir, "' must share a parent directory (rename is atomic only ",
-              "within one file system)");
+  TORCH_CHECK(parent_directory(tmp_dir) == parent_directory(final_dir), "publish_directory: '", tmp_dir, "' and '",
+              final_dir, "' must share a parent directory (rename is atomic only ", "within one file system)");
   fsync_directory(tmp_dir);
   hook_point("publish_directory:before_rename");
   std::string parent = parent_directory(final_dir);
   if (!path_exists(final_dir)) {
-    TORCH_CHECK(::rename(tmp_dir.c_str(), final_dir.c_str()) == 0, "cannot rename '", tmp_dir,
-                "' to '", final_dir, "': ", errno_text(errno));
+    TORCH_CHECK(::rename(tmp_dir.c_str(), final_dir.c_str()) == 0, "cannot rename '", tmp_dir, "' to '", final_dir,
+                "': ", errno_text(errno));
     fsync_directory(parent);
     return;
   }
@@ -220,8 +210,8 @@ void publish_directory(const std::string& tmp_dir, const std::string& final_dir)
     remove_tree(tmp_dir);
     return;
   }
-  TORCH_CHECK(errno == EINVAL || errno == ENOSYS || errno == ENOTSUP, "cannot exchange '",
-              tmp_dir, "' with '", final_dir, "': ", errno_text(errno));
+  TORCH_CHECK(errno == EINVAL || errno == ENOSYS || errno == ENOTSUP, "cannot exchange '", tmp_dir, "' with '",
+              final_dir, "': ", errno_text(errno));
   // No RENAME_EXCHANGE on this file system: move the old directory aside first. A crash between
   // the two renames leaves the old one under ".tmp-*" (see remove_stale_temporaries).
   std::string aside = temp_sibling(final_dir, ".tmp-old-");
@@ -243,8 +233,7 @@ void update_symlink_atomically(const std::string& link, const std::string& targe
                 "it can point at the latest checkpoint");
   }
   std::string tmp = temp_sibling(link, ".tmp.");
-  TORCH_CHECK(::symlink(target.c_str(), tmp.c_str()) == 0, "cannot create symlink '", tmp,
-              "': ", errno_text(errno));
+  TORCH_CHECK(::symlink(target.c_str(), tmp.c_str()) == 0, "cannot create symlink '", tmp, "': ", errno_text(errno));
   try {
     hook_point("symlink:before_rename");
     TORCH_CHECK(::rename(tmp.c_str(), link.c_str()) == 0, "cannot rename '", tmp, "' to '", link,
@@ -329,8 +318,8 @@ std::vector<std::string> prune_step_dirs(const std::string& parent, int64_t keep
   std::optional<int64_t> protected_step;
   if (latest) {
     size_t slash = latest->find_last_of('/');
-    protected_step = parse_step_dir_name(
-        slash == std::string::npos ? std::string_view(*latest) : std::string_view(*latest).substr(slash + 1));
+    protected_step = parse_step_dir_name(slash == std::string::npos ? std::string_view(*latest)
+                                                                    : std::string_view(*latest).substr(slash + 1));
   }
   std::vector<std::string> removed;
   int64_t excess = static_cast<int64_t>(steps.size()) - keep;

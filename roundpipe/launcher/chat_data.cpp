@@ -7,11 +7,10 @@
 #include <algorithm>
 #include <fstream>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <numeric>
 #include <sstream>
 #include <stdexcept>
-
-#include <nlohmann/json.hpp>
 
 #include "roundpipe/launcher/config.h"
 #include "roundpipe/models/layers.h"
@@ -74,9 +73,10 @@ const json& checked_messages(const json& line, const std::string& where) {
     }
     auto content = m.find("content");
     if (content == m.end() || !content->is_string()) {
-      line_fail(where, at + (content == m.end() ? " has no \"content\""
-                                                : std::string(" has a \"content\" that is a JSON ") +
-                                                      content->type_name() + ", not a string") +
+      line_fail(where, at +
+                           (content == m.end() ? " has no \"content\""
+                                               : std::string(" has a \"content\" that is a JSON ") +
+                                                     content->type_name() + ", not a string") +
                            ": give each message its text as \"content\": \"...\"");
     }
   }
@@ -208,9 +208,9 @@ std::string ChatDataset::describe() const {
                      with_commas(stats_.tokens) + " tokens, " + with_commas(stats_.trained_tokens) + " trained";
   const int64_t dropped = stats_.dropped_untrained + stats_.dropped_truncated;
   if (stats_.truncated > 0 || dropped > 0) {
-    text += "; " + with_commas(stats_.truncated) + " truncated to data.seq_len + 1 = " +
-            std::to_string(options_.seq_len + 1) + " tokens (" + with_commas(stats_.tokens_cut) + " tokens cut), " +
-            with_commas(dropped) + " dropped with nothing to train";
+    text += "; " + with_commas(stats_.truncated) +
+            " truncated to data.seq_len + 1 = " + std::to_string(options_.seq_len + 1) + " tokens (" +
+            with_commas(stats_.tokens_cut) + " tokens cut), " + with_commas(dropped) + " dropped with nothing to train";
     if (stats_.dropped_truncated > 0) text += " (" + with_commas(stats_.dropped_truncated) + " of them by truncation)";
   }
   if (options_.packing) {

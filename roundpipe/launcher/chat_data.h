@@ -28,15 +28,15 @@ struct ChatDataOptions {
 
 /// What loading a chat file kept, cut and dropped (each line is one conversation).
 struct ChatDataStats {
-  int64_t lines = 0;               ///< conversations read (non-blank lines)
-  int64_t conversations = 0;       ///< kept
-  int64_t truncated = 0;           ///< kept, but longer than seq_len + 1 tokens: the end was cut
-  int64_t tokens_cut = 0;          ///< tokens cut off the kept and dropped conversations
-  int64_t dropped_untrained = 0;   ///< nothing to train even whole (e.g. no assistant turn)
-  int64_t dropped_truncated = 0;   ///< every trained token was past seq_len + 1
-  int64_t tokens = 0;              ///< kept tokens (after truncation)
-  int64_t trained_tokens = 0;      ///< kept labels the loss counts
-  int64_t packed_rows = 0;         ///< with packing: the rows the conversations were packed into
+  int64_t lines = 0;              ///< conversations read (non-blank lines)
+  int64_t conversations = 0;      ///< kept
+  int64_t truncated = 0;          ///< kept, but longer than seq_len + 1 tokens: the end was cut
+  int64_t tokens_cut = 0;         ///< tokens cut off the kept and dropped conversations
+  int64_t dropped_untrained = 0;  ///< nothing to train even whole (e.g. no assistant turn)
+  int64_t dropped_truncated = 0;  ///< every trained token was past seq_len + 1
+  int64_t tokens = 0;             ///< kept tokens (after truncation)
+  int64_t trained_tokens = 0;     ///< kept labels the loss counts
+  int64_t packed_rows = 0;        ///< with packing: the rows the conversations were packed into
 };
 
 /// The conversations of one JSONL file as training rows. Immutable after load: const methods may be

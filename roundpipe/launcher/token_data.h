@@ -52,8 +52,7 @@ std::unique_ptr<TokenSource> open_byte_file(const std::string& path);
 
 /// A deterministic stream of `num_tokens` tokens in [0, vocab_size), a pure function of (seed,
 /// position); see Note [Synthetic tokens]. Use different seeds for training and evaluation data.
-std::unique_ptr<TokenSource> make_synthetic_tokens(uint64_t seed, int64_t vocab_size,
-                                                   int64_t num_tokens);
+std::unique_ptr<TokenSource> make_synthetic_tokens(uint64_t seed, int64_t vocab_size, int64_t num_tokens);
 
 // Note [Synthetic tokens]:
 // The stream is cut into segments of kSyntheticSegment tokens. Segment k is an arithmetic sequence
@@ -68,8 +67,7 @@ constexpr int64_t kSyntheticSegment = 64;
 
 /// Writes a token file atomically (Note [Token file format]); throws naming the first token that
 /// does not fit `width` (or is negative) and when there are more than 2^31 - 1 tokens.
-void write_token_file(const std::string& path, const std::vector<int64_t>& tokens,
-                      TokenWidth width);
+void write_token_file(const std::string& path, const std::vector<int64_t>& tokens, TokenWidth width);
 
 /// splitmix64 (Steele, Lea, Flood 2014): a tiny platform-independent PRNG whose whole state is one
 /// uint64, so checkpoints can store it.

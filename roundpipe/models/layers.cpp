@@ -1,20 +1,20 @@
 #include "roundpipe/models/layers.h"
 
-#include <ATen/core/grad_mode.h>
 #include <ATen/core/Reduction.h>
+#include <ATen/core/grad_mode.h>
 #include <ATen/ops/arange.h>
 #include <ATen/ops/cat.h>
 #include <ATen/ops/cross_entropy_loss.h>
+#include <ATen/ops/dropout.h>
 #include <ATen/ops/embedding.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/linear.h>
+#include <ATen/ops/matmul.h>
 #include <ATen/ops/rsqrt.h>
-#include <ATen/ops/stack.h>
 #include <ATen/ops/scaled_dot_product_attention.h>
 #include <ATen/ops/silu.h>
 #include <ATen/ops/softmax.h>
-#include <ATen/ops/matmul.h>
-#include <ATen/ops/dropout.h>
+#include <ATen/ops/stack.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
@@ -154,18 +154,18 @@ at::Tensor packed_attention(const at::Tensor& q, const at::Tensor& k, const at::
 at::Tensor packed_side_input(const char* name, const at::Tensor& x, int64_t layer_index) {
   std::optional<at::Tensor> t = side_input(name);
   if (!t) return {};
-  TORCH_CHECK(t->dim() == 2 && t->size(0) == x.size(0) && t->size(1) == x.size(1) &&
-                  !at::isFloatingType(t->scalar_type()),
-              "Attention (layer ", layer_index, "): side input '", name, "' must be an integer tensor [batch, seq] = [",
-              x.size(0), ", ", x.size(1), "], got ", t->scalar_type(), " ", t->sizes(),
-              " (docs/models.md, \"Packed sequences\")");
+  TORCH_CHECK(
+      t->dim() == 2 && t->size(0) == x.size(0) && t->size(1) == x.size(1) && !at::isFloatingType(t->scalar_type()),
+      "Attention (layer ", layer_index, "): side input '", name, "' must be an integer tensor [batch, seq] = [",
+      x.size(0), ", ", x.size(1), "], got ", t->scalar_type(), " ", t->sizes(),
+      " (docs/models.md, \"Packed sequences\")");
   return t->device() == x.device() ? *t : t->to(x.device());
 }
 
 // Which of the keys at positions [k_start, k_start + K) the queries at positions
 // [q_start, q_start + Q) see: [Q, K] boolean, key j visible from query i iff i - window < j <= i.
-at::Tensor visible_keys(int64_t q_start, int64_t q_len, int64_t k_start, int64_t k_len,
-                        std::optional<int64_t> window, c10::Device device) {
+at::Tensor visible_keys(int64_t q_start, int64_t q_len, int64_t k_start, int64_t k_len, std::optional<int64_t> window,
+                        c10::Device device) {
   const auto positions = at::TensorOptions().dtype(at::kLong).device(device);
   const at::Tensor q_pos = at::arange(q_start, q_start + q_len, positions).unsqueeze(1);
   const at::Tensor k_pos = at::arange(k_start, k_start + k_len, positions).unsqueeze(0);
@@ -232,8 +232,8 @@ void LinearImpl::merge_lora() {
 }
 
 void LinearImpl::share_weight(const at::Tensor& weight_tensor) {
-  TORCH_CHECK(weight_tensor.sizes() == weight.sizes(), "Linear::share_weight: tensor of shape ",
-              weight_tensor.sizes(), " cannot replace a weight of shape ", weight.sizes());
+  TORCH_CHECK(weight_tensor.sizes() == weight.sizes(), "Linear::share_weight: tensor of shape ", weight_tensor.sizes(),
+              " cannot replace a weight of shape ", weight.sizes());
   parameters_["weight"] = weight_tensor;
   weight = weight_tensor;
 }
@@ -267,8 +267,8 @@ TokenEmbeddingImpl::TokenEmbeddingImpl(int64_t num_embeddings, int64_t dim, std:
     : num_embeddings_(num_embeddings), dim_(dim), padding_idx_(padding_idx), options_(options) {
   TORCH_CHECK(num_embeddings > 0 && dim > 0, "TokenEmbedding: num_embeddings = ", num_embeddings, " and dim = ", dim,
               " must be positive");
-  TORCH_CHECK(!padding_idx || (*padding_idx >= 0 && *padding_idx < num_embeddings), "TokenEmbedding: padding_idx = ",
-              padding_idx.value_or(-1), " is outside [0, ", num_embeddings, ")");
+  TORCH_CHECK(!padding_idx || (*padding_idx >= 0 && *padding_idx < num_embeddings),
+              "TokenEmbedding: padding_idx = ", padding_idx.value_or(-1), " is outside [0, ", num_embeddings, ")");
   reset();
 }
 
@@ -412,8 +412,8 @@ at::Tensor AttentionImpl::forward_cached(const at::Tensor& x, LayerKvCache& cach
   if (start == 0) {
     attn = attend_causal(q, k, v, /*segments=*/{});
   } else {
-    TORCH_CHECK(cache.k.defined() && cache.k.size(0) == x.size(0), "Attention (layer ", layer_index_, "): the cache of ", start,
-                " tokens holds no keys of batch size ", x.size(0));
+    TORCH_CHECK(cache.k.defined() && cache.k.size(0) == x.size(0), "Attention (layer ", layer_index_,
+                "): the cache of ", start, " tokens holds no keys of batch size ", x.size(0));
     k = at::cat({cache.k, k}, 2);
     v = at::cat({cache.v, v}, 2);
     const int64_t key_start = start + seq - k.size(2);

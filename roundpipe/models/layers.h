@@ -57,7 +57,7 @@ class LinearImpl : public torch::nn::Cloneable<LinearImpl> {
   double lora_dropout() const { return lora_dropout_; }
 
   at::Tensor weight;
-  at::Tensor bias;  ///< undefined without bias
+  at::Tensor bias;                             ///< undefined without bias
   std::shared_ptr<LinearImpl> lora_A, lora_B;  ///< null without LoRA
 
  private:
@@ -156,7 +156,7 @@ class AttentionImpl : public torch::nn::Cloneable<AttentionImpl> {
 
   Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
   RMSNorm q_norm{nullptr}, k_norm{nullptr};  ///< Qwen3 and Qwen3-MoE only
-  at::Tensor sinks;                           ///< gpt_oss only
+  at::Tensor sinks;                          ///< gpt_oss only
 
  private:
   // q [B, heads, T, d], k and v [B, kv_heads, T, d] of x at positions start..start+T-1.

@@ -52,9 +52,7 @@ void assign(std::array<double, 2>& field, const Value& v) {
   const auto& pair = std::get<std::vector<double>>(v);
   field = {pair.at(0), pair.at(1)};
 }
-void assign(std::vector<std::string>& field, const Value& v) {
-  field = std::get<std::vector<std::string>>(v);
-}
+void assign(std::vector<std::string>& field, const Value& v) { field = std::get<std::vector<std::string>>(v); }
 
 Value value_of(int64_t v) { return v; }
 Value value_of(uint64_t v) { return static_cast<int64_t>(v); }
@@ -190,8 +188,7 @@ std::vector<KeySpec> build_schema() {
   t.push_back(Key("model.master_dtype", KeyKind::kChoice, "float32",
                   "dtype of the optimizer's master weights and state (float32 only, see the rules).")
                   .one_of(kDtypes)
-                  .enum_field([](C& c) -> c10::ScalarType& { return c.model.master_dtype; },
-                              kDtypeValues));
+                  .enum_field([](C& c) -> c10::ScalarType& { return c.model.master_dtype; }, kDtypeValues));
   t.push_back(Key("model.lora", KeyKind::kSection, "null",
                   "LoRA adapters for fine-tuning `pretrained`: only the adapters train. Absent or "
                   "null: all weights train. `lora: {}` enables it with the defaults below.")
@@ -205,8 +202,7 @@ std::vector<KeySpec> build_schema() {
                         }
                       },
                       [](const C& c) { return c.model.lora ? Value(true) : Value(); }));
-  t.push_back(Key("model.lora.rank", KeyKind::kInt, "8",
-                  "Rank r of each adapter's update B A (PEFT's `r`).")
+  t.push_back(Key("model.lora.rank", KeyKind::kInt, "8", "Rank r of each adapter's update B A (PEFT's `r`).")
                   .range(ge(1))
                   .field([](C& c) -> int64_t& { return c.model.lora->rank; }));
   t.push_back(Key("model.lora.alpha", KeyKind::kFloat, "16.0",
@@ -258,8 +254,8 @@ std::vector<KeySpec> build_schema() {
                   "tokenizer, the loss on `data.train_on` (docs/launcher.md, \"Chat data\").")
                   .one_of({"tokens", "bytes", "synthetic", "chat"})
                   .enum_field([](C& c) -> DataFormat& { return c.data.format; },
-                              std::vector<DataFormat>{DataFormat::kTokens, DataFormat::kBytes,
-                                                      DataFormat::kSynthetic, DataFormat::kChat}));
+                              std::vector<DataFormat>{DataFormat::kTokens, DataFormat::kBytes, DataFormat::kSynthetic,
+                                                      DataFormat::kChat}));
   t.push_back(Key("data.seq_len", KeyKind::kInt, "256",
                   "Tokens per training sequence (each window holds seq_len + 1 tokens: inputs and "
                   "next-token labels).")
@@ -309,21 +305,22 @@ std::vector<KeySpec> build_schema() {
   t.push_back(Key("optimizer.eps", KeyKind::kFloat, "1.0e-8", "Adam(W) denominator epsilon.")
                   .range(gt(0))
                   .field([](C& c) -> double& { return c.optimizer.eps; }));
-  t.push_back(Key("optimizer.weight_decay", KeyKind::kFloat, "0.0", "Weight decay coefficient (decoupled for adamw and lion).")
-                  .range(ge(0))
-                  .field([](C& c) -> double& { return c.optimizer.weight_decay; }));
+  t.push_back(
+      Key("optimizer.weight_decay", KeyKind::kFloat, "0.0", "Weight decay coefficient (decoupled for adamw and lion).")
+          .range(ge(0))
+          .field([](C& c) -> double& { return c.optimizer.weight_decay; }));
   t.push_back(Key("optimizer.momentum", KeyKind::kFloat, "0.0", "SGD momentum (sgd only).")
                   .range(in_co(0, 1))
                   .field([](C& c) -> double& { return c.optimizer.momentum; }));
-  t.push_back(Key("optimizer.state_dtype", KeyKind::kChoice, "float32",
-                  "adam / adamw only: how the two moments are stored. `float32` (8 B/param); `int8`: "
-                  "block-wise 8-bit with dynamic quantization maps, as bitsandbytes' 8-bit Adam "
-                  "(2 + 8/256 B/param; parameters under 4,096 elements stay float32; "
-                  "docs/optimizer.md, \"8-bit states\").")
-                  .one_of({"float32", "int8"})
-                  .enum_field([](C& c) -> OptimizerStateDtype& { return c.optimizer.state_dtype; },
-                              std::vector<OptimizerStateDtype>{OptimizerStateDtype::kFloat32,
-                                                               OptimizerStateDtype::kInt8}));
+  t.push_back(
+      Key("optimizer.state_dtype", KeyKind::kChoice, "float32",
+          "adam / adamw only: how the two moments are stored. `float32` (8 B/param); `int8`: "
+          "block-wise 8-bit with dynamic quantization maps, as bitsandbytes' 8-bit Adam "
+          "(2 + 8/256 B/param; parameters under 4,096 elements stay float32; "
+          "docs/optimizer.md, \"8-bit states\").")
+          .one_of({"float32", "int8"})
+          .enum_field([](C& c) -> OptimizerStateDtype& { return c.optimizer.state_dtype; },
+                      std::vector<OptimizerStateDtype>{OptimizerStateDtype::kFloat32, OptimizerStateDtype::kInt8}));
 
   // ---- schedule ----
   t.push_back(Key("schedule", KeyKind::kSection, "{}",
@@ -361,48 +358,46 @@ std::vector<KeySpec> build_schema() {
                   "Clip the global gradient 2-norm to this value; 0: no clipping.")
                   .range(ge(0))
                   .field([](C& c) -> double& { return c.train.clip_grad_norm; }));
-  t.push_back(Key("train.seed", KeyKind::kInt, "1234",
-                  "Seed of the initial weights, dropout and the batch sampler.")
+  t.push_back(Key("train.seed", KeyKind::kInt, "1234", "Seed of the initial weights, dropout and the batch sampler.")
                   .range(ge(0))
                   .field([](C& c) -> uint64_t& { return c.train.seed; }));
 
   // ---- run ----
   t.push_back(Key("run", KeyKind::kSection, "{}", "How RoundPipe runs the model.").section());
-  t.push_back(
-      Key("run.devices", KeyKind::kDevices, "auto",
-          "Devices of the pipeline: `auto` (every visible GPU, else one CPU worker), a count N "
-          "(N CPU workers, at most 1024), or a list such as [cuda:0, cuda:1] or [cpu, cpu].")
-          // The upper bound: a count is expanded into a list of that many "cpu" entries (fuzz_config
-          // found that a count such as 10^15 made that allocation throw std::length_error).
-          .range(in_cc(1, 1024))
-          .custom(
-              [](C& c, const Value& v) {
-                if (std::holds_alternative<std::monostate>(v)) {
-                  c.run.devices.reset();
-                  return;
-                }
-                std::vector<c10::Device> devices;
-                const auto& names = std::get<std::vector<std::string>>(v);
-                for (size_t i = 0; i < names.size(); ++i) {
-                  try {
-                    devices.emplace_back(names[i]);
-                  } catch (const c10::Error&) {
-                    config_fail("run.devices[" + std::to_string(i) + "]", "'" + names[i] + "'",
-                                "not a device name: write cpu, cuda or cuda:N");
-                  }
-                }
-                c.run.devices = std::move(devices);
-              },
-              [](const C& c) -> Value {
-                if (!c.run.devices) {
-                  return Value();
-                }
-                std::vector<std::string> names;
-                for (const c10::Device& d : *c.run.devices) {
-                  names.push_back(d.str());
-                }
-                return names;
-              }));
+  t.push_back(Key("run.devices", KeyKind::kDevices, "auto",
+                  "Devices of the pipeline: `auto` (every visible GPU, else one CPU worker), a count N "
+                  "(N CPU workers, at most 1024), or a list such as [cuda:0, cuda:1] or [cpu, cpu].")
+                  // The upper bound: a count is expanded into a list of that many "cpu" entries (fuzz_config
+                  // found that a count such as 10^15 made that allocation throw std::length_error).
+                  .range(in_cc(1, 1024))
+                  .custom(
+                      [](C& c, const Value& v) {
+                        if (std::holds_alternative<std::monostate>(v)) {
+                          c.run.devices.reset();
+                          return;
+                        }
+                        std::vector<c10::Device> devices;
+                        const auto& names = std::get<std::vector<std::string>>(v);
+                        for (size_t i = 0; i < names.size(); ++i) {
+                          try {
+                            devices.emplace_back(names[i]);
+                          } catch (const c10::Error&) {
+                            config_fail("run.devices[" + std::to_string(i) + "]", "'" + names[i] + "'",
+                                        "not a device name: write cpu, cuda or cuda:N");
+                          }
+                        }
+                        c.run.devices = std::move(devices);
+                      },
+                      [](const C& c) -> Value {
+                        if (!c.run.devices) {
+                          return Value();
+                        }
+                        std::vector<std::string> names;
+                        for (const c10::Device& d : *c.run.devices) {
+                          names.push_back(d.str());
+                        }
+                        return names;
+                      }));
   t.push_back(Key("run.num_microbatch", KeyKind::kInt, "null",
                   "Microbatches per batch; null: RoundPipe's default (number of devices + 1).")
                   .range(ge(1))
@@ -441,11 +436,11 @@ std::vector<KeySpec> build_schema() {
   t.push_back(Key("amp.scaler", KeyKind::kBool, "false",
                   "Scale the loss dynamically (GradScaler); meant for float16, allowed with any dtype.")
                   .field([](C& c) -> bool& { return c.amp.scaler; }));
-  t.push_back(Key("amp.init_scale", KeyKind::kFloat, "65536.0", "Initial loss scale.")
-                  .range(gt(0))
-                  .field([](C& c) -> double& { return c.amp.init_scale; }));
-  t.push_back(Key("amp.growth_interval", KeyKind::kInt, "2000",
-                  "Steps without overflow before the scale doubles.")
+  t.push_back(
+      Key("amp.init_scale", KeyKind::kFloat, "65536.0", "Initial loss scale.").range(gt(0)).field([](C& c) -> double& {
+        return c.amp.init_scale;
+      }));
+  t.push_back(Key("amp.growth_interval", KeyKind::kInt, "2000", "Steps without overflow before the scale doubles.")
                   .range(ge(1))
                   .field([](C& c) -> int64_t& { return c.amp.growth_interval; }));
 
@@ -454,15 +449,15 @@ std::vector<KeySpec> build_schema() {
                   "Checkpoints: out_dir/checkpoints/step-NNNNNN/, published atomically, `latest` "
                   "links the newest (docs/launcher.md).")
                   .section());
-  t.push_back(Key("checkpoint.every", KeyKind::kInt, "0",
-                  "Steps between checkpoints; 0: only the final one.")
+  t.push_back(Key("checkpoint.every", KeyKind::kInt, "0", "Steps between checkpoints; 0: only the final one.")
                   .range(ge(0))
                   .field([](C& c) -> int64_t& { return c.checkpoint.every; }));
   t.push_back(Key("checkpoint.keep", KeyKind::kInt, "3", "Newest checkpoints kept; older ones are deleted.")
                   .range(ge(1))
                   .field([](C& c) -> int64_t& { return c.checkpoint.keep; }));
   t.push_back(Key("eval", KeyKind::kSection, "{}", "Evaluation on data.valid.").section());
-  t.push_back(Key("eval.every", KeyKind::kInt, "0", "Steps between evaluations; 0: none during training. With data.valid set (or "
+  t.push_back(Key("eval.every", KeyKind::kInt, "0",
+                  "Steps between evaluations; 0: none during training. With data.valid set (or "
                   "synthetic data and every > 0) the run also evaluates at the end.")
                   .range(ge(0))
                   .field([](C& c) -> int64_t& { return c.eval.every; }));
@@ -490,8 +485,7 @@ std::vector<KeySpec> build_schema() {
                   .range(gt(0))
                   .field([](C& c) -> double& { return c.distributed.timeout_s; }));
   t.push_back(Key("log", KeyKind::kSection, "{}", "Console output and metrics.").section());
-  t.push_back(Key("log.every", KeyKind::kInt, "1",
-                  "Steps between metrics.jsonl records and progress-line updates.")
+  t.push_back(Key("log.every", KeyKind::kInt, "1", "Steps between metrics.jsonl records and progress-line updates.")
                   .range(ge(1))
                   .field([](C& c) -> int64_t& { return c.log.every; }));
   t.push_back(Key("log.level", KeyKind::kChoice, "info", "Log level of the launcher and RoundPipe.")
@@ -504,9 +498,7 @@ std::vector<KeySpec> build_schema() {
 
 }  // namespace
 
-bool Bounds::contains(double v) const {
-  return (lo_open ? v > lo : v >= lo) && (hi_open ? v < hi : v <= hi);
-}
+bool Bounds::contains(double v) const { return (lo_open ? v > lo : v >= lo) && (hi_open ? v < hi : v <= hi); }
 
 std::string Bounds::describe() const {
   const bool has_lo = std::isfinite(lo), has_hi = std::isfinite(hi);
@@ -526,11 +518,21 @@ std::string Bounds::describe() const {
 std::string KeySpec::type_name() const {
   std::string name;
   switch (kind) {
-    case KeyKind::kSection: name = "map"; break;
-    case KeyKind::kBool: name = "bool"; break;
-    case KeyKind::kInt: name = "int"; break;
-    case KeyKind::kFloat: name = "float"; break;
-    case KeyKind::kString: name = "string"; break;
+    case KeyKind::kSection:
+      name = "map";
+      break;
+    case KeyKind::kBool:
+      name = "bool";
+      break;
+    case KeyKind::kInt:
+      name = "int";
+      break;
+    case KeyKind::kFloat:
+      name = "float";
+      break;
+    case KeyKind::kString:
+      name = "string";
+      break;
     case KeyKind::kChoice: {
       name = "one of ";
       for (size_t i = 0; i < choices.size(); ++i) {
@@ -538,10 +540,18 @@ std::string KeySpec::type_name() const {
       }
       break;
     }
-    case KeyKind::kFloatPair: name = "list of 2 floats"; break;
-    case KeyKind::kStringList: name = "list of strings"; break;
-    case KeyKind::kDevices: name = "auto, an int or a list of devices"; break;
-    case KeyKind::kFreeMap: name = "map (any keys)"; break;
+    case KeyKind::kFloatPair:
+      name = "list of 2 floats";
+      break;
+    case KeyKind::kStringList:
+      name = "list of strings";
+      break;
+    case KeyKind::kDevices:
+      name = "auto, an int or a list of devices";
+      break;
+    case KeyKind::kFreeMap:
+      name = "map (any keys)";
+      break;
   }
   return nullable ? name + " (or null)" : name;
 }
@@ -552,10 +562,14 @@ std::string KeySpec::check_text() const {
     return "";
   }
   switch (kind) {
-    case KeyKind::kFloatPair: return "each " + range;
-    case KeyKind::kStringList: return "length " + range;
-    case KeyKind::kDevices: return "count " + range;
-    default: return range;
+    case KeyKind::kFloatPair:
+      return "each " + range;
+    case KeyKind::kStringList:
+      return "length " + range;
+    case KeyKind::kDevices:
+      return "count " + range;
+    default:
+      return range;
   }
 }
 

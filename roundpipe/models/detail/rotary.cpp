@@ -97,8 +97,7 @@ at::Tensor rotary_inv_freq(const RopeParameters& rope, int64_t head_dim, c10::De
   const at::Tensor wavelen = inv_freq.reciprocal() * (2 * M_PI);
   at::Tensor inv_freq_llama = at::where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq);
   const at::Tensor smooth_factor = (wavelen.reciprocal() * old_context_len - low) / (high - low);
-  const at::Tensor smoothed =
-      at::rsub(smooth_factor, 1) * inv_freq_llama / factor + smooth_factor * inv_freq_llama;
+  const at::Tensor smoothed = at::rsub(smooth_factor, 1) * inv_freq_llama / factor + smooth_factor * inv_freq_llama;
   const at::Tensor is_medium = (wavelen < high_freq_wavelen).logical_not() * (wavelen > low_freq_wavelen).logical_not();
   return at::where(is_medium, smoothed, inv_freq_llama);
 }
