@@ -64,6 +64,12 @@ std::vector<std::pair<std::string, std::shared_ptr<LinearImpl>>> lora_linears(co
 // The decoder layers of a preset Sequential: [Embedding, layers..., LmHead].
 int64_t decoder_layers(const torch::nn::Sequential& model) { return static_cast<int64_t>(model->size()) - 2; }
 
+// Adapter names come from the model's layer indices; they must be the config's.
+void check_layer_count(const torch::nn::Sequential& model, const ModelConfig& config, const char* caller) {
+  TORCH_CHECK(decoder_layers(model) == config.num_hidden_layers, caller, ": the model has ", decoder_layers(model),
+              " decoder layers but the config ", config.num_hidden_layers);
+}
+
 // One adapter weight: its parameter name in the Sequential, its PEFT key, the tensor.
 struct LoraEntry {
   std::string sequential_name;
@@ -144,14 +150,13 @@ int64_t apply_expert_lora(torch::nn::Sequential& model, const LoraOptions& optio
     if (!hit[0] && !hit[1]) continue;
     experts->enable_lora(hit[0], hit[1], options.rank(), options.alpha());
     at::NoGradGuard no_grad;
-    for (auto* a : {&experts->lora_A_gate_up_proj, &experts->lora_A_down_proj}) {
-      if (a->defined()) kaiming_uniform_sqrt5(*a);  // PEFT: lora_A is a Linear(in, E r)
-    }
-    for (auto* b : {&experts->lora_B_gate_up_proj, &experts->lora_B_down_proj}) {
-      if (b->defined()) b->zero_();
-    }
-    for (auto& p : experts->named_parameters(/*recurse=*/false)) {
-      if (p.key().rfind("lora_", 0) == 0) p.value().requires_grad_(true);
+    for (auto [a, b] : {std::pair(&experts->lora_A_gate_up_proj, &experts->lora_B_gate_up_proj),
+                        std::pair(&experts->lora_A_down_proj, &experts->lora_B_down_proj)}) {
+      if (!a->defined()) continue;
+      kaiming_uniform_sqrt5(*a);  // PEFT: lora_A is a Linear(in, E r), lora_B starts at zero
+      b->zero_();
+      a->requires_grad_(true);
+      b->requires_grad_(true);
     }
     adapted += (hit[0] ? 1 : 0) + (hit[1] ? 1 : 0);
   }
@@ -228,8 +233,7 @@ int64_t apply_lora(torch::nn::Sequential& model, const LoraOptions& options) {
 
 std::vector<std::pair<std::string, at::Tensor>> lora_state_dict(const torch::nn::Sequential& model,
                                                                 const ModelConfig& config) {
-  TORCH_CHECK(decoder_layers(model) == config.num_hidden_layers, "lora_state_dict: the model has ",
-              decoder_layers(model), " decoder layers but the config ", config.num_hidden_layers);
+  check_layer_count(model, config, "lora_state_dict");
   std::vector<std::pair<std::string, at::Tensor>> out;
   for (const auto& e : lora_entries(model)) out.emplace_back(e.peft_name, e.weight.detach());
   return out;
@@ -249,8 +253,7 @@ void save_lora_adapter(const torch::nn::Sequential& model, const ModelConfig& co
 void save_lora_adapter(RoundPipe& model, const ModelConfig& config, const LoraOptions& options,
                        const std::string& dir, const std::string& base_model) {
   model.synchronize();
-  TORCH_CHECK(decoder_layers(model.module()) == config.num_hidden_layers, "save_lora_adapter: the model has ",
-              decoder_layers(model.module()), " decoder layers but the config ", config.num_hidden_layers);
+  check_layer_count(model.module(), config, "save_lora_adapter");
   std::map<std::string, at::Tensor> masters;
   for (const auto& [name, master] : model.optim_named_parameters()) masters[name] = master;
   std::vector<std::pair<std::string, at::Tensor>> tensors;
@@ -309,8 +312,7 @@ LoraOptions load_lora_adapter(torch::nn::Sequential& model, const ModelConfig& c
   std::set<std::string> unused;
   for (const auto& name : file->names()) unused.insert(name);
   at::NoGradGuard no_grad;
-  TORCH_CHECK(decoder_layers(model) == config.num_hidden_layers, "load_lora_adapter: the model has ",
-              decoder_layers(model), " decoder layers but the config ", config.num_hidden_layers);
+  check_layer_count(model, config, "load_lora_adapter");
   for (auto& e : lora_entries(model)) {
     TORCH_CHECK(file->contains(e.peft_name), dir, "/adapter_model.safetensors has no tensor \"", e.peft_name, "\"");
     const at::Tensor source = file->get(e.peft_name);

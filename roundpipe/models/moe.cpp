@@ -140,8 +140,8 @@ void ExpertsImpl::merge_lora() {
   if (lora_rank_ == 0) return;
   {
     at::NoGradGuard no_grad;
-    gate_up_proj.copy_(adapted(gate_up_proj, lora_A_gate_up_proj, lora_B_gate_up_proj));
-    down_proj.copy_(adapted(down_proj, lora_A_down_proj, lora_B_down_proj));
+    if (lora_gate_up_) gate_up_proj.copy_(adapted(gate_up_proj, lora_A_gate_up_proj, lora_B_gate_up_proj));
+    if (lora_down_) down_proj.copy_(adapted(down_proj, lora_A_down_proj, lora_B_down_proj));
   }
   for (const char* name : {"lora_A_gate_up_proj", "lora_B_gate_up_proj", "lora_A_down_proj", "lora_B_down_proj"}) {
     if (parameters_.contains(name)) parameters_.erase(name);
