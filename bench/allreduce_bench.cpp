@@ -10,9 +10,8 @@
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/wait.h>
-#include <unistd.h>
-
 #include <torch/torch.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <cstdio>
@@ -85,7 +84,7 @@ void bandwidth_table(roundpipe::comm::ProcessGroup& group) {
   const double n = static_cast<double>(group.world_size());
   if (lead) {
     std::printf("\n## all-reduce, %lld ranks, %s (float32, in place)\n\n", static_cast<long long>(group.world_size()),
-                group.backend().c_str());
+                group.backend() ? roundpipe::comm::backend_name(*group.backend()) : "no backend");
     std::printf("| bucket | time/op | algbw GB/s | busbw GB/s | memcpy GB/s (same size) | busbw / memcpy |\n");
     std::printf("|---:|---:|---:|---:|---:|---:|\n");
   }

@@ -206,8 +206,8 @@ void paper_workloads(double target_ms, const std::string& only) {
     for (const auto& c : costs) work_per_mb += c.forward + c.backward;
     const double scale = target_ms * kDevices * 0.85 / (kMicro * work_per_mb);
     for (auto& c : costs) c.forward *= scale, c.backward *= scale;
-    // The runtime's model: backward stages recompute ahead (Note [Recompute ahead]).
-    auto sim_options = rs::SimulateOptions().set_recompute_ahead(true).set_overlap_backward_tail(false);
+    // The runtime's model of itself (Note [Engine self-model]), isolated iterations.
+    auto sim_options = roundpipe::engine_simulate_options(roundpipe::kDefaultRecomputeGrain, false);
     const auto steady_options = rs::SimulateOptions(sim_options).set_overlap_backward_tail(true);
     auto plan_true = [&](rs::PlanObjective objective, const rs::SimulateOptions& model) {
       return rs::plan_by_simulation(costs, rs::RunType::kFused,
@@ -415,7 +415,7 @@ void steady_workloads(double target_ms, const std::string& only, bool keep_rng) 
     roundpipe::trace::enable(false);
 
     const rs::ExecutePlan plan = model.plan(cfg);
-    const auto model_options = rs::SimulateOptions().set_recompute_ahead(true).set_overlap_backward_tail(true);
+    const auto model_options = roundpipe::engine_simulate_options(roundpipe::kDefaultRecomputeGrain, true);
     const auto iso = rs::simulate(plan, rs::RunType::kFused, costs, kDevices, kMicro, model_options);
     const double W = iso.work;
     const double ideal = W / kDevices;
@@ -563,10 +563,10 @@ int main(int argc, char** argv) {
     };
     const std::vector<rs::LayerCost> costs(layers, rs::LayerCost{t, 3 * t, 0, 0});
     const auto sim = rs::simulate(iso_plan, rs::RunType::kFused, costs, devices, micro,
-                                  rs::SimulateOptions().set_recompute_ahead(true).set_overlap_backward_tail(false));
+                                  roundpipe::engine_simulate_options(roundpipe::kDefaultRecomputeGrain, false));
     const auto steady =
         rs::simulate_steady_state(async_plan, rs::RunType::kFused, costs, devices, micro,
-                                  rs::SimulateOptions().set_recompute_ahead(true).set_overlap_backward_tail(true));
+                                  roundpipe::engine_simulate_options(roundpipe::kDefaultRecomputeGrain, true));
     const double gpipe = static_cast<double>(devices - 1) / (micro + devices - 1);
     std::printf("%-8d %-6d %3lld|%-3lld %-9.1f %-9.1f %-8.3f %-9.3f %-8.3f %-9.3f %-8.3f\n", devices, micro,
                 static_cast<long long>(iso_plan.num_stages()), static_cast<long long>(async_plan.num_stages()), iso,

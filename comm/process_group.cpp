@@ -9,15 +9,15 @@
 #include <ATen/ATen.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/util/Exception.h>
-#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
-#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
-#include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include <atomic>
 #include <condition_variable>
 #include <mutex>
 #include <sstream>
 #include <thread>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <vector>
 
 #include "comm/detail/nccl_backend.h"
@@ -35,9 +35,7 @@ namespace roundpipe::comm {
 
 namespace {
 
-bool is_loopback(const std::string& addr) {
-  return addr == "localhost" || addr.rfind("127.", 0) == 0 || addr == "::1";
-}
+bool is_loopback(const std::string& addr) { return addr == "localhost" || addr.rfind("127.", 0) == 0 || addr == "::1"; }
 
 c10d::ReduceOp to_c10d(ReduceOp op) {
   switch (op) {
@@ -67,7 +65,7 @@ std::string what(const std::exception& e) {
 struct ProcessGroup::Impl {
   LaunchEnv env;
   ProcessGroupOptions options;
-  std::string backend_name = "none";
+  std::optional<Backend> backend_kind;         // nullopt: one rank, no backend
   c10::intrusive_ptr<c10d::Store> store;       // prefixed; null for one rank
   c10::intrusive_ptr<c10d::Store> beat_store;  // a second connection, prefixed; heartbeat thread only
   c10::intrusive_ptr<c10d::Backend> backend;
@@ -88,7 +86,8 @@ struct ProcessGroup::Impl {
   }
 
   std::string where() const {
-    return c10::str("rank ", env.rank, " of ", env.world_size, " (", backend_name, ", store ", env.master_addr, ":",
+    return c10::str("rank ", env.rank, " of ", env.world_size, " (",
+                    backend_kind ? backend_name(*backend_kind) : "no backend", ", store ", env.master_addr, ":",
                     env.master_port, ")");
   }
 
@@ -110,8 +109,8 @@ struct ProcessGroup::Impl {
                          : "; did it start, and are MASTER_ADDR/MASTER_PORT the same on every rank?");
     }
     // torchrun's agent store is shared by restarts: keys are per attempt, as torch.distributed does.
-    const std::string prefix =
-        env.use_agent_store ? c10::str("/worker/attempt_", env.restart_count, "/roundpipe/") : std::string("roundpipe/");
+    const std::string prefix = env.use_agent_store ? c10::str("/worker/attempt_", env.restart_count, "/roundpipe/")
+                                                   : std::string("roundpipe/");
     return c10::make_intrusive<c10d::PrefixStore>(prefix, tcp);
   }
 
@@ -179,8 +178,9 @@ struct ProcessGroup::Impl {
       } catch (const std::exception&) {
         missing << "unknown (the store stopped answering)";
       }
-      TORCH_CHECK(false, "rank ", env.rank, ": rendezvous at ", env.master_addr, ":", env.master_port, " timed out after ",
-                  seconds(options.timeout()), ": rank(s) ", missing.str(), " of WORLD_SIZE=", env.world_size,
+      TORCH_CHECK(false, "rank ", env.rank, ": rendezvous at ", env.master_addr, ":", env.master_port,
+                  " timed out after ", seconds(options.timeout()), ": rank(s) ", missing.str(),
+                  " of WORLD_SIZE=", env.world_size,
                   " never arrived; start every rank (e.g. with roundpipe launch or torchrun) with the same ",
                   "MASTER_ADDR/MASTER_PORT, or raise the timeout");
     }
@@ -201,19 +201,18 @@ std::shared_ptr<ProcessGroup> ProcessGroup::create(const LaunchEnv& env, const P
               options.timeout().count(), " ms");
   TORCH_CHECK(options.heartbeat_seconds() >= 0, "ProcessGroupOptions::heartbeat_seconds must be >= 0, got ",
               options.heartbeat_seconds());
-  std::string backend = options.backend();
-  if (backend.empty()) backend = options.device().is_cuda() ? "nccl" : "gloo";
-  TORCH_CHECK(backend == "gloo" || backend == "nccl", "ProcessGroupOptions::backend '", backend,
-              "' is not supported: use \"gloo\" (CPU) or \"nccl\" (CUDA), or leave it empty to choose by device");
-  TORCH_CHECK(backend != "nccl" || options.device().is_cuda(), "ProcessGroupOptions: backend nccl needs a CUDA ",
-              "device (ProcessGroupOptions::device), got ", options.device(), "; use backend gloo for CPU");
+  Backend backend = options.backend();
+  if (backend == Backend::kAuto) backend = options.device().is_cuda() ? Backend::kNccl : Backend::kGloo;
+  TORCH_CHECK(backend != Backend::kNccl || options.device().is_cuda(),
+              "ProcessGroupOptions: backend nccl needs a CUDA ", "device (ProcessGroupOptions::device), got ",
+              options.device(), "; use Backend::kGloo for CPU");
   auto impl = std::make_unique<Impl>();
   impl->env = env;
   impl->options = options;
   impl->store_host = env.use_agent_store ? "torchrun's agent" : "rank 0";
   if (env.world_size == 1) return std::shared_ptr<ProcessGroup>(new ProcessGroup(std::move(impl)));
 
-  impl->backend_name = backend;
+  impl->backend_kind = backend;
   const bool server = !env.use_agent_store && env.rank == 0;
   impl->store = impl->connect_store(server);
   impl->join();
@@ -222,7 +221,7 @@ std::shared_ptr<ProcessGroup> ProcessGroup::create(const LaunchEnv& env, const P
     impl->beat_thread = std::thread([raw = impl.get()] { raw->heartbeat_loop(); });
   }
   try {
-    if (backend == "gloo") {
+    if (backend == Backend::kGloo) {
       auto opts = c10d::ProcessGroupGloo::Options::create(options.timeout());
       const char* ifname = std::getenv("GLOO_SOCKET_IFNAME");
       if (ifname != nullptr && *ifname != '\0') {
@@ -247,7 +246,19 @@ std::shared_ptr<ProcessGroup> ProcessGroup::create(const LaunchEnv& env, const P
 
 int64_t ProcessGroup::rank() const { return impl_->env.rank; }
 int64_t ProcessGroup::world_size() const { return impl_->env.world_size; }
-const std::string& ProcessGroup::backend() const { return impl_->backend_name; }
+std::optional<Backend> ProcessGroup::backend() const { return impl_->backend_kind; }
+
+const char* backend_name(Backend backend) {
+  switch (backend) {
+    case Backend::kAuto:
+      return "auto";
+    case Backend::kGloo:
+      return "gloo";
+    case Backend::kNccl:
+      return "nccl";
+  }
+  return "?";
+}
 std::chrono::milliseconds ProcessGroup::timeout() const { return impl_->options.timeout(); }
 
 namespace {
@@ -302,8 +313,8 @@ Work ProcessGroup::all_reduce(const at::Tensor& tensor, ReduceOp op) {
 
 Work ProcessGroup::broadcast(const at::Tensor& tensor, int64_t root) {
   check_host_tensor(tensor, "broadcast");
-  TORCH_CHECK(root >= 0 && root < impl_->env.world_size, "ProcessGroup::broadcast: root ", root, " is not a rank in [0, ",
-              impl_->env.world_size, ")");
+  TORCH_CHECK(root >= 0 && root < impl_->env.world_size, "ProcessGroup::broadcast: root ", root,
+              " is not a rank in [0, ", impl_->env.world_size, ")");
   if (impl_->env.world_size == 1) return Work();
   c10d::BroadcastOptions opts;
   opts.rootRank = root;

@@ -21,10 +21,17 @@ namespace roundpipe::comm {
 
 enum class ReduceOp { kSum, kMax, kMin };
 
+/// The collective library under a ProcessGroup. kAuto: nccl when ProcessGroupOptions::device is a
+/// CUDA device, else gloo.
+enum class Backend { kAuto, kGloo, kNccl };
+
+/// "auto", "gloo", "nccl" (for messages and logs).
+const char* backend_name(Backend backend);
+
 /// Options of ProcessGroup::create.
 struct ProcessGroupOptions {
-  /// "gloo", "nccl", or empty: nccl when `device` is a CUDA device, else gloo.
-  TORCH_ARG(std::string, backend) = "";
+  /// gloo (CPU), nccl (CUDA), or kAuto: nccl when `device` is a CUDA device, else gloo.
+  TORCH_ARG(Backend, backend) = Backend::kAuto;
   /// Bounds the rendezvous and every collective: a rank that is gone, or never arrives, makes the
   /// others fail after at most this long (plus a few seconds to name the missing rank).
   TORCH_ARG(std::chrono::milliseconds, timeout) = std::chrono::minutes(10);
@@ -79,8 +86,8 @@ class ProcessGroup {
 
   int64_t rank() const;
   int64_t world_size() const;
-  /// "gloo", "nccl", or "none" (one rank).
-  const std::string& backend() const;
+  /// kGloo or kNccl; nullopt for a single rank (no backend is connected).
+  std::optional<Backend> backend() const;
   std::chrono::milliseconds timeout() const;
 
   /// Reduces `tensor` (a contiguous CPU tensor) in place across ranks; asynchronous.

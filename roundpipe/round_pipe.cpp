@@ -1,6 +1,6 @@
 // RoundPipe: the model's layers and devices, and the two entry points built on one run path
 // (detail/run_launcher), the optimizer side (detail/step_pipeline) and the planner glue
-// (detail/planner).
+// (detail/plan_selector).
 #include "roundpipe/round_pipe.h"
 
 #include <ATen/ATen.h>
@@ -27,7 +27,7 @@
 #include "roundpipe/detail/grad_sync.h"
 #include "roundpipe/detail/host_blocks.h"
 #include "roundpipe/detail/master_checks.h"
-#include "roundpipe/detail/planner.h"
+#include "roundpipe/detail/plan_selector.h"
 #include "roundpipe/detail/run_launcher.h"
 #include "roundpipe/detail/stage_jobs.h"
 #include "roundpipe/detail/step_pipeline.h"
@@ -73,7 +73,7 @@ struct RoundPipe::Impl {
   uint64_t seed = 0;
   bool warned_small_batch = false;
   const Logger* log = &Logger::get("runtime");
-  std::unique_ptr<detail::Planner> planner;
+  std::unique_ptr<detail::PlanSelector> planner;
   std::unique_ptr<detail::GradSync> grad_sync;  // with a process group of more than one rank
   detail::CallerGuard caller_guard;  // Note [One caller thread]
   std::unique_ptr<detail::StepPipeline> steps;  // declared last: destroyed (drained) first
@@ -276,8 +276,9 @@ RoundPipe::RoundPipe(torch::nn::Sequential model, RoundPipeOptions options) : im
       options.overlap_backward() && !(options.process_group() && options.process_group()->world_size() > 1);
   std::vector<std::string> kinds;
   for (const auto& layer : m.layer_set.layers) kinds.push_back(layer.ptr()->name());
-  m.planner = std::make_unique<detail::Planner>(m.layer_bytes(false), m.layer_bytes(true), std::move(kinds),
-                                                static_cast<int64_t>(m.devices.size()), budget, iterations_overlap);
+  m.planner = std::make_unique<detail::PlanSelector>(m.layer_bytes(false), m.layer_bytes(true), std::move(kinds),
+                                                static_cast<int64_t>(m.devices.size()), budget,
+      engine_simulate_options(options.run_config().recompute_grain.value_or(kDefaultRecomputeGrain), iterations_overlap));
   if (budget != std::numeric_limits<int64_t>::max()) {
     try {
       m.planner->auto_plan(RunType::kFused);  // a layer over the budget fails now, not at the first call

@@ -110,92 +110,109 @@ std::string timeline_text(const SimulationResult& r, const PreviewOptions& optio
   return out.str();
 }
 
-std::string timeline_svg(const SimulationResult& r, const PreviewOptions& options) {
-  constexpr double kWidth = 960, kLeft = 84, kRight = 24, kTop = 64, kLane = 30, kGap = 8;
-  constexpr const char* kColors[] = {"#4c78a8", "#e45756", "#f58518"};  // forward, fused, backward
-  constexpr const char* kUploadColor = "#bbbbbb";
-  const double lanes_bottom = kTop + static_cast<double>(r.num_devices) * (kLane + kGap);
-  const double height = lanes_bottom + 70;
-  const double span = r.makespan > 0 ? r.makespan : 1.0;
-  auto px = [&](double t) { return kLeft + t / span * (kWidth - kLeft - kRight); };
-  auto lane_y = [&](int64_t device) { return kTop + static_cast<double>(device) * (kLane + kGap); };
+namespace {
 
-  std::ostringstream out;
-  out << svg::document_start(kWidth, height, options.title) << "  <text x=\"" << kWidth / 2
-      << "\" y=\"44\" text-anchor=\"middle\" fill=\"#555\">" << escape_xml(summary(r, options.time_unit))
-      << "</text>\n";
+// Where the timeline's parts go: one lane per device, time scaled to the width.
+struct TimelineGeometry {
+  static constexpr double kWidth = 960, kLeft = 84, kRight = 24, kTop = 64, kLane = 30, kGap = 8;
+  static constexpr const char* kColors[3] = {"#4c78a8", "#e45756", "#f58518"};  // forward, fused, backward
+  static constexpr const char* kUploadColor = "#bbbbbb";
 
-  // Time axis: grid and tick labels.
-  const std::vector<double> ticks = svg::nice_ticks(0, span, 8);
-  const double spacing = ticks.size() > 1 ? ticks[1] - ticks[0] : span;
+  explicit TimelineGeometry(const SimulationResult& r)
+      : span(r.makespan > 0 ? r.makespan : 1.0),
+        lanes_bottom(kTop + static_cast<double>(r.num_devices) * (kLane + kGap)) {}
+  double px(double t) const { return kLeft + t / span * (kWidth - kLeft - kRight); }
+  static double lane_y(int64_t device) { return kTop + static_cast<double>(device) * (kLane + kGap); }
+
+  double span;
+  double lanes_bottom;
+};
+using Geo = TimelineGeometry;
+
+// Time axis: grid and tick labels, and the device lanes' names.
+void write_time_axis(std::ostream& out, const Geo& g, int64_t num_devices, const std::string& time_unit) {
+  const std::vector<double> ticks = svg::nice_ticks(0, g.span, 8);
+  const double spacing = ticks.size() > 1 ? ticks[1] - ticks[0] : g.span;
   out << "  <g stroke=\"#e6e6e6\" stroke-width=\"1\">\n";
   for (double t : ticks) {
-    out << "    <line x1=\"" << fmt("%.1f", px(t)) << "\" x2=\"" << fmt("%.1f", px(t)) << "\" y1=\"" << kTop - 4
-        << "\" y2=\"" << lanes_bottom << "\"/>\n";
+    out << "    <line x1=\"" << fmt("%.1f", g.px(t)) << "\" x2=\"" << fmt("%.1f", g.px(t)) << "\" y1=\""
+        << Geo::kTop - 4 << "\" y2=\"" << g.lanes_bottom << "\"/>\n";
   }
   out << "  </g>\n  <g fill=\"#444\" text-anchor=\"middle\">\n";
   for (double t : ticks) {
-    out << "    <text x=\"" << fmt("%.1f", px(t)) << "\" y=\"" << lanes_bottom + 14 << "\">"
+    out << "    <text x=\"" << fmt("%.1f", g.px(t)) << "\" y=\"" << g.lanes_bottom + 14 << "\">"
         << svg::tick_label(t, spacing) << "</text>\n";
   }
-  out << "  </g>\n  <text x=\"" << (kLeft + kWidth - kRight) / 2 << "\" y=\"" << lanes_bottom + 32
-      << "\" text-anchor=\"middle\" fill=\"#222\">time"
-      << (options.time_unit.empty() ? "" : " (" + escape_xml(options.time_unit) + ")") << "</text>\n";
-
-  // Lanes.
+  out << "  </g>\n  <text x=\"" << (Geo::kLeft + Geo::kWidth - Geo::kRight) / 2 << "\" y=\"" << g.lanes_bottom + 32
+      << "\" text-anchor=\"middle\" fill=\"#222\">time" << (time_unit.empty() ? "" : " (" + escape_xml(time_unit) + ")")
+      << "</text>\n";
   out << "  <g fill=\"#222\" text-anchor=\"end\">\n";
-  for (int64_t d = 0; d < r.num_devices; ++d) {
-    out << "    <text x=\"" << kLeft - 8 << "\" y=\"" << fmt("%.1f", lane_y(d) + kLane / 2 + 4) << "\">device " << d
-        << "</text>\n";
+  for (int64_t d = 0; d < num_devices; ++d) {
+    out << "    <text x=\"" << Geo::kLeft - 8 << "\" y=\"" << fmt("%.1f", Geo::lane_y(d) + Geo::kLane / 2 + 4)
+        << "\">device " << d << "</text>\n";
   }
   out << "  </g>\n";
+}
 
-  // Jobs: one group each, a rectangle per microbatch.
-  for (const SimulatedJob& job : r.jobs) {
-    const double y = lane_y(job.device);
-    const std::string label = stage_label(job);
-    out << "  <g class=\"job\" data-stage=\"" << job.index << "\" data-device=\"" << job.device << "\" data-phase=\""
-        << to_string(job.phase) << "\">\n";
-    const auto upload = upload_span(job);
-    if (upload.second > upload.first) {
-      out << "    <rect class=\"upload\" x=\"" << fmt("%.2f", px(upload.first)) << "\" y=\"" << y << "\" width=\""
-          << fmt("%.2f", px(upload.second) - px(upload.first)) << "\" height=\"" << kLane << "\" fill=\""
-          << kUploadColor << "\"><title>" << escape_xml(label) << ": upload, " << fmt("%.2f", upload.first) << " - "
-          << escape_xml(with_unit(upload.second, options.time_unit)) << "</title></rect>\n";
-    }
-    for (size_t j = 0; j < job.microbatches.size(); ++j) {
-      const MicrobatchSpan& mb = job.microbatches[j];
-      out << "    <rect class=\"microbatch\" x=\"" << fmt("%.2f", px(mb.start)) << "\" y=\"" << y << "\" width=\""
-          << fmt("%.2f", std::max(0.5, px(mb.end) - px(mb.start))) << "\" height=\"" << kLane << "\" fill=\""
-          << kColors[static_cast<int>(job.phase)] << "\" stroke=\"#ffffff\" stroke-width=\"0.6\"><title>"
-          << escape_xml(label) << " on device " << job.device << ", microbatch " << job.first_microbatch + int64_t(j)
-          << ": " << fmt("%.2f", mb.start) << " - " << escape_xml(with_unit(mb.end, options.time_unit))
-          << "</title></rect>\n";
-    }
-    const double first = job.microbatches.empty() ? job.start : job.microbatches.front().start;
-    if (px(job.end) - px(first) >= 16) {
-      out << "    <text x=\"" << fmt("%.1f", (px(first) + px(job.end)) / 2) << "\" y=\""
-          << fmt("%.1f", y + kLane / 2 + 4)
-          << "\" text-anchor=\"middle\" fill=\"#222222\" stroke=\"#ffffff\" stroke-width=\"3\" paint-order=\"stroke\" "
-          << "font-weight=\"bold\">" << job.index << "</text>\n";
-    }
-    out << "  </g>\n";
+// One job: a group with its upload, a rectangle per microbatch and its stage number.
+void write_job(std::ostream& out, const Geo& g, const SimulatedJob& job, const std::string& time_unit) {
+  const double y = Geo::lane_y(job.device);
+  const std::string label = stage_label(job);
+  out << "  <g class=\"job\" data-stage=\"" << job.index << "\" data-device=\"" << job.device << "\" data-phase=\""
+      << to_string(job.phase) << "\">\n";
+  const auto upload = upload_span(job);
+  if (upload.second > upload.first) {
+    out << "    <rect class=\"upload\" x=\"" << fmt("%.2f", g.px(upload.first)) << "\" y=\"" << y << "\" width=\""
+        << fmt("%.2f", g.px(upload.second) - g.px(upload.first)) << "\" height=\"" << Geo::kLane << "\" fill=\""
+        << Geo::kUploadColor << "\"><title>" << escape_xml(label) << ": upload, " << fmt("%.2f", upload.first) << " - "
+        << escape_xml(with_unit(upload.second, time_unit)) << "</title></rect>\n";
   }
+  for (size_t j = 0; j < job.microbatches.size(); ++j) {
+    const MicrobatchSpan& mb = job.microbatches[j];
+    out << "    <rect class=\"microbatch\" x=\"" << fmt("%.2f", g.px(mb.start)) << "\" y=\"" << y << "\" width=\""
+        << fmt("%.2f", std::max(0.5, g.px(mb.end) - g.px(mb.start))) << "\" height=\"" << Geo::kLane << "\" fill=\""
+        << Geo::kColors[static_cast<int>(job.phase)] << "\" stroke=\"#ffffff\" stroke-width=\"0.6\"><title>"
+        << escape_xml(label) << " on device " << job.device << ", microbatch " << job.first_microbatch + int64_t(j)
+        << ": " << fmt("%.2f", mb.start) << " - " << escape_xml(with_unit(mb.end, time_unit)) << "</title></rect>\n";
+  }
+  const double first = job.microbatches.empty() ? job.start : job.microbatches.front().start;
+  if (g.px(job.end) - g.px(first) >= 16) {
+    out << "    <text x=\"" << fmt("%.1f", (g.px(first) + g.px(job.end)) / 2) << "\" y=\""
+        << fmt("%.1f", y + Geo::kLane / 2 + 4)
+        << "\" text-anchor=\"middle\" fill=\"#222222\" stroke=\"#ffffff\" stroke-width=\"3\" paint-order=\"stroke\" "
+        << "font-weight=\"bold\">" << job.index << "</text>\n";
+  }
+  out << "  </g>\n";
+}
 
-  // Legend.
-  const std::pair<const char*, const char*> entries[] = {{kColors[0], "forward stage"},
-                                                         {kColors[1], "fused tail (forward + loss + backward)"},
-                                                         {kColors[2], "backward stage (recompute + backward)"},
-                                                         {kUploadColor, "upload"}};
-  double x = kLeft;
-  const double y = lanes_bottom + 46;
+void write_timeline_legend(std::ostream& out, const Geo& g) {
+  const std::pair<const char*, const char*> entries[] = {{Geo::kColors[0], "forward stage"},
+                                                         {Geo::kColors[1], "fused tail (forward + loss + backward)"},
+                                                         {Geo::kColors[2], "backward stage (recompute + backward)"},
+                                                         {Geo::kUploadColor, "upload"}};
+  double x = Geo::kLeft;
+  const double y = g.lanes_bottom + 46;
   out << "  <g id=\"legend\" fill=\"#222\">\n";
   for (const auto& [color, text] : entries) {
     out << "    <rect x=\"" << x << "\" y=\"" << y << "\" width=\"14\" height=\"12\" fill=\"" << color << "\"/>\n"
         << "    <text x=\"" << x + 20 << "\" y=\"" << y + 10 << "\">" << text << "</text>\n";
     x += 20 + 7.0 * static_cast<double>(std::string(text).size()) + 24;
   }
-  out << "  </g>\n</svg>\n";
+  out << "  </g>\n";
+}
+
+}  // namespace
+
+std::string timeline_svg(const SimulationResult& r, const PreviewOptions& options) {
+  const Geo g(r);
+  std::ostringstream out;
+  out << svg::document_start(Geo::kWidth, g.lanes_bottom + 70, options.title) << "  <text x=\"" << Geo::kWidth / 2
+      << "\" y=\"44\" text-anchor=\"middle\" fill=\"#555\">" << escape_xml(summary(r, options.time_unit))
+      << "</text>\n";
+  write_time_axis(out, g, r.num_devices, options.time_unit);
+  for (const SimulatedJob& job : r.jobs) write_job(out, g, job, options.time_unit);
+  write_timeline_legend(out, g);
+  out << "</svg>\n";
   return out.str();
 }
 

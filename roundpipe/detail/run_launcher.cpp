@@ -17,13 +17,13 @@ ResolvedRunConfig resolve_run_config(const RunConfig& call, const RunConfig& mod
                                      int64_t num_devices, int64_t rows) {
   const RunConfig merged = call.merged_over(model);
   ResolvedRunConfig out;
-  out.num_microbatch = merged.num_microbatch.value_or(num_devices + 1);
+  out.num_microbatch = merged.num_microbatch.value_or(default_num_microbatch(num_devices));
   check_num_microbatch(out.num_microbatch, "num_microbatch");
   if (rows < out.num_microbatch) {
     out.clamped_from = out.num_microbatch;
     out.num_microbatch = rows;
   }
-  out.recompute_grain = merged.recompute_grain.value_or(RecomputeGrain::kStage);
+  out.recompute_grain = merged.recompute_grain.value_or(kDefaultRecomputeGrain);
   out.preserve_rng_state = merged.preserve_rng_state.value_or(true);
   out.execute_plan = type == scheduler::RunType::kInfer ? call.execute_plan : merged.execute_plan;
   out.output_device = merged.output_device.value_or(c10::Device(c10::kCPU));

@@ -27,7 +27,7 @@ struct ResolvedRunConfig {
   int64_t num_microbatch = 1;
   /// The num_microbatch asked for, when the batch had fewer rows and num_microbatch was lowered.
   std::optional<int64_t> clamped_from;
-  RecomputeGrain recompute_grain = RecomputeGrain::kStage;
+  RecomputeGrain recompute_grain = kDefaultRecomputeGrain;
   bool preserve_rng_state = true;
   /// The plan given for this run; unset = automatic. Inference runs take only a call-level plan
   /// (a model-level plan is a training plan).

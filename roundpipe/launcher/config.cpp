@@ -204,159 +204,153 @@ void apply_override(YAML::Node& root, const std::string& text, Context* ctx) {
   current[parts.back()] = value;
 }
 
-/// Parses `node` as the value of `spec`: type, range and choice checks.
-Value parse_value(const KeySpec& spec, const YAML::Node& node) {
-  const std::string shown = detail::show_node(node);
-  auto wrong_type = [&]() {
-    config_fail(spec.path, shown,
-                "wrong type: expected " + spec.type_name() + ", got " + detail::describe_node_kind(node));
-  };
-  auto check_range = [&](double v, const std::string& what) {
-    if (!spec.bounds.contains(v)) {
-      config_fail(spec.path, shown, "out of range: " + what + " must be " + spec.bounds.describe());
-    }
-  };
-  auto number = [&](const YAML::Node& n, bool integral) -> ResolvedScalar {
-    if (!n.IsScalar()) {
-      wrong_type();
-    }
-    ResolvedScalar r = detail::resolve_scalar(n);
-    const bool ok = r.kind == ResolvedScalar::Kind::kInt ||
-                    (!integral && r.kind == ResolvedScalar::Kind::kFloat);
-    if (!ok) {
-      wrong_type();
-    }
-    if (r.int_overflow) {
-      config_fail(spec.path, shown, "out of range: does not fit a 64-bit integer");
-    }
-    if (!std::isfinite(r.real)) {
-      config_fail(spec.path, shown, "out of range: must be a finite number");
-    }
-    return r;
-  };
-  // A sequence of scalars, as strings.
-  auto scalar_list = [&]() {
-    if (!node.IsSequence()) {
-      wrong_type();
-    }
-    std::vector<std::string> values;
-    for (const YAML::Node& element : node) {
-      if (!element.IsScalar()) {
-        wrong_type();
+/// Parses `node` as the value of `spec`: type, range and choice checks. One object per value;
+/// every failure is a ConfigError naming the key, the value and what was expected.
+class ValueParser {
+ public:
+  ValueParser(const KeySpec& spec, const YAML::Node& node)
+      : spec_(spec), node_(node), shown_(detail::show_node(node)) {}
+
+  Value parse() const {
+    if (!node_ || node_.IsNull()) return parse_null();
+    switch (spec_.kind) {
+      case KeyKind::kSection:
+        if (!node_.IsMap()) wrong_type();
+        return true;
+      case KeyKind::kBool: {
+        ResolvedScalar r = node_.IsScalar() ? detail::resolve_scalar(node_) : ResolvedScalar{};
+        if (r.kind != ResolvedScalar::Kind::kBool) wrong_type();
+        return r.boolean;
       }
+      case KeyKind::kInt: {
+        ResolvedScalar r = number(node_, true);
+        check_range(r.real, "the value");
+        return r.integer;
+      }
+      case KeyKind::kFloat: {
+        ResolvedScalar r = number(node_, false);
+        check_range(r.real, "the value");
+        return r.real;
+      }
+      case KeyKind::kString:
+        if (!node_.IsScalar()) wrong_type();
+        return node_.Scalar();
+      case KeyKind::kChoice: return parse_choice();
+      case KeyKind::kFloatPair: return parse_float_pair();
+      case KeyKind::kStringList: {
+        std::vector<std::string> values = scalar_list();
+        check_range(static_cast<double>(values.size()), "the length");
+        return values;
+      }
+      case KeyKind::kDevices: return parse_devices();
+      case KeyKind::kFreeMap: return parse_free_map();
+    }
+    TORCH_INTERNAL_ASSERT(false, "unhandled key kind of ", spec_.path);
+  }
+
+ private:
+  [[noreturn]] void wrong_type() const {
+    config_fail(spec_.path, shown_,
+                "wrong type: expected " + spec_.type_name() + ", got " + detail::describe_node_kind(node_));
+  }
+
+  void check_range(double v, const std::string& what) const {
+    if (!spec_.bounds.contains(v)) {
+      config_fail(spec_.path, shown_, "out of range: " + what + " must be " + spec_.bounds.describe());
+    }
+  }
+
+  ResolvedScalar number(const YAML::Node& n, bool integral) const {
+    if (!n.IsScalar()) wrong_type();
+    ResolvedScalar r = detail::resolve_scalar(n);
+    const bool ok = r.kind == ResolvedScalar::Kind::kInt || (!integral && r.kind == ResolvedScalar::Kind::kFloat);
+    if (!ok) wrong_type();
+    if (r.int_overflow) config_fail(spec_.path, shown_, "out of range: does not fit a 64-bit integer");
+    if (!std::isfinite(r.real)) config_fail(spec_.path, shown_, "out of range: must be a finite number");
+    return r;
+  }
+
+  // A sequence of scalars, as strings.
+  std::vector<std::string> scalar_list() const {
+    if (!node_.IsSequence()) wrong_type();
+    std::vector<std::string> values;
+    for (const YAML::Node& element : node_) {
+      if (!element.IsScalar()) wrong_type();
       values.push_back(element.Scalar());
     }
     return values;
-  };
+  }
 
-  if (!node || node.IsNull()) {
-    if (spec.nullable) {
-      return Value();
-    }
-    if (spec.kind == KeyKind::kSection) {
-      return true;  // an empty section: all defaults
-    }
-    if (spec.kind == KeyKind::kFreeMap) {
-      return std::string("{}");
-    }
+  // A missing or null value: null where allowed, an empty section or map (all defaults).
+  Value parse_null() const {
+    if (spec_.nullable) return Value();
+    if (spec_.kind == KeyKind::kSection) return true;
+    if (spec_.kind == KeyKind::kFreeMap) return std::string("{}");
     wrong_type();
   }
-  switch (spec.kind) {
-    case KeyKind::kSection:
-      if (!node.IsMap()) {
-        wrong_type();
-      }
-      return true;
-    case KeyKind::kBool: {
-      ResolvedScalar r = node.IsScalar() ? detail::resolve_scalar(node) : ResolvedScalar{};
-      if (r.kind != ResolvedScalar::Kind::kBool) {
-        wrong_type();
-      }
-      return r.boolean;
+
+  Value parse_choice() const {
+    if (!node_.IsScalar()) wrong_type();
+    const std::string& s = node_.Scalar();
+    for (const std::string& choice : spec_.choices) {
+      if (choice == s) return s;
     }
-    case KeyKind::kInt: {
-      ResolvedScalar r = number(node, true);
-      check_range(r.real, "the value");
-      return r.integer;
-    }
-    case KeyKind::kFloat: {
-      ResolvedScalar r = number(node, false);
-      check_range(r.real, "the value");
-      return r.real;
-    }
-    case KeyKind::kString:
-      if (!node.IsScalar()) {
-        wrong_type();
-      }
-      return node.Scalar();
-    case KeyKind::kChoice: {
-      if (!node.IsScalar()) {
-        wrong_type();
-      }
-      const std::string& s = node.Scalar();
-      for (const std::string& choice : spec.choices) {
-        if (choice == s) {
-          return s;
-        }
-      }
-      std::string hint = detail::closest_match(s, spec.choices);
-      config_fail(spec.path, shown,
-                  "not a valid choice: expected " + spec.type_name() +
-                      (hint.empty() ? "" : "; did you mean '" + hint + "'?"));
-    }
-    case KeyKind::kFloatPair: {
-      if (!node.IsSequence()) {
-        wrong_type();
-      }
-      if (node.size() != 2) {
-        config_fail(spec.path, shown, "wrong length: expected 2 numbers, got " + std::to_string(node.size()));
-      }
-      std::vector<double> values;
-      for (size_t i = 0; i < 2; ++i) {
-        double v = number(node[i], false).real;
-        check_range(v, "element " + std::to_string(i) + " (" + detail::show_node(node[i]) + ")");
-        values.push_back(v);
-      }
-      return values;
-    }
-    case KeyKind::kStringList: {
-      std::vector<std::string> values = scalar_list();
-      check_range(static_cast<double>(values.size()), "the length");
-      return values;
-    }
-    case KeyKind::kDevices: {
-      if (node.IsScalar()) {
-        if (node.Scalar() == "auto") {
-          return Value();
-        }
-        ResolvedScalar r = detail::resolve_scalar(node);
-        if (r.kind != ResolvedScalar::Kind::kInt) {
-          config_fail(spec.path, shown, "wrong type: expected " + spec.type_name() +
-                                            " (auto, a CPU worker count, or e.g. [cuda:0, cuda:1])");
-        }
-        // An integer beyond 64 bits resolves to INT64_MAX / INT64_MIN: out of the bounds below.
-        check_range(static_cast<double>(r.integer), "the count");
-        return std::vector<std::string>(static_cast<size_t>(r.integer), "cpu");
-      }
-      std::vector<std::string> values = scalar_list();
-      check_range(static_cast<double>(values.size()), "the number of devices");
-      return values;
-    }
-    case KeyKind::kFreeMap:
-      if (!node.IsMap()) {
-        wrong_type();
-      }
-      try {
-        return detail::yaml_to_json(node).dump();
-      } catch (const nlohmann::json::type_error& e) {
-        // Found by fuzz/fuzz_config: dump() refuses text that is not UTF-8 (error 316).
-        config_fail(spec.path, shown,
-                    std::string("a key or string is not valid UTF-8 (this map is passed on as JSON, "
-                                "which must be UTF-8; ") + e.what() + "); fix the file's encoding");
-      }
+    std::string hint = detail::closest_match(s, spec_.choices);
+    config_fail(spec_.path, shown_,
+                "not a valid choice: expected " + spec_.type_name() +
+                    (hint.empty() ? "" : "; did you mean '" + hint + "'?"));
   }
-  TORCH_INTERNAL_ASSERT(false, "unhandled key kind of ", spec.path);
-}
+
+  Value parse_float_pair() const {
+    if (!node_.IsSequence()) wrong_type();
+    if (node_.size() != 2) {
+      config_fail(spec_.path, shown_, "wrong length: expected 2 numbers, got " + std::to_string(node_.size()));
+    }
+    std::vector<double> values;
+    for (size_t i = 0; i < 2; ++i) {
+      double v = number(node_[i], false).real;
+      check_range(v, "element " + std::to_string(i) + " (" + detail::show_node(node_[i]) + ")");
+      values.push_back(v);
+    }
+    return values;
+  }
+
+  // "auto" (null), a CPU worker count, or a list of devices.
+  Value parse_devices() const {
+    if (node_.IsScalar()) {
+      if (node_.Scalar() == "auto") return Value();
+      ResolvedScalar r = detail::resolve_scalar(node_);
+      if (r.kind != ResolvedScalar::Kind::kInt) {
+        config_fail(spec_.path, shown_,
+                    "wrong type: expected " + spec_.type_name() +
+                        " (auto, a CPU worker count, or e.g. [cuda:0, cuda:1])");
+      }
+      // An integer beyond 64 bits resolves to INT64_MAX / INT64_MIN: out of the bounds below.
+      check_range(static_cast<double>(r.integer), "the count");
+      return std::vector<std::string>(static_cast<size_t>(r.integer), "cpu");
+    }
+    std::vector<std::string> values = scalar_list();
+    check_range(static_cast<double>(values.size()), "the number of devices");
+    return values;
+  }
+
+  Value parse_free_map() const {
+    if (!node_.IsMap()) wrong_type();
+    try {
+      return detail::yaml_to_json(node_).dump();
+    } catch (const nlohmann::json::type_error& e) {
+      // Found by fuzz/fuzz_config: dump() refuses text that is not UTF-8 (error 316).
+      config_fail(spec_.path, shown_,
+                  std::string("a key or string is not valid UTF-8 (this map is passed on as JSON, "
+                              "which must be UTF-8; ") +
+                      e.what() + "); fix the file's encoding");
+    }
+  }
+
+  const KeySpec& spec_;
+  const YAML::Node& node_;
+  const std::string shown_;
+};
 
 const YAML::Node& default_node(const KeySpec& spec) {
   static std::map<std::string, YAML::Node> cache = [] {
@@ -381,7 +375,7 @@ void apply_keys(const YAML::Node& root, LauncherConfig& config) {
       continue;
     }
     std::optional<YAML::Node> node = lookup(root, spec.path);
-    Value value = parse_value(spec, node ? *node : default_node(spec));
+    Value value = ValueParser(spec, node ? *node : default_node(spec)).parse();
     if (spec.kind == KeyKind::kSection && std::holds_alternative<std::monostate>(value)) {
       disabled.insert(spec.path);
     }
@@ -609,15 +603,6 @@ const char* recompute_name(RecomputeGrain grain) {
 
 const char* step_mode_name(StepMode mode) {
   return mode == StepMode::kAsync ? "async" : "sync";
-}
-
-const char* dtype_name(c10::ScalarType dtype) {
-  switch (dtype) {
-    case c10::kFloat: return "float32";
-    case c10::kBFloat16: return "bfloat16";
-    case c10::kHalf: return "float16";
-    default: return c10::toString(dtype);
-  }
 }
 
 }  // namespace roundpipe::launcher

@@ -36,99 +36,103 @@ enum class DistributedBackend { kAuto, kGloo, kNccl };
 /// How Adam(W) stores its moments: float32, or block-wise 8-bit (optim::AdamStateDtype::kInt8).
 enum class OptimizerStateDtype { kFloat32, kInt8 };
 
+// The sections of LauncherConfig, one per top-level YAML key. Scalar fields are value-initialised
+// ({}: zero, false, the enum's first value) so that a section made on its own holds no
+// indeterminate value; the defaults a user gets live only in the schema table (LauncherConfig()).
+
 /// model.lora: present (non-null) enables LoRA fine-tuning of model.pretrained.
 /// PEFT's names: rank = r, alpha = lora_alpha, dropout = lora_dropout, targets = target_modules,
 /// target_parameters = target_parameters.
-struct LoraConfig {
-  int64_t rank;
-  double alpha;
-  double dropout;
+struct LoraSection {
+  int64_t rank{};
+  double alpha{};
+  double dropout{};
   std::vector<std::string> targets;  ///< module names, e.g. q_proj, v_proj; or all-linear
   /// PEFT's target_parameters: MoE expert weights (gate_up_proj, down_proj); empty = none
   std::vector<std::string> target_parameters;
   std::string adapter;  ///< PEFT adapter directory to start from; "" = fresh adapters
 };
 
-struct ModelConfig {
+struct ModelSection {
   std::string pretrained;                      ///< directory with config.json + weights; "" = none
   std::optional<models::Architecture> preset;  ///< nullopt: none (model.pretrained instead)
   std::string config_json;                     ///< model.config as a JSON object text ("{}" when unset)
-  c10::ScalarType dtype;                       ///< compute dtype: Float | BFloat16 | Half
-  c10::ScalarType master_dtype;                ///< optimizer master weights: Float
-  std::optional<LoraConfig> lora;
+  c10::ScalarType dtype{};                     ///< compute dtype: Float | BFloat16 | Half
+  c10::ScalarType master_dtype{};              ///< optimizer master weights: Float
+  std::optional<LoraSection> lora;
 };
 
-struct DataConfig {
+struct DataSection {
   std::string train;  ///< token/byte/chat file; unused (may be "") for synthetic
   std::string valid;  ///< "" = no evaluation data
-  DataFormat format;
-  int64_t seq_len;
+  DataFormat format{};
+  int64_t seq_len{};
   std::optional<int64_t> vocab_size;  ///< synthetic only
-  models::ChatTrainOn train_on;       ///< chat only: which tokens the loss trains on
-  bool packing;                       ///< chat only: whole conversations packed into rows (chat_data.h)
+  models::ChatTrainOn train_on{};     ///< chat only: which tokens the loss trains on
+  bool packing{};                     ///< chat only: whole conversations packed into rows (chat_data.h)
 };
 
-struct OptimizerConfig {
-  OptimizerName name;
-  double lr;
+struct OptimizerSection {
+  OptimizerName name{};
+  double lr{};
   std::array<double, 2> betas;
-  double eps;
-  double weight_decay;
-  double momentum;                  ///< sgd only
-  OptimizerStateDtype state_dtype;  ///< adam / adamw only
+  double eps{};
+  double weight_decay{};
+  double momentum{};                  ///< sgd only
+  OptimizerStateDtype state_dtype{};  ///< adam / adamw only
 };
 
-struct ScheduleConfig {
-  int64_t warmup_steps;
-  LrDecay decay;
-  double min_lr;
+struct ScheduleSection {
+  int64_t warmup_steps{};
+  LrDecay decay{};
+  double min_lr{};
 };
 
-struct TrainConfig {
-  int64_t steps;
-  int64_t batch_size;
-  int64_t grad_accum;
-  double clip_grad_norm;  ///< 0 = no clipping
-  uint64_t seed;
+struct TrainSection {
+  int64_t steps{};
+  int64_t batch_size{};
+  int64_t grad_accum{};
+  double clip_grad_norm{};  ///< 0 = no clipping
+  uint64_t seed{};
 };
 
 struct RunSection {
   /// nullopt = "auto" (all GPUs, else one CPU worker); else one worker per entry (CPU may repeat).
   std::optional<std::vector<c10::Device>> devices;
   std::optional<int64_t> num_microbatch;  ///< nullopt = RoundPipe's default
-  RecomputeGrain recompute;
-  StepMode step_mode;
-  int64_t loss_chunk_mib;  ///< LmHead's loss chunk (models::LinearCrossEntropyOptions::chunk_bytes)
+  RecomputeGrain recompute{};
+  StepMode step_mode{};
+  int64_t loss_chunk_mib{};  ///< LmHead's loss chunk (models::LinearCrossEntropyOptions::chunk_bytes)
   /// Device memory the memory model plans for (GiB); nullopt = the smallest CUDA device's memory,
   /// or none on CPU devices (plan reports, train does not check).
   std::optional<double> device_memory_gib;
 };
 
-struct AmpConfig {
-  bool scaler;
-  double init_scale;
-  int64_t growth_interval;
+struct AmpSection {
+  bool scaler{};
+  double init_scale{};
+  int64_t growth_interval{};
 };
 
-struct CheckpointConfig {
-  int64_t every;  ///< steps between checkpoints; 0 = only at the end
-  int64_t keep;
+struct CheckpointSection {
+  int64_t every{};  ///< steps between checkpoints; 0 = only at the end
+  int64_t keep{};
 };
 
-struct EvalConfig {
-  int64_t every;        ///< steps between evaluations; 0 = never (but at the end with data.valid)
-  int64_t max_batches;  ///< 0 = the whole validation set
-  bool at_start;        ///< also before the first step (not on resume)
+struct EvalSection {
+  int64_t every{};        ///< steps between evaluations; 0 = never (but at the end with data.valid)
+  int64_t max_batches{};  ///< 0 = the whole validation set
+  bool at_start{};        ///< also before the first step (not on resume)
 };
 
-struct DistributedConfig {
-  DistributedBackend backend;
-  double timeout_s;
+struct DistributedSection {
+  DistributedBackend backend{};
+  double timeout_s{};
 };
 
-struct LogConfig {
-  int64_t every;
-  LogLevel level;  ///< of the launcher and RoundPipe (base/logging.h)
+struct LogSection {
+  int64_t every{};
+  LogLevel level{};  ///< of the launcher and RoundPipe (base/logging.h)
 };
 
 /// The whole configuration. Default-constructed, every field holds the schema's default (the
@@ -137,17 +141,17 @@ struct LauncherConfig {
   LauncherConfig();
 
   std::string out_dir;
-  ModelConfig model;
-  DataConfig data;
-  OptimizerConfig optimizer;
-  ScheduleConfig schedule;
-  TrainConfig train;
+  ModelSection model;
+  DataSection data;
+  OptimizerSection optimizer;
+  ScheduleSection schedule;
+  TrainSection train;
   RunSection run;
-  AmpConfig amp;
-  CheckpointConfig checkpoint;
-  EvalConfig eval;
-  DistributedConfig distributed;
-  LogConfig log;
+  AmpSection amp;
+  CheckpointSection checkpoint;
+  EvalSection eval;
+  DistributedSection distributed;
+  LogSection log;
 };
 
 /// Loads `path` (YAML), applies `overrides` ("optimizer.lr=1e-3", "optimizer.betas=[0.9,0.99]",
@@ -185,6 +189,6 @@ const char* optimizer_name(OptimizerName name);
 const char* state_dtype_name(OptimizerStateDtype dtype);
 const char* recompute_name(RecomputeGrain grain);
 const char* step_mode_name(StepMode mode);
-const char* dtype_name(c10::ScalarType dtype);
+// dtypes: models::dtype_name (the YAML's dtype names are Hugging Face's).
 
 }  // namespace roundpipe::launcher

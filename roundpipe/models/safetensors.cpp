@@ -71,33 +71,8 @@ bool as_unsigned(const json& value, uint64_t* out) {
   return false;
 }
 
-}  // namespace
-
-// Note [Header validation]: `open` applies the checks of the reference crate
-// (SafeTensors::read_metadata + Metadata::validate) before any tensor is handed out, so that `get`
-// can trust every offset: the length field is bounded and inside the file, the header is UTF-8 JSON
-// of the expected shape, tensors tile the data section exactly (sorted by offsets, contiguous from
-// 0, no gap or overlap, each exactly numel * element size bytes with overflow checks, the last one
-// ending at the end of the file). On top of the crate we reject entries with keys other than
-// dtype/shape/data_offsets, dimensions or element counts beyond int64 (torch's limit), and JSON
-// nested deeper than kMaxHeaderDepth.
-std::shared_ptr<SafetensorsFile> SafetensorsFile::open(const std::string& path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  ROUNDPIPE_SAFETENSORS_CHECK(fd >= 0, "cannot open: ", detail::errno_text(errno));
-  FdCloser closer{fd};
-  struct stat st {};
-  ROUNDPIPE_SAFETENSORS_CHECK(::fstat(fd, &st) == 0, "fstat failed: ", detail::errno_text(errno));
-  ROUNDPIPE_SAFETENSORS_CHECK(S_ISREG(st.st_mode), "not a regular file");
-  const auto file_bytes = static_cast<uint64_t>(st.st_size);
-  ROUNDPIPE_SAFETENSORS_CHECK(file_bytes >= 8, "file is ", file_bytes,
-                              " bytes, smaller than the 8-byte header length field (truncated, or not a "
-                              "safetensors file)");
-
-  std::shared_ptr<SafetensorsFile> file(new SafetensorsFile());
-  file->path_ = path;
-  file->mapping_ = std::make_shared<detail::FileMapping>(path, static_cast<size_t>(file_bytes), fd);
-  const uint8_t* bytes = file->mapping_->data;
-
+// The little-endian u64 at the start of the file: the header's length, bounded and inside the file.
+uint64_t read_header_length(const std::string& path, const uint8_t* bytes, uint64_t file_bytes) {
   uint64_t header_bytes = 0;
   for (int i = 7; i >= 0; --i) {
     header_bytes = (header_bytes << 8) | bytes[i];  // little-endian u64
@@ -107,11 +82,14 @@ std::shared_ptr<SafetensorsFile> SafetensorsFile::open(const std::string& path) 
                               " bytes (corrupt length field, or not a safetensors file)");
   ROUNDPIPE_SAFETENSORS_CHECK(header_bytes <= file_bytes - 8, "header length ", header_bytes,
                               " runs past the end of the file (", file_bytes, " bytes; the file is truncated)");
-  const std::string_view header(reinterpret_cast<const char*>(bytes + 8), static_cast<size_t>(header_bytes));
+  return header_bytes;
+}
+
+// The header as a JSON object: UTF-8, valid JSON, nested at most kMaxHeaderDepth levels.
+json parse_header(const std::string& path, std::string_view header) {
   const size_t bad_utf8 = detail::invalid_utf8_at(header);
   ROUNDPIPE_SAFETENSORS_CHECK(bad_utf8 == std::string_view::npos, "header is not valid UTF-8 (byte ", bad_utf8,
                               " of the header)");
-
   json root;
   try {
     root = json::parse(header.begin(), header.end(), [](int depth, json::parse_event_t event, json&) {
@@ -127,64 +105,64 @@ std::shared_ptr<SafetensorsFile> SafetensorsFile::open(const std::string& path) 
     ROUNDPIPE_SAFETENSORS_CHECK(false, "header JSON nests deeper than ", detail::kMaxHeaderDepth, " levels");
   }
   ROUNDPIPE_SAFETENSORS_CHECK(root.is_object(), "header must be a JSON object, got ", root.type_name());
+  return root;
+}
 
-  std::vector<TensorInfo> tensors;
-  tensors.reserve(root.size());
-  for (const auto& [name, entry] : root.items()) {
-    if (name == "__metadata__") {
-      if (entry.is_null()) {
-        continue;
-      }
-      ROUNDPIPE_SAFETENSORS_CHECK(entry.is_object(),
-                                  "\"__metadata__\" must be an object mapping strings to strings, got ",
-                                  entry.type_name());
-      for (const auto& [key, value] : entry.items()) {
-        ROUNDPIPE_SAFETENSORS_CHECK(value.is_string(), "\"__metadata__\" must map strings to strings, but key '", key,
-                                    "' holds ", value.type_name(), " ", excerpt(value));
-        file->metadata_.emplace(key, value.get<std::string>());
-      }
-      continue;
-    }
-    ROUNDPIPE_SAFETENSORS_TENSOR_CHECK(entry.is_object(), name, "header entry must be a JSON object, got ",
-                                       entry.type_name());
-    ROUNDPIPE_SAFETENSORS_TENSOR_CHECK(
-        entry.size() == 3 && entry.contains("dtype") && entry.contains("shape") && entry.contains("data_offsets"),
-        name, "header entry must have exactly the keys dtype, shape, data_offsets; got ", excerpt(entry));
-
-    const json& dtype = entry["dtype"];
-    ROUNDPIPE_SAFETENSORS_TENSOR_CHECK(dtype.is_string(), name, "dtype must be a string, got ", excerpt(dtype));
-    const detail::DtypeEntry* type = detail::dtype_by_name(dtype.get<std::string>());
-    ROUNDPIPE_SAFETENSORS_TENSOR_CHECK(type != nullptr, name, "unknown dtype ", excerpt(dtype),
-                                       " (supported: ", detail::supported_dtype_names(), ")");
-    ROUNDPIPE_SAFETENSORS_TENSOR_CHECK(type->scalar != c10::ScalarType::Undefined, name, "dtype ", type->name,
-                                       " is not supported by RoundPipe (supported: ", detail::supported_dtype_names(),
-                                       ")");
-
-    TensorInfo info;
-    info.name = name;
-    info.dtype = type->scalar;
-    const json& shape = entry["shape"];
-    ROUNDPIPE_SAFETENSORS_TENSOR_CHECK(shape.is_array(), name, "shape must be an array of non-negative integers, got ",
-                                       excerpt(shape));
-    for (const auto& dim : shape) {
-      uint64_t size = 0;
-      ROUNDPIPE_SAFETENSORS_TENSOR_CHECK(as_unsigned(dim, &size), name,
-                                         "shape must be an array of non-negative integers, got ", excerpt(shape));
-      ROUNDPIPE_SAFETENSORS_TENSOR_CHECK(size <= static_cast<uint64_t>(std::numeric_limits<int64_t>::max()), name,
-                                         "shape dimension ", size, " does not fit in int64");
-      info.shape.push_back(static_cast<int64_t>(size));
-    }
-    const json& offsets = entry["data_offsets"];
-    ROUNDPIPE_SAFETENSORS_TENSOR_CHECK(offsets.is_array() && offsets.size() == 2 &&
-                                           as_unsigned(offsets[0], &info.begin) && as_unsigned(offsets[1], &info.end),
-                                       name, "data_offsets must be [begin, end] (two non-negative integers), got ",
-                                       excerpt(offsets));
-    ROUNDPIPE_SAFETENSORS_TENSOR_CHECK(info.begin <= info.end, name, "data_offsets [", info.begin, ", ", info.end,
-                                       "] have begin > end");
-    tensors.push_back(std::move(info));
+// "__metadata__": null, or an object mapping strings to strings.
+void read_metadata(const std::string& path, const json& entry, std::map<std::string, std::string>& metadata) {
+  if (entry.is_null()) return;
+  ROUNDPIPE_SAFETENSORS_CHECK(entry.is_object(), "\"__metadata__\" must be an object mapping strings to strings, got ",
+                              entry.type_name());
+  for (const auto& [key, value] : entry.items()) {
+    ROUNDPIPE_SAFETENSORS_CHECK(value.is_string(), "\"__metadata__\" must map strings to strings, but key '", key,
+                                "' holds ", value.type_name(), " ", excerpt(value));
+    metadata.emplace(key, value.get<std::string>());
   }
+}
 
-  // The reference crate orders by (begin, end); ties (zero-size tensors) keep name order.
+// One tensor's header entry: exactly dtype, shape and data_offsets, each well-formed.
+TensorInfo parse_tensor_entry(const std::string& path, const std::string& name, const json& entry) {
+  ROUNDPIPE_SAFETENSORS_TENSOR_CHECK(entry.is_object(), name, "header entry must be a JSON object, got ",
+                                     entry.type_name());
+  ROUNDPIPE_SAFETENSORS_TENSOR_CHECK(
+      entry.size() == 3 && entry.contains("dtype") && entry.contains("shape") && entry.contains("data_offsets"), name,
+      "header entry must have exactly the keys dtype, shape, data_offsets; got ", excerpt(entry));
+  const json& dtype = entry["dtype"];
+  ROUNDPIPE_SAFETENSORS_TENSOR_CHECK(dtype.is_string(), name, "dtype must be a string, got ", excerpt(dtype));
+  const detail::DtypeEntry* type = detail::dtype_by_name(dtype.get<std::string>());
+  ROUNDPIPE_SAFETENSORS_TENSOR_CHECK(type != nullptr, name, "unknown dtype ", excerpt(dtype),
+                                     " (supported: ", detail::supported_dtype_names(), ")");
+  ROUNDPIPE_SAFETENSORS_TENSOR_CHECK(type->scalar != c10::ScalarType::Undefined, name, "dtype ", type->name,
+                                     " is not supported by RoundPipe (supported: ", detail::supported_dtype_names(),
+                                     ")");
+  TensorInfo info;
+  info.name = name;
+  info.dtype = type->scalar;
+  const json& shape = entry["shape"];
+  ROUNDPIPE_SAFETENSORS_TENSOR_CHECK(shape.is_array(), name, "shape must be an array of non-negative integers, got ",
+                                     excerpt(shape));
+  for (const auto& dim : shape) {
+    uint64_t size = 0;
+    ROUNDPIPE_SAFETENSORS_TENSOR_CHECK(as_unsigned(dim, &size), name,
+                                       "shape must be an array of non-negative integers, got ", excerpt(shape));
+    ROUNDPIPE_SAFETENSORS_TENSOR_CHECK(size <= static_cast<uint64_t>(std::numeric_limits<int64_t>::max()), name,
+                                       "shape dimension ", size, " does not fit in int64");
+    info.shape.push_back(static_cast<int64_t>(size));
+  }
+  const json& offsets = entry["data_offsets"];
+  ROUNDPIPE_SAFETENSORS_TENSOR_CHECK(offsets.is_array() && offsets.size() == 2 &&
+                                         as_unsigned(offsets[0], &info.begin) && as_unsigned(offsets[1], &info.end),
+                                     name, "data_offsets must be [begin, end] (two non-negative integers), got ",
+                                     excerpt(offsets));
+  ROUNDPIPE_SAFETENSORS_TENSOR_CHECK(info.begin <= info.end, name, "data_offsets [", info.begin, ", ", info.end,
+                                     "] have begin > end");
+  return info;
+}
+
+// Sorts the tensors by their offsets (the reference crate's order; ties, zero-size tensors, keep
+// name order) and checks that they tile the data section from 0 with no gap or overlap, each
+// exactly its shape's bytes. Returns the bytes they cover.
+uint64_t check_tiling(const std::string& path, std::vector<TensorInfo>& tensors) {
   std::stable_sort(tensors.begin(), tensors.end(), [](const TensorInfo& a, const TensorInfo& b) {
     return std::make_pair(a.begin, a.end) < std::make_pair(b.begin, b.end);
   });
@@ -215,6 +193,49 @@ std::shared_ptr<SafetensorsFile> SafetensorsFile::open(const std::string& path) 
                                        info.end - info.begin, " bytes");
     covered = info.end;
   }
+  return covered;
+}
+
+}  // namespace
+
+// Note [Header validation]: `open` applies the checks of the reference crate
+// (SafeTensors::read_metadata + Metadata::validate) before any tensor is handed out, so that `get`
+// can trust every offset: the length field is bounded and inside the file, the header is UTF-8 JSON
+// of the expected shape, tensors tile the data section exactly (sorted by offsets, contiguous from
+// 0, no gap or overlap, each exactly numel * element size bytes with overflow checks, the last one
+// ending at the end of the file). On top of the crate we reject entries with keys other than
+// dtype/shape/data_offsets, dimensions or element counts beyond int64 (torch's limit), and JSON
+// nested deeper than kMaxHeaderDepth.
+std::shared_ptr<SafetensorsFile> SafetensorsFile::open(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  ROUNDPIPE_SAFETENSORS_CHECK(fd >= 0, "cannot open: ", detail::errno_text(errno));
+  FdCloser closer{fd};
+  struct stat st {};
+  ROUNDPIPE_SAFETENSORS_CHECK(::fstat(fd, &st) == 0, "fstat failed: ", detail::errno_text(errno));
+  ROUNDPIPE_SAFETENSORS_CHECK(S_ISREG(st.st_mode), "not a regular file");
+  const auto file_bytes = static_cast<uint64_t>(st.st_size);
+  ROUNDPIPE_SAFETENSORS_CHECK(file_bytes >= 8, "file is ", file_bytes,
+                              " bytes, smaller than the 8-byte header length field (truncated, or not a "
+                              "safetensors file)");
+
+  std::shared_ptr<SafetensorsFile> file(new SafetensorsFile());
+  file->path_ = path;
+  file->mapping_ = std::make_shared<detail::FileMapping>(path, static_cast<size_t>(file_bytes), fd);
+  const uint8_t* bytes = file->mapping_->data;
+  const uint64_t header_bytes = read_header_length(path, bytes, file_bytes);
+  const json root =
+      parse_header(path, std::string_view(reinterpret_cast<const char*>(bytes + 8), static_cast<size_t>(header_bytes)));
+
+  std::vector<TensorInfo> tensors;
+  tensors.reserve(root.size());
+  for (const auto& [name, entry] : root.items()) {
+    if (name == "__metadata__") {
+      read_metadata(path, entry, file->metadata_);
+    } else {
+      tensors.push_back(parse_tensor_entry(path, name, entry));
+    }
+  }
+  const uint64_t covered = check_tiling(path, tensors);
   const uint64_t data_bytes = file_bytes - 8 - header_bytes;
   ROUNDPIPE_SAFETENSORS_CHECK(covered == data_bytes, "the tensors cover ", covered,
                               " bytes but the data section holds ", data_bytes, " (file of ", file_bytes,

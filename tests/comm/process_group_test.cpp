@@ -1,6 +1,8 @@
 // comm::ProcessGroup: collectives across real processes over Gloo on 127.0.0.1, the one-rank group,
 // and failures (a rank that never arrives, a rank that exits) bounded by the timeout and naming
 // the missing rank.
+#include "comm/process_group.h"
+
 #include <ATen/ATen.h>
 #include <ATen/detail/CUDAHooksInterface.h>
 #include <gtest/gtest.h>
@@ -10,7 +12,6 @@
 #include <string>
 
 #include "comm/detail/nccl_backend.h"
-#include "comm/process_group.h"
 #include "tests/common/multi_process.h"
 #include "tests/common/test_macros.h"
 
@@ -28,7 +29,7 @@ TEST(ProcessGroupTest, OneRank_NeedsNoNetworkAndCollectivesAreIdentity) {
   LaunchEnv env;  // rank 0 of 1; MASTER_PORT is never opened
   auto pg = ProcessGroup::create(env);
   EXPECT_EQ(pg->world_size(), 1);
-  EXPECT_EQ(pg->backend(), "none");
+  EXPECT_FALSE(pg->backend().has_value());
   auto t = at::arange(4, at::kFloat);
   pg->all_reduce(t).wait();
   pg->broadcast(t, 0).wait();
@@ -43,8 +44,8 @@ TEST(ProcessGroupTest, NcclBackend_CompiledInExactlyWhenLibTorchHasCuda) {
 
 TEST(ProcessGroupTest, BadOptions_AreNamed) {
   LaunchEnv env;
-  EXPECT_THROW_WITH(ProcessGroup::create(env, ProcessGroupOptions().backend("mpi")), "backend 'mpi' is not supported");
-  EXPECT_THROW_WITH(ProcessGroup::create(env, ProcessGroupOptions().backend("nccl")), "backend nccl needs a CUDA");
+  EXPECT_THROW_WITH(ProcessGroup::create(env, ProcessGroupOptions().backend(Backend::kNccl)),
+                    "backend nccl needs a CUDA");
   EXPECT_THROW_WITH(ProcessGroup::create(env, ProcessGroupOptions().timeout(std::chrono::milliseconds(0))),
                     "timeout must be > 0");
   auto pg = ProcessGroup::create(env);
@@ -55,9 +56,10 @@ TEST(ProcessGroupTest, BadOptions_AreNamed) {
 // ROUNDPIPE_TEST_NCCL set, over NCCL on GPU nccl_test_gpu().
 TEST(ProcessGroupWorker, DISABLED_Collectives) {
   auto options = short_timeout(30);
-  if (std::getenv("ROUNDPIPE_TEST_NCCL") != nullptr) options.device(c10::Device(c10::kCUDA, roundpipe::testing::nccl_test_gpu()));
+  if (std::getenv("ROUNDPIPE_TEST_NCCL") != nullptr)
+    options.device(c10::Device(c10::kCUDA, roundpipe::testing::nccl_test_gpu()));
   auto pg = ProcessGroup::from_env(options);
-  EXPECT_EQ(pg->backend(), std::getenv("ROUNDPIPE_TEST_NCCL") != nullptr ? "nccl" : "gloo");
+  EXPECT_EQ(pg->backend(), std::getenv("ROUNDPIPE_TEST_NCCL") != nullptr ? Backend::kNccl : Backend::kGloo);
   const auto r = static_cast<double>(pg->rank());
   const auto w = static_cast<double>(pg->world_size());
   auto sum = at::full({1000}, r + 1, at::kDouble);
@@ -99,8 +101,7 @@ TEST(ProcessGroupTest, RankNeverArrives_OthersFailWithinTimeoutNamingIt) {
   ASSERT_EQ(results.size(), 1u);
   EXPECT_FALSE(results[0].passed());
   EXPECT_FALSE(results[0].timed_out) << describe(results);
-  EXPECT_NE(results[0].output.find("rank(s) 1 of WORLD_SIZE=2 never arrived"), std::string::npos)
-      << describe(results);
+  EXPECT_NE(results[0].output.find("rank(s) 1 of WORLD_SIZE=2 never arrived"), std::string::npos) << describe(results);
   EXPECT_LT(took, 20.0) << "3 s timeout, the process start and the diagnosis";
 }
 

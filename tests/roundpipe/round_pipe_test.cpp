@@ -417,8 +417,8 @@ struct SlowIdentityImpl : torch::nn::Cloneable<SlowIdentityImpl> {
 };
 TORCH_MODULE(SlowIdentity);
 
-// The rules the runtime simulates its plans under: backward stages recompute ahead.
-scheduler::SimulateOptions runtime_rules() { return scheduler::SimulateOptions().set_recompute_ahead(true); }
+// The rules the runtime simulates its plans under (the default grain; iterations overlap).
+scheduler::SimulateOptions runtime_rules() { return engine_simulate_options(kDefaultRecomputeGrain, true); }
 
 // `rp`'s automatic plan is the simulation planner's plan for `costs` on 2 devices with 3
 // microbatches, as the runtime models itself (iterations overlap, backward stages recompute
@@ -518,7 +518,7 @@ TEST(RoundPipeTest, MeasuredLayerTimes_EqualLayersShareTheirMedian) {
   const auto costs = measured_costs(model, 2);
   ASSERT_EQ(costs.size(), 7u);
   // The five equal layers share one time (most of them at least: a preempted wake-up on a loaded
-  // machine may put one beyond 15%; RuntimePlannerTest checks the rule with synthetic times).
+  // machine may put one beyond 15%; PlanSelectorTest checks the rule with synthetic times).
   int most = 0;
   double shared = 0;
   for (int a = 0; a < 5; ++a) {
@@ -546,7 +546,7 @@ TORCH_MODULE(AdjustableSleep);
 
 // remeasure_layer_times: the next call times the layers again, and a layer that became 4x slower
 // changes the costs and the plan (the simulation optimum for them); without a request no call
-// measures. (That unchanged times keep the plan is tested on the Planner with synthetic times:
+// measures. (That unchanged times keep the plan is tested on the PlanSelector with synthetic times:
 // wall-clock times on a loaded machine are not stable enough.)
 TEST(RoundPipeTest, MeasuredLayerTimes_RemeasureOnRequest) {
   auto slow = std::make_shared<std::atomic<double>>(30.0);

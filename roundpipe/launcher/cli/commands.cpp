@@ -21,6 +21,8 @@
 #include "roundpipe/launcher/cli/setup.h"
 #include "roundpipe/launcher/metrics.h"
 #include "roundpipe/models/lora.h"
+#include "roundpipe/models/model_config.h"
+#include "roundpipe/run_config.h"
 #include "scheduler/plan_preview.h"
 
 namespace roundpipe::launcher {
@@ -159,8 +161,8 @@ void export_lora(const std::string& checkpoint_dir, const std::string& out_dir, 
 void print_model(const LauncherConfig& config, const models::ModelConfig& model_config, const MemoryPlan& memory,
                  std::ostream& out) {
   out << "model: " << models::model_type_name(model_config.architecture) << ", " << model_config.num_hidden_layers
-      << " decoder layers, " << memory.params.total << " parameters, compute " << dtype_name(config.model.dtype)
-      << ", masters " << dtype_name(config.model.master_dtype) << "\n";
+      << " decoder layers, " << memory.params.total << " parameters, compute " << models::dtype_name(config.model.dtype)
+      << ", masters " << models::dtype_name(config.model.master_dtype) << "\n";
   if (const std::optional<models::LoraOptions> lora = lora_options(config)) {
     out << "LoRA: rank " << lora->rank() << ", alpha " << lora->alpha() << " on";
     for (const std::string& t : lora->target_modules()) out << " " << t;
@@ -209,10 +211,10 @@ void print_stages(const MemoryPlan& memory, const std::vector<scheduler::LayerCo
 // (bytes): rescaled so that one iteration takes 100 (the simulator is linear in the costs).
 void print_timeline(const LauncherConfig& config, const MemoryPlan& memory,
                     const std::vector<scheduler::LayerCost>& costs, const std::string& svg_path, std::ostream& out) {
-  const int64_t num_microbatch = config.run.num_microbatch.value_or(memory.num_devices + 1);
-  // The runtime's rules: with the stage grain, backward stages recompute ahead (Note [Recompute
-  // ahead] in roundpipe/detail/stage_jobs.cpp).
-  const auto rules = scheduler::SimulateOptions().set_recompute_ahead(config.run.recompute == RecomputeGrain::kStage);
+  const int64_t num_microbatch = config.run.num_microbatch.value_or(default_num_microbatch(memory.num_devices));
+  // The engine's own rules (Note [Engine self-model]); one isolated iteration, so whether
+  // back-to-back iterations would overlap does not matter.
+  const auto rules = engine_simulate_options(config.run.recompute, /*iterations_overlap=*/false);
   scheduler::SimulationResult sim =
       scheduler::simulate(memory.plan, scheduler::RunType::kFused, costs, memory.num_devices, num_microbatch, rules);
   if (sim.makespan > 0) {

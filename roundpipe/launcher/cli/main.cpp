@@ -78,146 +78,202 @@ int fail(int code, const std::string& message, const std::string& detail) {
   return code;
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
-  CLI::App app{
-      "roundpipe: pipeline-parallel training of transformers models from a YAML config "
-      "(docs/launcher.md)"};
-  app.require_subcommand(1);
-  app.set_version_flag("--version", "roundpipe 0.1");
-
-  ConfigArgs train_args, eval_args, plan_args, validate_args;
-  std::string resume;
-  CLI::App* train = app.add_subcommand("train", "train a model (metrics, loss plot, checkpoints in out_dir)");
-  add_config_args(train, train_args);
-  CLI::Option* resume_option =
-      train
-          ->add_option("--resume", resume,
-                       "continue from a checkpoint directory (default: <out_dir>/checkpoints/latest)")
-          ->expected(0, 1);
-  CLI::App* eval = app.add_subcommand("eval",
-                                      "mean token cross-entropy on data.valid (else data.train); "
-                                      "last line eval_loss=<float>");
-  add_config_args(eval, eval_args);
-  CLI::App* plan = app.add_subcommand("plan",
-                                      "devices, pipeline stages, memory estimates and the simulated "
-                                      "timeline, without training");
-  add_config_args(plan, plan_args);
-  std::string plan_svg;
-  plan->add_option("--svg", plan_svg, "also write the simulated timeline as an SVG picture to this file");
-  std::string checkpoint_dir, export_dir;
-  ExportOptions export_options;
-  CLI::App* exp = app.add_subcommand("export",
-                                     "write a transformers model directory (or, for a LoRA "
-                                     "checkpoint, a PEFT adapter directory) from a checkpoint");
-  exp->add_option("CHECKPOINT_DIR", checkpoint_dir, "e.g. runs/default/checkpoints/latest")->required();
-  exp->add_option("OUT_DIR", export_dir,
-                  "directory to write config.json + model.safetensors (LoRA: "
-                  "adapter_config.json + adapter_model.safetensors) into")
-      ->required();
-  exp->add_flag("--merge", export_options.merge,
-                "LoRA checkpoint: write the base model with the adapters merged in (PEFT's merge_and_unload)");
-  exp->add_option("--base", export_options.base,
-                  "LoRA checkpoint with --merge: the base model directory (default: the adapter's "
-                  "base_model_name_or_path, the run's model.pretrained)");
-  CLI::App* validate = app.add_subcommand("validate", "check a configuration and print it resolved");
-  add_config_args(validate, validate_args);
-
-  ConfigArgs generate_args, chat_args;
-  std::vector<std::string> prompts;
-  GenerateCommandOptions generate_options, chat_options;
-  CLI::App* generate = app.add_subcommand("generate",
-                                          "answer prompts with the configured model (model.pretrained's "
-                                          "tokenizer and chat template), streaming the text");
-  add_config_args(generate, generate_args);
-  generate->add_option("--prompt", prompts, "a prompt (repeat for several); rendered as one user message")
-      ->required()
-      ->expected(1)
-      ->take_all();
-  generate->add_flag("--raw", generate_options.raw, "tokenize the prompt as it is, without the chat template");
-  add_generate_args(generate, generate_options);
-  CLI::App* chat = app.add_subcommand("chat",
-                                      "talk to the configured model: one user message per stdin line; "
-                                      "/reset forgets the conversation, /exit or end of input ends");
-  add_config_args(chat, chat_args);
-  add_generate_args(chat, chat_options);
-
-  LaunchOptions launch_options;
-  CLI::App* launch = app.add_subcommand("launch",
-                                        "start the local ranks of a distributed job (torchrun's environment), e.g. "
-                                        "roundpipe launch --nproc-per-node 2 train CONFIG [key=value ...]");
-  launch->add_option("--nproc-per-node", launch_options.nproc_per_node, "ranks on this node")->capture_default_str();
-  launch->add_option("--nnodes", launch_options.nnodes, "nodes of the job (run launch on each)")->capture_default_str();
-  launch->add_option("--node-rank", launch_options.node_rank, "this node's index in [0, nnodes)")
-      ->capture_default_str();
-  launch->add_option("--master-addr", launch_options.master_addr,
-                     "address of the node-rank-0 node (default 127.0.0.1; required with --nnodes > 1)");
-  launch->add_option("--master-port", launch_options.master_port,
-                     "port of rank 0's store (default: a free port with one node, else 29500)");
-  launch->add_option("--run-id", launch_options.run_id, "TORCHELASTIC_RUN_ID of the ranks")->capture_default_str();
-  launch
-      ->add_option("--grace-period", launch_options.grace_period_s,
-                   "seconds between SIGTERM and SIGKILL when stopping the ranks")
-      ->capture_default_str();
-  bool no_prefix = false;
-  launch->add_flag("--no-prefix", no_prefix, "let the ranks write to stdout/stderr directly, without \"[rank R]: \"");
-  launch->prefix_command();  // everything from COMMAND on is the ranks' command line
-  launch->footer("COMMAND [ARGS...]: what every rank runs, e.g. train CONFIG key=value (docs/launcher.md)");
-
-  EnvOptions env_options;
-  CLI::App* env = app.add_subcommand("env",
-                                     "print the distributed launch variables this process sees "
-                                     "(try: roundpipe launch --nproc-per-node 2 env)");
-  // Test hooks (tests/launcher/launch_test.cpp), hidden from --help.
-  env->add_option("--test-fail-rank", env_options.fail_rank)->group("");
-  env->add_option("--test-exit-code", env_options.exit_code)->group("");
-  env->add_option("--test-sleep", env_options.sleep_s)->group("");
-  env->add_flag("--test-ignore-sigterm", env_options.ignore_sigterm)->group("");
-
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    const int code = app.exit(e);
-    return code == 0 ? 0 : 2;
+// The command line: every subcommand with the variables CLI11 parses its arguments into. Built
+// in place (CLI::App holds pointers to the members), parsed once, then run() dispatches.
+class CommandLine {
+ public:
+  CommandLine() {
+    app_.require_subcommand(1);
+    app_.set_version_flag("--version", "roundpipe 0.1");
+    add_train();
+    add_eval_and_plan();
+    add_export();
+    validate_ = app_.add_subcommand("validate", "check a configuration and print it resolved");
+    add_config_args(validate_, validate_args_);
+    add_generate_and_chat();
+    add_launch();
+    add_env();
   }
 
-  roundpipe::set_console_log_level(roundpipe::LogLevel::kWarn);
-  try {
+  // Parses argv: nullopt to go on, else the exit code (--help and --version: 0; usage errors: 2).
+  std::optional<int> parse(int argc, char** argv) {
+    try {
+      app_.parse(argc, argv);
+    } catch (const CLI::ParseError& e) {
+      const int code = app_.exit(e);
+      return code == 0 ? 0 : 2;
+    }
+    return std::nullopt;
+  }
+
+  // Runs the chosen subcommand; its exit code. Throws what the command throws.
+  int run(const char* argv0) {
     const std::string host_allocator = apply_host_allocator_policy();  // Note [Host allocator policy]
-    if (*train) {
-      LauncherConfig config = load_config(train_args.path, train_args.overrides);
+    if (*train_) {
+      LauncherConfig config = load_config(train_args_.path, train_args_.overrides);
       open_log(config, "train.log");
       ROUNDPIPE_LOG(roundpipe::Logger::get("launcher"), kInfo, host_allocator);
       std::optional<std::string> resume_from;
-      if (resume_option->count() > 0) resume_from = resume;
+      if (resume_option_->count() > 0) resume_from = resume_;
       run_training(config, resume_from);
-    } else if (*eval) {
-      LauncherConfig config = load_config(eval_args.path, eval_args.overrides);
+    } else if (*eval_) {
+      LauncherConfig config = load_config(eval_args_.path, eval_args_.overrides);
       open_log(config, "eval.log");
       run_eval(config, std::cout);
-    } else if (*plan) {
-      run_plan(load_config(plan_args.path, plan_args.overrides), std::cout, plan_svg);
-    } else if (*exp) {
-      run_export(checkpoint_dir, export_dir, std::cout, export_options);
-    } else if (*validate) {
-      run_validate(load_config(validate_args.path, validate_args.overrides), std::cout);
-    } else if (*generate) {
-      run_generate(load_config(generate_args.path, generate_args.overrides), prompts, generate_options, std::cout);
-    } else if (*chat) {
-      run_chat(load_config(chat_args.path, chat_args.overrides), chat_options, std::cin, std::cout);
-    } else if (*launch) {
-      launch_options.command = launch->remaining();
-      launch_options.prefix_output = !no_prefix;
-      std::vector<std::string> commands;
-      for (const CLI::App* command : app.get_subcommands({})) {
-        if (command != launch) commands.push_back(command->get_name());
-      }
-      resolve_launch_options(launch_options, commands);
-      return run_launch(launch_options, argv[0]);
-    } else if (*env) {
-      return run_env(env_options, std::cout);
+    } else if (*plan_) {
+      run_plan(load(plan_args_), std::cout, plan_svg_);
+    } else if (*export_) {
+      run_export(checkpoint_dir_, export_dir_, std::cout, export_options_);
+    } else if (*validate_) {
+      run_validate(load(validate_args_), std::cout);
+    } else if (*generate_) {
+      run_generate(load(generate_args_), prompts_, generate_options_, std::cout);
+    } else if (*chat_) {
+      run_chat(load(chat_args_), chat_options_, std::cin, std::cout);
+    } else if (*launch_) {
+      return launch(argv0);
+    } else if (*env_) {
+      return run_env(env_options_, std::cout);
     }
+    return 0;
+  }
+
+ private:
+  static LauncherConfig load(const ConfigArgs& args) { return load_config(args.path, args.overrides); }
+
+  void add_train() {
+    train_ = app_.add_subcommand("train", "train a model (metrics, loss plot, checkpoints in out_dir)");
+    add_config_args(train_, train_args_);
+    resume_option_ = train_
+                         ->add_option("--resume", resume_,
+                                      "continue from a checkpoint directory (default: <out_dir>/checkpoints/latest)")
+                         ->expected(0, 1);
+  }
+
+  void add_eval_and_plan() {
+    eval_ = app_.add_subcommand("eval",
+                                "mean token cross-entropy on data.valid (else data.train); "
+                                "last line eval_loss=<float>");
+    add_config_args(eval_, eval_args_);
+    plan_ = app_.add_subcommand("plan",
+                                "devices, pipeline stages, memory estimates and the simulated "
+                                "timeline, without training");
+    add_config_args(plan_, plan_args_);
+    plan_->add_option("--svg", plan_svg_, "also write the simulated timeline as an SVG picture to this file");
+  }
+
+  void add_export() {
+    export_ = app_.add_subcommand("export",
+                                  "write a transformers model directory (or, for a LoRA "
+                                  "checkpoint, a PEFT adapter directory) from a checkpoint");
+    export_->add_option("CHECKPOINT_DIR", checkpoint_dir_, "e.g. runs/default/checkpoints/latest")->required();
+    export_
+        ->add_option("OUT_DIR", export_dir_,
+                     "directory to write config.json + model.safetensors (LoRA: "
+                     "adapter_config.json + adapter_model.safetensors) into")
+        ->required();
+    export_->add_flag("--merge", export_options_.merge,
+                      "LoRA checkpoint: write the base model with the adapters merged in (PEFT's merge_and_unload)");
+    export_->add_option("--base", export_options_.base,
+                        "LoRA checkpoint with --merge: the base model directory (default: the adapter's "
+                        "base_model_name_or_path, the run's model.pretrained)");
+  }
+
+  void add_generate_and_chat() {
+    generate_ = app_.add_subcommand("generate",
+                                    "answer prompts with the configured model (model.pretrained's "
+                                    "tokenizer and chat template), streaming the text");
+    add_config_args(generate_, generate_args_);
+    generate_->add_option("--prompt", prompts_, "a prompt (repeat for several); rendered as one user message")
+        ->required()
+        ->expected(1)
+        ->take_all();
+    generate_->add_flag("--raw", generate_options_.raw, "tokenize the prompt as it is, without the chat template");
+    add_generate_args(generate_, generate_options_);
+    chat_ = app_.add_subcommand("chat",
+                                "talk to the configured model: one user message per stdin line; "
+                                "/reset forgets the conversation, /exit or end of input ends");
+    add_config_args(chat_, chat_args_);
+    add_generate_args(chat_, chat_options_);
+  }
+
+  void add_launch() {
+    LaunchOptions& o = launch_options_;
+    launch_ = app_.add_subcommand("launch",
+                                  "start the local ranks of a distributed job (torchrun's environment), e.g. "
+                                  "roundpipe launch --nproc-per-node 2 train CONFIG [key=value ...]");
+    launch_->add_option("--nproc-per-node", o.nproc_per_node, "ranks on this node")->capture_default_str();
+    launch_->add_option("--nnodes", o.nnodes, "nodes of the job (run launch on each)")->capture_default_str();
+    launch_->add_option("--node-rank", o.node_rank, "this node's index in [0, nnodes)")->capture_default_str();
+    launch_->add_option("--master-addr", o.master_addr,
+                        "address of the node-rank-0 node (default 127.0.0.1; required with --nnodes > 1)");
+    launch_->add_option("--master-port", o.master_port,
+                        "port of rank 0's store (default: a free port with one node, else 29500)");
+    launch_->add_option("--run-id", o.run_id, "TORCHELASTIC_RUN_ID of the ranks")->capture_default_str();
+    launch_
+        ->add_option("--grace-period", o.grace_period_s, "seconds between SIGTERM and SIGKILL when stopping the ranks")
+        ->capture_default_str();
+    launch_->add_flag("--no-prefix", no_prefix_,
+                      "let the ranks write to stdout/stderr directly, without \"[rank R]: \"");
+    launch_->prefix_command();  // everything from COMMAND on is the ranks' command line
+    launch_->footer("COMMAND [ARGS...]: what every rank runs, e.g. train CONFIG key=value (docs/launcher.md)");
+  }
+
+  int launch(const char* argv0) {
+    launch_options_.command = launch_->remaining();
+    launch_options_.prefix_output = !no_prefix_;
+    std::vector<std::string> commands;
+    for (const CLI::App* command : app_.get_subcommands({})) {
+      if (command != launch_) commands.push_back(command->get_name());
+    }
+    resolve_launch_options(launch_options_, commands);
+    return run_launch(launch_options_, argv0);
+  }
+
+  void add_env() {
+    env_ = app_.add_subcommand("env",
+                               "print the distributed launch variables this process sees "
+                               "(try: roundpipe launch --nproc-per-node 2 env)");
+    // Test hooks (tests/launcher/launch_test.cpp), hidden from --help.
+    env_->add_option("--test-fail-rank", env_options_.fail_rank)->group("");
+    env_->add_option("--test-exit-code", env_options_.exit_code)->group("");
+    env_->add_option("--test-sleep", env_options_.sleep_s)->group("");
+    env_->add_flag("--test-ignore-sigterm", env_options_.ignore_sigterm)->group("");
+  }
+
+  CLI::App app_{
+      "roundpipe: pipeline-parallel training of transformers models from a YAML config "
+      "(docs/launcher.md)"};
+  CLI::App* train_ = nullptr;
+  CLI::App* eval_ = nullptr;
+  CLI::App* plan_ = nullptr;
+  CLI::App* export_ = nullptr;
+  CLI::App* validate_ = nullptr;
+  CLI::App* generate_ = nullptr;
+  CLI::App* chat_ = nullptr;
+  CLI::App* launch_ = nullptr;
+  CLI::App* env_ = nullptr;
+  ConfigArgs train_args_, eval_args_, plan_args_, validate_args_, generate_args_, chat_args_;
+  std::string resume_;
+  CLI::Option* resume_option_ = nullptr;
+  std::string plan_svg_;
+  std::string checkpoint_dir_, export_dir_;
+  ExportOptions export_options_;
+  std::vector<std::string> prompts_;
+  GenerateCommandOptions generate_options_, chat_options_;
+  LaunchOptions launch_options_;
+  bool no_prefix_ = false;
+  EnvOptions env_options_;
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CommandLine command_line;
+  if (std::optional<int> code = command_line.parse(argc, argv)) return *code;
+  roundpipe::set_console_log_level(roundpipe::LogLevel::kWarn);
+  try {
+    return command_line.run(argv[0]);
   } catch (const ConfigError& e) {
     return fail(2, e.what(), e.what());
   } catch (const c10::Error& e) {
@@ -225,5 +281,4 @@ int main(int argc, char** argv) {
   } catch (const std::exception& e) {
     return fail(1, e.what(), e.what());
   }
-  return 0;
 }

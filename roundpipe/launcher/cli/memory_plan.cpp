@@ -12,6 +12,7 @@
 #include "roundpipe/devices.h"
 #include "roundpipe/launcher/cli/setup.h"
 #include "roundpipe/models/architecture.h"
+#include "roundpipe/run_config.h"
 
 namespace roundpipe::launcher {
 namespace {
@@ -89,7 +90,7 @@ scheduler::TransformerShape shape_of(const LauncherConfig& config) {
   return s;
 }
 
-scheduler::OptimizerStateKind optimizer_kind(const OptimizerConfig& o) {
+scheduler::OptimizerStateKind optimizer_kind(const OptimizerSection& o) {
   switch (o.name) {
     case OptimizerName::kAdam:
     case OptimizerName::kAdamW:
@@ -149,7 +150,7 @@ MemoryPlan plan_memory(const LauncherConfig& config, const std::optional<schedul
   scheduler::DeviceMemoryOptions& o = memory.device_options;
   o.dtype_bytes = static_cast<int64_t>(c10::elementSize(config.model.dtype));
   o.seq_len = config.data.seq_len;
-  const int64_t num_microbatch = config.run.num_microbatch.value_or(memory.num_devices + 1);
+  const int64_t num_microbatch = config.run.num_microbatch.value_or(default_num_microbatch(memory.num_devices));
   o.microbatch_rows = std::max<int64_t>(1, (config.train.batch_size + num_microbatch - 1) / num_microbatch);
   o.layer_recompute = config.run.recompute == RecomputeGrain::kLayer;
   o.loss_chunk_bytes = config.run.loss_chunk_mib << 20;

@@ -71,7 +71,7 @@ models::ModelConfig resolve_model_config(const LauncherConfig& config) {
 
 std::optional<models::LoraOptions> lora_options(const LauncherConfig& config) {
   if (!config.model.lora.has_value()) return std::nullopt;
-  const LoraConfig& lora = *config.model.lora;
+  const LoraSection& lora = *config.model.lora;
   std::vector<std::string> targets;
   for (const std::string& target : lora.targets) {
     if (target == "all-linear") {
@@ -247,14 +247,14 @@ std::shared_ptr<comm::ProcessGroup> make_process_group(const LauncherConfig& con
   comm::ProcessGroupOptions options;
   options.timeout(std::chrono::milliseconds(static_cast<int64_t>(config.distributed.timeout_s * 1000.0)));
   if (config.distributed.backend == DistributedBackend::kGloo) {
-    options.backend("gloo");
+    options.backend(comm::Backend::kGloo);
   } else if (config.distributed.backend == DistributedBackend::kNccl) {
     if (cuda == devices.end()) {
       throw ConfigError(
           "distributed.backend: nccl needs CUDA devices, but this rank's run.devices are CPU; use "
           "distributed.backend=gloo (or auto)");
     }
-    options.backend("nccl").device(*cuda);
+    options.backend(comm::Backend::kNccl).device(*cuda);
   } else if (cuda != devices.end()) {
     options.device(*cuda);  // auto: nccl
   }
@@ -340,8 +340,11 @@ EvalResult evaluate(RoundPipe& model, const LauncherConfig& config, const Launch
   double correct = 0.0;
   int64_t count = 0;
   while (std::optional<Batch> batch = batches->next()) {
+    // The training runs' microbatch count (the engine's default unless set), at most one per row.
     RunConfig run;
-    run.num_microbatch = std::min<int64_t>(batch->inputs.size(0), config.run.num_microbatch.value_or(1));
+    run.num_microbatch = std::min<int64_t>(
+        batch->inputs.size(0),
+        config.run.num_microbatch.value_or(default_num_microbatch(static_cast<int64_t>(model.devices().size()))));
     // The head given the labels returns each microbatch's {summed loss, correct predictions}
     // (LmHead::set_report_correct); no logits are made.
     SideInputScope side(batch->side_inputs);  // packed chat rows

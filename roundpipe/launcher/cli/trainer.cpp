@@ -39,7 +39,7 @@ const Logger& launcher_log() { return Logger::get("launcher"); }
 
 std::unique_ptr<torch::optim::Optimizer> make_optimizer(RoundPipe& model, const LauncherConfig& config) {
   OptimizerCtx ctx;  // model.parameters() are the master weights here
-  const OptimizerConfig& o = config.optimizer;
+  const OptimizerSection& o = config.optimizer;
   if (o.name == OptimizerName::kSgd) {
     return std::make_unique<torch::optim::SGD>(
         model.parameters(), torch::optim::SGDOptions(o.lr).momentum(o.momentum).weight_decay(o.weight_decay));

@@ -6,6 +6,7 @@
 #include "roundpipe/launcher/atomic_file.h"
 #include "roundpipe/launcher/detail/config_schema.h"
 #include "roundpipe/launcher/detail/yaml_value.h"
+#include "roundpipe/models/model_config.h"
 
 namespace roundpipe::launcher::detail {
 namespace {
@@ -90,7 +91,7 @@ std::vector<Rule> build_rules() {
        "(float16 / bfloat16 masters are refused; `model.dtype` sets the compute precision).",
        [](const C& c) {
          if (c.model.master_dtype != c10::kFloat) {
-           config_fail("model.master_dtype", dtype_name(c.model.master_dtype),
+           config_fail("model.master_dtype", models::dtype_name(c.model.master_dtype),
                        "master weights must be float32 (updates smaller than the "
                        "precision would vanish); keep master_dtype: float32 and set "
                        "model.dtype for lower-precision compute");

@@ -179,23 +179,7 @@ ExprPtr ExpressionParser::parse_unary(bool with_filter) {
 ExprPtr ExpressionParser::parse_primary() {
   const Token& t = peek();
   switch (t.type) {
-    case TokenType::kName: {
-      next();
-      if (t.text == "true" || t.text == "True" || t.text == "false" || t.text == "False") {
-        auto e = make_expr(Expr::Kind::kLiteral, t.line);
-        e->value = Value::from_bool(t.text[0] == 't' || t.text[0] == 'T');
-        return e;
-      }
-      if (t.text == "none" || t.text == "None") {
-        auto e = make_expr(Expr::Kind::kLiteral, t.line);
-        e->value = Value::none();
-        return e;
-      }
-      auto e = make_expr(Expr::Kind::kName, t.line);
-      e->name = t.text;
-      loop_references_ += t.text == "loop";
-      return e;
-    }
+    case TokenType::kName: next(); return parse_name(t);
     case TokenType::kString: {
       auto e = make_expr(Expr::Kind::kLiteral, t.line);
       std::string s;
@@ -211,55 +195,77 @@ ExprPtr ExpressionParser::parse_primary() {
       return e;
     }
     case TokenType::kOperator:
-      if (t.text == "(") {
+      if (t.text == "(" || t.text == "[" || t.text == "{") {
         next();
-        if (at_op(")")) {
-          next();
-          return make_expr(Expr::Kind::kTuple, t.line);
-        }
-        ExprPtr inner = parse_expression(true);
-        if (at_op(",")) {
-          auto tuple = make_expr(Expr::Kind::kTuple, t.line);
-          tuple->items.push_back(std::move(inner));
-          while (at_op(",")) {
-            next();
-            if (at_op(")")) break;
-            tuple->items.push_back(parse_expression(true));
-          }
-          inner = std::move(tuple);
-        }
-        expect_op(")");
-        return inner;
-      }
-      if (t.text == "[") {
-        next();
-        auto list = make_expr(Expr::Kind::kList, t.line);
-        while (!at_op("]")) {
-          if (!list->items.empty()) expect_op(",");
-          if (at_op("]")) break;
-          list->items.push_back(parse_expression(true));
-        }
-        next();
-        return list;
-      }
-      if (t.text == "{") {
-        next();
-        auto dict = make_expr(Expr::Kind::kDict, t.line);
-        while (!at_op("}")) {
-          if (!dict->items.empty()) expect_op(",");
-          if (at_op("}")) break;
-          dict->items.push_back(parse_expression(true));
-          expect_op(":");
-          dict->items.push_back(parse_expression(true));
-        }
-        next();
-        return dict;
+        if (t.text == "(") return parse_parenthesized(t.line);
+        return t.text == "[" ? parse_list(t.line) : parse_dict(t.line);
       }
       break;
     default:
       break;
   }
   fail(t.line, "unexpected " + describe(t));
+}
+
+ExprPtr ExpressionParser::parse_name(const Token& t) {
+  if (t.text == "true" || t.text == "True" || t.text == "false" || t.text == "False") {
+    auto e = make_expr(Expr::Kind::kLiteral, t.line);
+    e->value = Value::from_bool(t.text[0] == 't' || t.text[0] == 'T');
+    return e;
+  }
+  if (t.text == "none" || t.text == "None") {
+    auto e = make_expr(Expr::Kind::kLiteral, t.line);
+    e->value = Value::none();
+    return e;
+  }
+  auto e = make_expr(Expr::Kind::kName, t.line);
+  e->name = t.text;
+  loop_references_ += t.text == "loop";
+  return e;
+}
+
+ExprPtr ExpressionParser::parse_parenthesized(int line) {
+  if (at_op(")")) {
+    next();
+    return make_expr(Expr::Kind::kTuple, line);
+  }
+  ExprPtr inner = parse_expression(true);
+  if (at_op(",")) {
+    auto tuple = make_expr(Expr::Kind::kTuple, line);
+    tuple->items.push_back(std::move(inner));
+    while (at_op(",")) {
+      next();
+      if (at_op(")")) break;
+      tuple->items.push_back(parse_expression(true));
+    }
+    inner = std::move(tuple);
+  }
+  expect_op(")");
+  return inner;
+}
+
+ExprPtr ExpressionParser::parse_list(int line) {
+  auto list = make_expr(Expr::Kind::kList, line);
+  while (!at_op("]")) {
+    if (!list->items.empty()) expect_op(",");
+    if (at_op("]")) break;
+    list->items.push_back(parse_expression(true));
+  }
+  next();
+  return list;
+}
+
+ExprPtr ExpressionParser::parse_dict(int line) {
+  auto dict = make_expr(Expr::Kind::kDict, line);
+  while (!at_op("}")) {
+    if (!dict->items.empty()) expect_op(",");
+    if (at_op("}")) break;
+    dict->items.push_back(parse_expression(true));
+    expect_op(":");
+    dict->items.push_back(parse_expression(true));
+  }
+  next();
+  return dict;
 }
 
 ExprPtr ExpressionParser::parse_postfix(ExprPtr node) {

@@ -81,6 +81,10 @@ class ExpressionParser {
   ExprPtr parse_pow();
   ExprPtr parse_unary(bool with_filter);
   ExprPtr parse_primary();
+  ExprPtr parse_name(const Token& t);   // a name, or true / false / none
+  ExprPtr parse_parenthesized(int line);  // after "(": an expression or a tuple
+  ExprPtr parse_list(int line);           // after "["
+  ExprPtr parse_dict(int line);           // after "{"
   ExprPtr parse_postfix(ExprPtr node);
   ExprPtr parse_subscript(ExprPtr node);
   void parse_arguments(Arguments& args);

@@ -10,6 +10,7 @@
 
 #include "scheduler/execute_plan.h"
 #include "scheduler/partitioner.h"
+#include "scheduler/simulator.h"
 
 namespace roundpipe::detail {
 
@@ -22,15 +23,19 @@ namespace roundpipe::detail {
 /// time per iteration of back-to-back runs (PlanObjective::kSteadyState).
 ///
 /// Thread-safety: the caller thread only (plans are computed between runs).
-class Planner {
+class PlanSelector {
  public:
   /// `param_bytes[l]` / `grad_bytes[l]`: layer l's parameter + buffer bytes / trainable parameter
   /// bytes. `memory_budget_bytes`: per stage and device (max() = unlimited).
-  /// `iterations_overlap`: forward_backward returns before its backward stages end
-  /// (RoundPipeOptions::overlap_backward, no data parallelism). `kinds[l]`: layer l's module type
+  /// `engine`: how the runtime runs, as the simulator models it (roundpipe::engine_simulate_options
+  /// for the model's recompute grain; its overlap_backward_tail: forward_backward returns before
+  /// its backward stages end, so back-to-back iterations overlap). Per-job and per-hop overheads
+  /// are zero there, which they are not: on CPU device workers sharing two cores `pipeline_bench
+  /// paper` measures 1-5 points more bubble than this model predicts (docs/benchmarks.md).
+  /// `kinds[l]`: layer l's module type
   /// (layers of one type and size share their measured times, Note [Smoothing measured times]).
-  Planner(std::vector<int64_t> param_bytes, std::vector<int64_t> grad_bytes, std::vector<std::string> kinds,
-          int64_t num_devices, int64_t memory_budget_bytes, bool iterations_overlap);
+  PlanSelector(std::vector<int64_t> param_bytes, std::vector<int64_t> grad_bytes, std::vector<std::string> kinds,
+          int64_t num_devices, int64_t memory_budget_bytes, scheduler::SimulateOptions engine);
 
   int64_t num_layers() const { return static_cast<int64_t>(param_bytes_.size()); }
   int64_t memory_budget_bytes() const { return memory_budget_bytes_; }
@@ -70,7 +75,7 @@ class Planner {
   std::vector<std::string> kinds_;
   int64_t num_devices_;
   int64_t memory_budget_bytes_;
-  bool iterations_overlap_;
+  scheduler::SimulateOptions engine_;
   bool async_steps_ = false;
   bool measured_ = false;
   bool remeasure_ = false;
@@ -79,7 +84,7 @@ class Planner {
   mutable std::vector<scheduler::LayerCost> costs_;  // lazy
   mutable std::optional<scheduler::ExecutePlan> auto_fused_plan_, auto_async_plan_, auto_infer_plan_;
 
-  bool plans_for_steady_state() const { return measured_ && async_steps_ && iterations_overlap_; }
+  bool plans_for_steady_state() const { return measured_ && async_steps_ && engine_.overlap_backward_tail; }
   std::string describe_plan(const scheduler::ExecutePlan& plan, bool steady) const;
 };
 

@@ -1,8 +1,8 @@
-// detail::Planner with synthetic measurements (deterministic, unlike wall-clock timing): the
+// detail::PlanSelector with synthetic measurements (deterministic, unlike wall-clock timing): the
 // smoothing of equal layers' times (Note [Smoothing measured times]), re-measuring that keeps
 // the plan unless the costs moved materially (Note [Re-measuring]), and the objective that
 // follows the step mode.
-#include "roundpipe/detail/planner.h"
+#include "roundpipe/detail/plan_selector.h"
 
 #include <gtest/gtest.h>
 
@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "roundpipe/run_config.h"
 #include "scheduler/planner.h"
 #include "scheduler/simulator.h"
 
@@ -19,15 +20,16 @@ namespace {
 constexpr int64_t kM = 4;  // microbatches of the measuring calls
 
 // Six layers: an embedding-like layer, four equal blocks, a head; 2 devices.
-Planner make_planner() {
-  return Planner({100, 400, 400, 400, 400, 800}, {100, 400, 400, 400, 400, 800},
+PlanSelector make_planner() {
+  return PlanSelector({100, 400, 400, 400, 400, 800}, {100, 400, 400, 400, 400, 800},
                  {"Embedding", "Block", "Block", "Block", "Block", "Linear"}, 2,
-                 std::numeric_limits<int64_t>::max(), /*iterations_overlap=*/true);
+                 std::numeric_limits<int64_t>::max(),
+                 engine_simulate_options(RecomputeGrain::kStage, /*iterations_overlap=*/true));
 }
 
 // Summed over kM microbatches: forward per layer, and per backward stage of `plan`, the sum of
 // its layers' `backward` per microbatch.
-void measure(Planner& planner, const std::vector<double>& forward, const std::vector<double>& backward) {
+void measure(PlanSelector& planner, const std::vector<double>& forward, const std::vector<double>& backward) {
   const auto plan = planner.auto_plan(scheduler::RunType::kFused);
   std::vector<double> forward_ms, stage_ms;
   for (double f : forward) forward_ms.push_back(f * kM);
@@ -39,17 +41,17 @@ void measure(Planner& planner, const std::vector<double>& forward, const std::ve
   planner.use_measured_times(forward_ms, stage_ms, kM);
 }
 
-std::string optimum(const Planner& planner, scheduler::PlanObjective objective) {
+std::string optimum(const PlanSelector& planner, scheduler::PlanObjective objective) {
   const auto planned = scheduler::plan_by_simulation(
       planner.layer_costs(), scheduler::RunType::kFused,
       scheduler::PlannerOptions().set_num_devices(2).set_num_microbatch(kM).set_objective(objective).set_simulate(
-          scheduler::SimulateOptions().set_recompute_ahead(true)));
+          engine_simulate_options(RecomputeGrain::kStage, /*iterations_overlap=*/true)));
   EXPECT_TRUE(planned.exhaustive);
   return planned.plan.to_string();
 }
 
-TEST(RuntimePlannerTest, EqualLayersShareTheMedianOfCloseTimes) {
-  Planner planner = make_planner();
+TEST(PlanSelectorTest, EqualLayersShareTheMedianOfCloseTimes) {
+  PlanSelector planner = make_planner();
   // Blocks timed 10, 10.5, 9.6, 10.2 (within 15% of the median); the head is its own kind.
   measure(planner, {1, 10, 10.5, 9.6, 10.2, 30}, {3, 30, 31.5, 28.8, 30.6, 90});
   const auto costs = planner.layer_costs();
@@ -58,14 +60,14 @@ TEST(RuntimePlannerTest, EqualLayersShareTheMedianOfCloseTimes) {
   EXPECT_EQ(costs[0].forward, 1);
   EXPECT_EQ(costs[5].forward, 30);
   // A block 3x slower than the others (same kind and size) keeps its own time.
-  Planner other = make_planner();
+  PlanSelector other = make_planner();
   measure(other, {1, 10, 30, 10, 10, 30}, {3, 30, 90, 30, 30, 90});
   EXPECT_EQ(other.layer_costs()[2].forward, 30);
   EXPECT_EQ(other.layer_costs()[1].forward, 10);
 }
 
-TEST(RuntimePlannerTest, RemeasureKeepsThePlanUnlessTheCostsMovedMaterially) {
-  Planner planner = make_planner();
+TEST(PlanSelectorTest, RemeasureKeepsThePlanUnlessTheCostsMovedMaterially) {
+  PlanSelector planner = make_planner();
   EXPECT_TRUE(planner.wants_measurement());
   const std::vector<double> forward{1, 10, 10, 10, 10, 30}, backward{3, 30, 30, 30, 30, 90};
   measure(planner, forward, backward);
@@ -97,8 +99,8 @@ TEST(RuntimePlannerTest, RemeasureKeepsThePlanUnlessTheCostsMovedMaterially) {
             optimum(planner, scheduler::PlanObjective::kIsolated));
 }
 
-TEST(RuntimePlannerTest, AsyncStepsPlanBackToBackIterations) {
-  Planner planner = make_planner();
+TEST(PlanSelectorTest, AsyncStepsPlanBackToBackIterations) {
+  PlanSelector planner = make_planner();
   EXPECT_FALSE(planner.set_async_steps(true));  // nothing measured: the size-based plan either way
   planner.set_async_steps(false);
   measure(planner, {1, 10, 10, 10, 10, 30}, {3, 30, 30, 30, 30, 90});
@@ -112,9 +114,10 @@ TEST(RuntimePlannerTest, AsyncStepsPlanBackToBackIterations) {
   EXPECT_EQ(planner.auto_plan(scheduler::RunType::kFused).to_string(),
             optimum(planner, scheduler::PlanObjective::kIsolated));
   // Without overlapping iterations the objective never changes.
-  Planner serial({100, 400, 400, 400, 400, 800}, {100, 400, 400, 400, 400, 800},
-                 {"Embedding", "Block", "Block", "Block", "Block", "Linear"}, 2, std::numeric_limits<int64_t>::max(),
-                 /*iterations_overlap=*/false);
+  PlanSelector serial({100, 400, 400, 400, 400, 800}, {100, 400, 400, 400, 400, 800},
+                      {"Embedding", "Block", "Block", "Block", "Block", "Linear"}, 2,
+                      std::numeric_limits<int64_t>::max(),
+                      engine_simulate_options(RecomputeGrain::kStage, /*iterations_overlap=*/false));
   measure(serial, {1, 10, 10, 10, 10, 30}, {3, 30, 30, 30, 30, 90});
   EXPECT_FALSE(serial.set_async_steps(true));
 }

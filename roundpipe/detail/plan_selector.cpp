@@ -1,4 +1,4 @@
-#include "roundpipe/detail/planner.h"
+#include "roundpipe/detail/plan_selector.h"
 
 #include <c10/util/Exception.h>
 
@@ -13,16 +13,16 @@
 
 namespace roundpipe::detail {
 
-Planner::Planner(std::vector<int64_t> param_bytes, std::vector<int64_t> grad_bytes, std::vector<std::string> kinds,
-                 int64_t num_devices, int64_t memory_budget_bytes, bool iterations_overlap)
+PlanSelector::PlanSelector(std::vector<int64_t> param_bytes, std::vector<int64_t> grad_bytes, std::vector<std::string> kinds,
+                 int64_t num_devices, int64_t memory_budget_bytes, scheduler::SimulateOptions engine)
     : param_bytes_(std::move(param_bytes)),
       grad_bytes_(std::move(grad_bytes)),
       kinds_(std::move(kinds)),
       num_devices_(num_devices),
       memory_budget_bytes_(memory_budget_bytes),
-      iterations_overlap_(iterations_overlap) {}
+      engine_(engine) {}
 
-scheduler::ExecutePlan Planner::plan_for(const std::optional<scheduler::ExecutePlan>& plan,
+scheduler::ExecutePlan PlanSelector::plan_for(const std::optional<scheduler::ExecutePlan>& plan,
                                          scheduler::RunType type) const {
   if (plan) {
     plan->validate(num_layers(), type);
@@ -32,16 +32,6 @@ scheduler::ExecutePlan Planner::plan_for(const std::optional<scheduler::ExecuteP
 }
 
 namespace {
-
-// The runtime as the simulator models it: one job per stage, backward stages recomputing ahead
-// (Note [Recompute ahead] in stage_jobs.cpp; the default stage grain), the step's publish waiting
-// for the previous iteration's last readers; forward_backward returns once the losses are known
-// when iterations overlap. Per-job and per-hop overheads are left at zero, which
-// they are not: on CPU device workers sharing two cores `pipeline_bench paper` measures 1-5
-// points more bubble than this model predicts (docs/benchmarks.md); calibrating them is open.
-scheduler::SimulateOptions runtime_model(bool iterations_overlap) {
-  return scheduler::SimulateOptions().set_recompute_ahead(true).set_overlap_backward_tail(iterations_overlap);
-}
 
 // Note [Smoothing measured times]:
 // One timed call gives each layer's time with some noise (scheduling, caches, a sleep's
@@ -86,7 +76,7 @@ std::string describe(const scheduler::SteadyStateResult& sim) {
 
 }  // namespace
 
-scheduler::ExecutePlan Planner::auto_plan(scheduler::RunType type) const {
+scheduler::ExecutePlan PlanSelector::auto_plan(scheduler::RunType type) const {
   const bool steady = type != scheduler::RunType::kInfer && plans_for_steady_state();
   auto& cached = type == scheduler::RunType::kInfer ? auto_infer_plan_ : steady ? auto_async_plan_ : auto_fused_plan_;
   if (!cached) {
@@ -99,7 +89,7 @@ scheduler::ExecutePlan Planner::auto_plan(scheduler::RunType type) const {
                        .set_memory_budget_bytes(memory_budget_bytes_)
                        .set_objective(steady ? scheduler::PlanObjective::kSteadyState
                                              : scheduler::PlanObjective::kIsolated)
-                       .set_simulate(runtime_model(iterations_overlap_))
+                       .set_simulate(engine_)
                        .set_seeds(seeds_))
                    .plan;
     } else {
@@ -112,12 +102,12 @@ scheduler::ExecutePlan Planner::auto_plan(scheduler::RunType type) const {
   return *cached;
 }
 
-const std::vector<scheduler::LayerCost>& Planner::layer_costs() const {
+const std::vector<scheduler::LayerCost>& PlanSelector::layer_costs() const {
   if (costs_.empty()) costs_ = scheduler::size_based_costs(param_bytes_, grad_bytes_);
   return costs_;
 }
 
-std::string Planner::use_measured_times(const std::vector<double>& forward_ms,
+std::string PlanSelector::use_measured_times(const std::vector<double>& forward_ms,
                                        const std::vector<double>& backward_stage_ms, int64_t num_microbatch) {
   const auto before = auto_plan(scheduler::RunType::kFused);  // the plan the measuring call ran
   const bool remeasured = measured_;
@@ -179,14 +169,14 @@ std::string Planner::use_measured_times(const std::vector<double>& forward_ms,
          before.to_string() + ": " + describe_plan(before, plans_for_steady_state());
 }
 
-bool Planner::set_async_steps(bool async) {
+bool PlanSelector::set_async_steps(bool async) {
   const bool before = plans_for_steady_state();
   async_steps_ = async;
   return before != plans_for_steady_state();
 }
 
-std::string Planner::describe_plan(const scheduler::ExecutePlan& plan, bool steady) const {
-  const auto model = runtime_model(iterations_overlap_);
+std::string PlanSelector::describe_plan(const scheduler::ExecutePlan& plan, bool steady) const {
+  const auto& model = engine_;
   const auto M = measured_num_microbatch_;
   if (steady) {
     return describe(scheduler::simulate_steady_state(plan, scheduler::RunType::kFused, layer_costs(), num_devices_, M,
@@ -195,7 +185,7 @@ std::string Planner::describe_plan(const scheduler::ExecutePlan& plan, bool stea
   return describe(scheduler::simulate(plan, scheduler::RunType::kFused, layer_costs(), num_devices_, M, model));
 }
 
-std::string Planner::describe_auto_plan() const {
+std::string PlanSelector::describe_auto_plan() const {
   const auto plan = auto_plan(scheduler::RunType::kFused);
   if (!measured_) return plan.to_string() + " (from parameter sizes; not yet measured)";
   const bool steady = plans_for_steady_state();
