@@ -10,6 +10,8 @@
 // reads every line it writes anyway, so its 28 B are all real). GB/s = bytes / seconds / 1e9.
 // 8-bit states (AdamStateDtype::kInt8): read p, g, the two code bytes and two absmax per 256;
 // write p, codes, absmax: 16 + 16/256 B/param (14 + 16/256 with bf16 gradients).
+// bf16 masters with Kahan compensation (AdamOptions::kahan_sum, bf16 gradients): read p, g, c, m,
+// v; write p, c, m, v: 26 B/param.
 // The time per implementation is the median of --reps steps after one warm-up step; elements/s
 // (G elem/s) = parameters updated per second.
 #include "optim/adam.h"
@@ -147,6 +149,13 @@ int main(int argc, char** argv) {
             {param}, roundpipe::optim::AdamOptions(1e-3).weight_decay(0.01).decoupled_weight_decay(true));
         opt.set_kernel_isa(isa);
         rows.push_back({"roundpipe AdamW", median_seconds(reps, [&] { opt.step(); }), adam_bytes});
+      }
+      {  // bf16 master + bf16 Kahan compensation, float32 moments.
+        auto param = p.to(torch::kBFloat16);
+        param.mutable_grad() = g.to(torch::kBFloat16);
+        roundpipe::optim::Adam opt({param}, roundpipe::optim::AdamOptions(1e-3).kahan_sum(true));
+        opt.set_kernel_isa(isa);
+        rows.push_back({"bf16 p, g: roundpipe Adam, Kahan", median_seconds(reps, [&] { opt.step(); }), 26.0 * n});
       }
       // 8-bit states: the same update, moments dequantized and re-quantized per 256-element block.
       const double int8_bytes = (16.0 + 16.0 / 256) * n;

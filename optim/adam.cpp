@@ -86,9 +86,11 @@ torch::Tensor quantized_buffer(torch::Tensor t, const torch::Tensor& p, const ch
 void bind_moments(AdamParamState& state, const torch::Tensor& p, const AdamOptions& options,
                   detail::AdamTensor& job) {
   if (!uses_8bit_states(options, p)) {
+    // float32 moments also for bf16 masters (Note [Kahan-compensated bf16 masters]).
+    const auto moment = torch::TensorOptions().dtype(torch::kFloat);
     if (!state.exp_avg().defined() && !state.exp_avg_sq().defined()) {
-      state.exp_avg(torch::zeros_like(p, torch::MemoryFormat::Contiguous));
-      state.exp_avg_sq(torch::zeros_like(p, torch::MemoryFormat::Contiguous));
+      state.exp_avg(torch::zeros(p.sizes(), moment));
+      state.exp_avg_sq(torch::zeros(p.sizes(), moment));
     }
     if (state.exp_avg_absmax().defined() ||
         (state.exp_avg().defined() && state.exp_avg().scalar_type() == torch::kByte)) {
@@ -98,7 +100,7 @@ void bind_moments(AdamParamState& state, const torch::Tensor& p, const AdamOptio
     state.exp_avg_sq(detail::state_buffer(state.exp_avg_sq(), p, "exp_avg_sq", kWho));
     if (options.amsgrad()) {
       if (!state.max_exp_avg_sq().defined()) {
-        state.max_exp_avg_sq(torch::zeros_like(p, torch::MemoryFormat::Contiguous));
+        state.max_exp_avg_sq(torch::zeros(p.sizes(), moment));
       }
       state.max_exp_avg_sq(detail::state_buffer(state.max_exp_avg_sq(), p, "max_exp_avg_sq", kWho));
     }
@@ -129,6 +131,35 @@ void bind_moments(AdamParamState& state, const torch::Tensor& p, const AdamOptio
   q.exp_avg_sq_map = &unsigned_map;
 }
 
+// Points `job` at `p`: a float32 master, or a bf16 master and its Kahan compensation (created
+// zero on the first step; Note [Kahan-compensated bf16 masters] in detail/adam_kernel_impl.h).
+void bind_param(AdamParamState& state, const torch::Tensor& p, detail::AdamTensor& job) {
+  if (p.scalar_type() != torch::kBFloat16) {
+    TORCH_CHECK(!state.kahan_compensation().defined(), kWho, ": a float32 parameter of shape ", p.sizes(),
+                " has a state 'kahan_compensation' (made for a bfloat16 parameter); the loaded state dict does not "
+                "match the parameters");
+    job.param = p.data_ptr<float>();
+    return;
+  }
+  if (!state.kahan_compensation().defined() && state.step() == 0) {
+    state.kahan_compensation(torch::zeros(p.sizes(), torch::TensorOptions().dtype(torch::kBFloat16)));
+  }
+  torch::Tensor c = state.kahan_compensation();
+  TORCH_CHECK(c.defined(), kWho, ": state 'kahan_compensation' is missing for a bfloat16 parameter of shape ",
+              p.sizes(), " at step ", state.step(), "; the loaded state dict does not match this optimizer (it was "
+              "saved from float32 parameters or without AdamOptions::kahan_sum)");
+  TORCH_CHECK(c.scalar_type() == torch::kBFloat16 && c.sizes() == p.sizes(), kWho,
+              ": state 'kahan_compensation' is ", c.toString(), " of shape ", c.sizes(),
+              " but a bfloat16 parameter of shape ", p.sizes(),
+              " needs bfloat16 of its shape; the loaded state dict does not match the parameters");
+  if (!c.is_contiguous() || !c.device().is_cpu()) {
+    c = c.to(torch::kCPU).contiguous();
+    state.kahan_compensation(c);
+  }
+  job.param_bf16 = static_cast<uint16_t*>(p.data_ptr());
+  job.compensation = static_cast<uint16_t*>(c.data_ptr());
+}
+
 }  // namespace
 
 // ---- AdamOptions ---------------------------------------------------------------------------------
@@ -139,7 +170,8 @@ bool operator==(const AdamOptions& lhs, const AdamOptions& rhs) {
   return lhs.lr() == rhs.lr() && lhs.betas() == rhs.betas() && lhs.eps() == rhs.eps() &&
          lhs.weight_decay() == rhs.weight_decay() && lhs.amsgrad() == rhs.amsgrad() &&
          lhs.maximize() == rhs.maximize() &&
-         lhs.decoupled_weight_decay() == rhs.decoupled_weight_decay() && lhs.state_dtype() == rhs.state_dtype();
+         lhs.decoupled_weight_decay() == rhs.decoupled_weight_decay() && lhs.state_dtype() == rhs.state_dtype() &&
+         lhs.kahan_sum() == rhs.kahan_sum();
 }
 
 void AdamOptions::serialize(torch::serialize::OutputArchive& archive) const {
@@ -153,6 +185,9 @@ void AdamOptions::serialize(torch::serialize::OutputArchive& archive) const {
   // Only when not the default, so float32 archives keep torch's layout.
   if (state_dtype() != AdamStateDtype::kFloat32) {
     archive.write("state_dtype", c10::IValue(static_cast<int64_t>(state_dtype())));
+  }
+  if (kahan_sum()) {
+    archive.write("kahan_sum", c10::IValue(true));
   }
 }
 
@@ -172,6 +207,7 @@ void AdamOptions::serialize(torch::serialize::InputArchive& archive) {
   }
   state_dtype(archive.try_read("state_dtype", ivalue) ? static_cast<AdamStateDtype>(ivalue.toInt())
                                                       : AdamStateDtype::kFloat32);
+  kahan_sum(archive.try_read("kahan_sum", ivalue) && ivalue.toBool());
 }
 
 double AdamOptions::get_lr() const { return lr(); }
@@ -186,7 +222,8 @@ bool operator==(const AdamParamState& lhs, const AdamParamState& rhs) {
   };
   return lhs.step() == rhs.step() && same(lhs.exp_avg(), rhs.exp_avg()) &&
          same(lhs.exp_avg_sq(), rhs.exp_avg_sq()) && same(lhs.max_exp_avg_sq(), rhs.max_exp_avg_sq()) &&
-         same(lhs.exp_avg_absmax(), rhs.exp_avg_absmax()) && same(lhs.exp_avg_sq_absmax(), rhs.exp_avg_sq_absmax());
+         same(lhs.exp_avg_absmax(), rhs.exp_avg_absmax()) && same(lhs.exp_avg_sq_absmax(), rhs.exp_avg_sq_absmax()) &&
+         same(lhs.kahan_compensation(), rhs.kahan_compensation());
 }
 
 void AdamParamState::serialize(torch::serialize::OutputArchive& archive) const {
@@ -196,6 +233,7 @@ void AdamParamState::serialize(torch::serialize::OutputArchive& archive) const {
   _TORCH_OPTIM_SERIALIZE_TORCH_ARG(max_exp_avg_sq);
   _TORCH_OPTIM_SERIALIZE_TORCH_ARG(exp_avg_absmax);
   _TORCH_OPTIM_SERIALIZE_TORCH_ARG(exp_avg_sq_absmax);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(kahan_compensation);
 }
 
 void AdamParamState::serialize(torch::serialize::InputArchive& archive) {
@@ -205,6 +243,7 @@ void AdamParamState::serialize(torch::serialize::InputArchive& archive) {
   _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(torch::Tensor, max_exp_avg_sq);
   _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(torch::Tensor, exp_avg_absmax);
   _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(torch::Tensor, exp_avg_sq_absmax);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(torch::Tensor, kahan_compensation);
 }
 
 // ---- Adam ----------------------------------------------------------------------------------------
@@ -214,10 +253,10 @@ Adam::Adam(const std::vector<torch::optim::OptimizerParamGroup>& param_groups, A
       isa_(static_cast<int>(detail::best_cpu_isa())) {
   check_options(defaults, "the default options");
   for (const auto g : c10::irange(param_groups_.size())) {
-    check_options(static_cast<const AdamOptions&>(param_groups_[g].options()),
-                  "param group " + std::to_string(g));
+    const auto& options = static_cast<const AdamOptions&>(param_groups_[g].options());
+    check_options(options, "param group " + std::to_string(g));
     for (const auto& p : param_groups_[g].params()) {
-      check_param(p);
+      check_param(p, options);
     }
   }
   ROUNDPIPE_LOG(Logger::get("optim"), kDebug, "Adam: ", param_groups_.size(),
@@ -229,7 +268,16 @@ Adam::Adam(std::vector<torch::Tensor> params, AdamOptions defaults)
                torch::optim::OptimizerParamGroup(std::move(params))},
            std::move(defaults)) {}
 
-void Adam::check_param(const torch::Tensor& p) const { detail::check_master_param(p, kWho); }
+void Adam::check_param(const torch::Tensor& p, const AdamOptions& options) const {
+  if (p.defined() && p.scalar_type() == torch::kBFloat16) {
+    TORCH_CHECK(options.kahan_sum(), kWho, ": a bfloat16 parameter of shape ", p.sizes(),
+                " needs AdamOptions().kahan_sum(true) (bf16 master weights with Kahan-compensated updates; plain bf16 "
+                "rounding drops updates below half an ulp of the weight), or keep float32 master weights");
+    detail::check_bf16_master_param(p, kWho);
+    return;
+  }
+  detail::check_master_param(p, kWho);
+}
 
 void Adam::set_num_threads(int64_t num_threads) {
   TORCH_CHECK(num_threads >= 0, "roundpipe::optim::Adam::set_num_threads: got ", num_threads,
@@ -270,6 +318,10 @@ void Adam::set_compute_copy(const torch::Tensor& param, torch::Tensor copy) {
   }
   TORCH_CHECK(found, "roundpipe::optim::Adam::set_compute_copy: the parameter of shape ",
               param.sizes(), " is not one of this optimizer's parameters");
+  TORCH_CHECK(param.scalar_type() != torch::kBFloat16 || !copy.defined(),
+              "roundpipe::optim::Adam::set_compute_copy: the parameter of shape ", param.sizes(),
+              " is a bfloat16 master (AdamOptions::kahan_sum), which is its own compute copy; use the parameter "
+              "itself (e.g. upload it directly) instead of registering a copy");
   if (!copy.defined()) {
     compute_copies_.erase(param.unsafeGetTensorImpl());
     return;
@@ -306,7 +358,7 @@ torch::Tensor Adam::step(LossClosure closure) {
       if (!p.grad().defined()) {
         continue;
       }
-      check_param(p);
+      check_param(p, options);
       const torch::Tensor grad = detail::step_grad(p, kWho, keep_alive);
 
       auto& slot = state_[p.unsafeGetTensorImpl()];
@@ -316,6 +368,7 @@ torch::Tensor Adam::step(LossClosure closure) {
       auto& state = static_cast<AdamParamState&>(*slot);
       detail::AdamTensor job;
       bind_moments(state, p, options, job);
+      bind_param(state, p, job);
       state.step(state.step() + 1);
 
       // Bias corrections in double, like _single_tensor_adam's Python floats; the kernel gets
@@ -323,7 +376,6 @@ torch::Tensor Adam::step(LossClosure closure) {
       const double step = static_cast<double>(state.step());
       const double bias_correction1 = 1 - std::pow(beta1, step);
       const double bias_correction2 = 1 - std::pow(beta2, step);
-      job.param = p.data_ptr<float>();
       job.grad = grad.const_data_ptr();
       job.grad_dtype = detail::grad_dtype_of(grad);
       job.numel = p.numel();
@@ -397,8 +449,19 @@ void Adam::load(torch::serialize::InputArchive& archive) {
     throw;
   }
   for (const auto g : c10::irange(param_groups_.size())) {
-    const auto loaded = static_cast<const AdamOptions&>(param_groups_[g].options()).state_dtype();
-    const auto wanted = static_cast<const AdamOptions&>(*options_before[g]).state_dtype();
+    const auto& loaded_options = static_cast<const AdamOptions&>(param_groups_[g].options());
+    const auto& wanted_options = static_cast<const AdamOptions&>(*options_before[g]);
+    if (loaded_options.kahan_sum() != wanted_options.kahan_sum()) {
+      restore();
+      TORCH_CHECK(false, "roundpipe::optim::Adam::load: param group ", g, " of the archive has kahan_sum ",
+                  loaded_options.kahan_sum() ? "true" : "false", " but this optimizer's group ", g, " has kahan_sum ",
+                  wanted_options.kahan_sum() ? "true" : "false", "; construct the optimizer with AdamOptions().kahan_sum(",
+                  loaded_options.kahan_sum() ? "true" : "false",
+                  ") (and parameters of the dtype it was saved with) to resume from this archive (the optimizer was "
+                  "left unchanged)");
+    }
+    const auto loaded = loaded_options.state_dtype();
+    const auto wanted = wanted_options.state_dtype();
     if (loaded != wanted) {
       restore();
       TORCH_CHECK(false, "roundpipe::optim::Adam::load: param group ", g, " of the archive has state_dtype ",

@@ -58,6 +58,12 @@ struct AdamOptions : public torch::optim::OptimizerCloneableOptions<AdamOptions>
   /// Storage of the moments. kInt8 is written to archives as "state_dtype" (kFloat32 is not,
   /// so float32 archives keep torch's layout); loading an archive of the other dtype throws.
   TORCH_ARG(AdamStateDtype, state_dtype) = AdamStateDtype::kFloat32;
+  /// Accept bfloat16 parameters (bf16 master weights) and update them with Kahan-compensated
+  /// summation: a bf16 compensation buffer per such parameter (AdamParamState::kahan_compensation)
+  /// carries the part of each update that rounding to bf16 drops (docs/optimizer.md, "bf16
+  /// masters with Kahan summation"). float32 parameters of the group are updated as without it.
+  /// Written to archives as "kahan_sum" when true; loading an archive with the other value throws.
+  TORCH_ARG(bool, kahan_sum) = false;
 
  public:
   void serialize(torch::serialize::InputArchive& archive) override;
@@ -82,6 +88,9 @@ struct AdamParamState : public torch::optim::OptimizerCloneableParamState<AdamPa
   /// Defined only with 8-bit states: float32 [ceil(numel / 256)], one scale per block.
   TORCH_ARG(torch::Tensor, exp_avg_absmax);
   TORCH_ARG(torch::Tensor, exp_avg_sq_absmax);
+  /// Defined only for bfloat16 parameters (AdamOptions::kahan_sum): bfloat16 of the parameter's
+  /// shape, the Kahan compensation (zero before the first step).
+  TORCH_ARG(torch::Tensor, kahan_compensation);
 
  public:
   void serialize(torch::serialize::InputArchive& archive) override;
@@ -91,6 +100,11 @@ struct AdamParamState : public torch::optim::OptimizerCloneableParamState<AdamPa
 
 /// Adam / AdamW for fp32 CPU parameters, numerically equal (to float rounding, <= 1e-6 in tests)
 /// to PyTorch's `torch.optim.Adam` / `torch.optim.AdamW` (single-tensor path).
+///
+/// With `AdamOptions::kahan_sum(true)` parameters may also be bfloat16 (bf16 master weights): the
+/// float32 update is computed from the widened parameter as for an fp32 master, then added with
+/// Kahan compensation (a bf16 buffer per parameter in its state; docs/optimizer.md, "bf16 masters
+/// with Kahan summation"): 2 + 2 + 8 B/param with float32 moments instead of 4 + 8.
 ///
 /// With `AdamOptions::state_dtype(AdamStateDtype::kInt8)` the moments of parameters of at least
 /// kMin8bitNumel elements are stored block-wise in 8 bits (2 + 8/256 instead of 8 B/param;
@@ -123,7 +137,8 @@ struct AdamParamState : public torch::optim::OptimizerCloneableParamState<AdamPa
 ///   }
 class Adam : public torch::optim::Optimizer {
  public:
-  /// Throws c10::Error for invalid options or parameters that are not contiguous fp32 CPU tensors.
+  /// Throws c10::Error for invalid options or parameters that are not contiguous fp32 CPU tensors
+  /// (or bf16 ones in a group with kahan_sum).
   explicit Adam(const std::vector<torch::optim::OptimizerParamGroup>& param_groups,
                 AdamOptions defaults = {});
   explicit Adam(std::vector<torch::Tensor> params, AdamOptions defaults = {});
@@ -133,13 +148,15 @@ class Adam : public torch::optim::Optimizer {
   torch::Tensor step(LossClosure closure = nullptr) override;
   void save(torch::serialize::OutputArchive& archive) const override;
   /// Throws c10::Error (and leaves this optimizer unchanged) when a param group of the archive
-  /// has another state_dtype than this optimizer's group: resume with the dtype it was saved with.
+  /// has another state_dtype or kahan_sum than this optimizer's group: resume with the options it
+  /// was saved with.
   void load(torch::serialize::InputArchive& archive) override;
 
   /// Also writes `copy` = param (rounded to copy's dtype, nearest even) in the same pass on every
   /// later step. `copy` must be a contiguous CPU tensor of param's shape, dtype float32, float16
   /// or bfloat16 (e.g. the pinned compute copy uploaded to the GPU). An undefined `copy` removes
-  /// the registration. `param` must belong to this optimizer.
+  /// the registration. `param` must belong to this optimizer and be float32 (a bf16 master is its
+  /// own compute copy).
   void set_compute_copy(const torch::Tensor& param, torch::Tensor copy);
 
   /// Caps the threads one step uses (0 = at::get_num_threads() of the calling thread, capped by
@@ -166,7 +183,7 @@ class Adam : public torch::optim::Optimizer {
  private:
   template <typename Self, typename Archive>
   static void serialize(Self& self, Archive& archive);
-  void check_param(const torch::Tensor& param) const;
+  void check_param(const torch::Tensor& param, const AdamOptions& options) const;
 
   int64_t num_threads_ = 0;
   int64_t last_step_threads_ = 0;

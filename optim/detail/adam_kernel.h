@@ -51,9 +51,12 @@ struct QuantizedMoments {
 /// One parameter's buffers (all contiguous, `numel` elements). `max_exp_avg_sq` is null unless
 /// amsgrad; `copy` is null unless a compute copy of dtype `copy_dtype` is to be written. With
 /// 8-bit states `quantized.exp_avg_codes` is set and exp_avg / exp_avg_sq / max_exp_avg_sq are
-/// null (no amsgrad).
+/// null (no amsgrad). A bfloat16 master (Note [Kahan-compensated bf16 masters] in
+/// adam_kernel_impl.h) sets `param_bf16` and `compensation` instead of `param` (and no copy).
 struct AdamTensor {
   float* param = nullptr;
+  uint16_t* param_bf16 = nullptr;    ///< bf16 bits of the master; null for a float32 master
+  uint16_t* compensation = nullptr;  ///< bf16 bits of the Kahan compensation; with param_bf16
   const void* grad = nullptr;  ///< `numel` elements of `grad_dtype`
   GradDtype grad_dtype = GradDtype::kFloat;
   float* exp_avg = nullptr;
@@ -65,6 +68,9 @@ struct AdamTensor {
   /// Write param / exp_avg / exp_avg_sq / max_exp_avg_sq with non-temporal stores where they
   /// are mutually aligned (see Note [Streaming stores] in adam_kernel_impl.h).
   bool streaming_stores = false;
+  /// Internal to the kernel: write the update u of Note [Kahan-compensated bf16 masters] to
+  /// `param` (which holds the widened master on entry) instead of the new parameter.
+  bool write_update = false;
   AdamScalars scalars;
   QuantizedMoments quantized;
 };

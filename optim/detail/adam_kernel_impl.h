@@ -32,6 +32,23 @@
 // [Dynamic quantization map]). Codes and absmax are integers and IEEE float operations, so every
 // ISA gives the same bits. Threads split at any element: a range updates the blocks that start in
 // it, so each block is updated by exactly one thread.
+//
+// Note [Kahan-compensated bf16 masters]: with AdamOptions::kahan_sum (docs/optimizer.md, "bf16
+// masters with Kahan summation") a parameter may be bfloat16, and its state adds a bf16
+// compensation c of the parameter's shape (zero at first). Per element, everything in float32:
+//   p = float(p_bf16)                                  (exact)
+//   s = (-step_size * m) / denom                       (Note [Adam element order] on p, with
+//                                                       float32 or 8-bit moments)
+//   u = decoupled weight decay ? (p * (1 - lr*wd) - p) + s : s
+//   y = u + float(c_bf16)
+//   p_bf16 = bf16(p + y)                               (round to nearest even, NaN -> 0x7FC0)
+//   c_bf16 = bf16(y - (float(p_bf16) - p))
+// so the part of u that bf16 rounding drops is carried to the next step instead of lost (plain
+// bf16 rounding cancels any |u| below half an ulp of p). The moments are computed exactly as for
+// a float32 master holding p. Implementation: the unchanged float32 pass runs on blocks of up to
+// kQuantBlock widened elements with write_update (it stores u where it would store p; for 8-bit
+// states these are the quantization blocks), then kahan_add applies the last three lines with the
+// same widening loads and RNE stores as the bf16 compute copy, so every ISA gives the same bits.
 #pragma once
 
 #ifndef ROUNDPIPE_ADAM_ISA
@@ -108,7 +125,8 @@ inline void adam_element(const AdamTensor& t, int64_t i, float lerp_coeff, bool 
   if (s.maximize) {
     g = -g;
   }
-  float p = t.param[i];
+  const float p0 = t.param[i];
+  float p = p0;
   if (s.has_weight_decay) {
     if (s.decoupled) {
       p = p * s.decay_factor;
@@ -127,10 +145,15 @@ inline void adam_element(const AdamTensor& t, int64_t i, float lerp_coeff, bool 
     t.max_exp_avg_sq[i] = vd;
   }
   const float denom = std::sqrt(vd) / bc2_sqrt + eps;
-  p = p + (neg_step * m) / denom;
-  t.param[i] = p;
+  const float step = (neg_step * m) / denom;
   t.exp_avg[i] = m;
   t.exp_avg_sq[i] = v;
+  if (t.write_update) {  // Note [Kahan-compensated bf16 masters]: u
+    t.param[i] = s.has_weight_decay && s.decoupled ? (p - p0) + step : step;
+    return;
+  }
+  p = p + step;
+  t.param[i] = p;
   switch (t.copy_dtype) {
     case CopyDtype::kNone:
       break;
@@ -184,7 +207,8 @@ int64_t adam_vector_loop(const AdamTensor& t, int64_t i, int64_t end, float lerp
     if (s.maximize) {
       g = V::neg(g);
     }
-    reg p = V::load(t.param + i);
+    const reg p0 = V::load(t.param + i);
+    reg p = p0;
     if (s.has_weight_decay) {
       if (s.decoupled) {
         p = V::mul(p, decay);
@@ -202,10 +226,15 @@ int64_t adam_vector_loop(const AdamTensor& t, int64_t i, int64_t end, float lerp
       put(t.max_exp_avg_sq + i, vd);
     }
     const reg denom = V::add(V::div(V::sqrt(vd), bc2s), eps);
-    p = V::add(p, V::div(V::mul(neg_step, m), denom));
-    put(t.param + i, p);
+    const reg step = V::div(V::mul(neg_step, m), denom);
     put(t.exp_avg + i, m);
     put(t.exp_avg_sq + i, v);
+    if (t.write_update) {  // Note [Kahan-compensated bf16 masters]: u
+      put(t.param + i, s.has_weight_decay && s.decoupled ? V::add(V::sub(p, p0), step) : step);
+      continue;
+    }
+    p = V::add(p, step);
+    put(t.param + i, p);
     switch (t.copy_dtype) {
       case CopyDtype::kNone:
         break;
@@ -328,12 +357,76 @@ inline float quantize_block_scalar(const float* x, int64_t n, const QuantMapTabl
 inline int64_t grad_bytes(GradDtype d) { return d == GradDtype::kFloat ? 4 : 2; }
 inline int64_t copy_bytes(CopyDtype d) { return d == CopyDtype::kFloat ? 4 : 2; }
 
+/// dst[j] = float(src[j]) for j < n (bf16 bits to float, exact).
+template <typename V>
+void widen_bf16(const uint16_t* src, float* dst, int64_t n) {
+  int64_t j = 0;
+  if constexpr (V::kWidth > 0) {
+    for (; j + V::kWidth <= n; j += V::kWidth) {
+      V::store(dst + j, V::load_bf16(src + j));
+    }
+  }
+  for (; j < n; ++j) {
+    dst[j] = float_from_bf16(src[j]);
+  }
+}
+
+/// Note [Kahan-compensated bf16 masters]: adds the updates u[0, n) to the bf16 master `p` with
+/// compensation `c` (both n elements, bf16 bits).
+template <typename V>
+void kahan_add(const float* u, uint16_t* p, uint16_t* c, int64_t n) {
+  int64_t j = 0;
+  if constexpr (V::kWidth > 0) {
+    for (; j + V::kWidth <= n; j += V::kWidth) {
+      const typename V::reg old = V::load_bf16(p + j);
+      const typename V::reg y = V::add(V::load(u + j), V::load_bf16(c + j));
+      V::store_bf16(p + j, V::add(old, y));
+      V::store_bf16(c + j, V::sub(y, V::sub(V::load_bf16(p + j), old)));
+    }
+  }
+  for (; j < n; ++j) {
+    const float old = float_from_bf16(p[j]);
+    const float y = u[j] + float_from_bf16(c[j]);
+    p[j] = bf16_from_float(old + y);
+    c[j] = bf16_from_float(y - (float_from_bf16(p[j]) - old));
+  }
+}
+
+/// Elements [lo, lo + n) of `t` as a tensor of their own for adam_update_fp32 (moments and
+/// gradient offset; the caller may point the moments elsewhere). A bf16 master is widened into
+/// `widened` (n floats), which that pass overwrites with the updates u (Note [Kahan-compensated
+/// bf16 masters]); a float32 master is updated in place.
+template <typename V>
+AdamTensor element_block(const AdamTensor& t, int64_t lo, int64_t n, float* widened) {
+  const auto at = [lo](float* x) { return x == nullptr ? nullptr : x + lo; };
+  AdamTensor block = t;
+  block.grad = static_cast<const char*>(t.grad) + lo * grad_bytes(t.grad_dtype);
+  block.exp_avg = at(t.exp_avg);
+  block.exp_avg_sq = at(t.exp_avg_sq);
+  block.max_exp_avg_sq = at(t.max_exp_avg_sq);
+  block.copy = t.copy == nullptr ? nullptr : static_cast<char*>(t.copy) + lo * copy_bytes(t.copy_dtype);
+  block.numel = n;
+  block.streaming_stores = false;
+  block.quantized = QuantizedMoments{};
+  if (t.param_bf16 != nullptr) {
+    widen_bf16<V>(t.param_bf16 + lo, widened, n);
+    block.param = widened;
+    block.param_bf16 = nullptr;
+    block.compensation = nullptr;
+    block.write_update = true;
+  } else {
+    block.param = at(t.param);
+  }
+  return block;
+}
+
 /// Note [8-bit Adam states]: updates the blocks of `t` that start in [begin, end).
 template <typename V>
 void adam_update_quantized(const AdamTensor& t, int64_t begin, int64_t end) {
   const QuantizedMoments& q = t.quantized;
   alignas(64) float m[kQuantBlock];
   alignas(64) float v[kQuantBlock];
+  alignas(64) float u[kQuantBlock];
   const int64_t first = (begin + kQuantBlock - 1) / kQuantBlock;
   const int64_t last = (end + kQuantBlock - 1) / kQuantBlock;
   for (int64_t b = first; b < last; ++b) {
@@ -341,19 +434,28 @@ void adam_update_quantized(const AdamTensor& t, int64_t begin, int64_t end) {
     const int64_t n = std::min<int64_t>(kQuantBlock, t.numel - lo);
     V::dequantize_block(q.exp_avg_codes + lo, q.exp_avg_absmax[b], *q.exp_avg_map, m, n);
     V::dequantize_block(q.exp_avg_sq_codes + lo, q.exp_avg_sq_absmax[b], *q.exp_avg_sq_map, v, n);
-    AdamTensor block = t;
-    block.param = t.param + lo;
-    block.grad = static_cast<const char*>(t.grad) + lo * grad_bytes(t.grad_dtype);
+    AdamTensor block = element_block<V>(t, lo, n, u);
     block.exp_avg = m;
     block.exp_avg_sq = v;
     block.max_exp_avg_sq = nullptr;
-    block.copy = t.copy == nullptr ? nullptr : static_cast<char*>(t.copy) + lo * copy_bytes(t.copy_dtype);
-    block.numel = n;
-    block.streaming_stores = false;
-    block.quantized = QuantizedMoments{};
     adam_update_fp32<V>(block, 0, n);
+    if (t.param_bf16 != nullptr) {
+      kahan_add<V>(u, t.param_bf16 + lo, t.compensation + lo, n);
+    }
     V::quantize_pair(m, v, n, *q.exp_avg_map, *q.exp_avg_sq_map, q.exp_avg_codes + lo, q.exp_avg_sq_codes + lo,
                      q.exp_avg_absmax + b, q.exp_avg_sq_absmax + b);
+  }
+}
+
+/// Note [Kahan-compensated bf16 masters] with float32 moments: elements [begin, end), in blocks of
+/// kQuantBlock from `begin` (results are per element, so they do not depend on where ranges split).
+template <typename V>
+void adam_update_kahan(const AdamTensor& t, int64_t begin, int64_t end) {
+  alignas(64) float u[kQuantBlock];
+  for (int64_t lo = begin; lo < end; lo += kQuantBlock) {
+    const int64_t n = std::min<int64_t>(kQuantBlock, end - lo);
+    adam_update_fp32<V>(element_block<V>(t, lo, n, u), 0, n);
+    kahan_add<V>(u, t.param_bf16 + lo, t.compensation + lo, n);
   }
 }
 
@@ -361,6 +463,8 @@ template <typename V>
 void adam_update(const AdamTensor& t, int64_t begin, int64_t end) {
   if (t.quantized.exp_avg_codes != nullptr) {
     adam_update_quantized<V>(t, begin, end);
+  } else if (t.param_bf16 != nullptr) {
+    adam_update_kahan<V>(t, begin, end);
   } else {
     adam_update_fp32<V>(t, begin, end);
   }

@@ -14,6 +14,14 @@ void check_master_param(const at::Tensor& p, const char* who) {
               " is not contiguous; pass contiguous parameters (e.g. leaf tensors made with .contiguous())");
 }
 
+void check_bf16_master_param(const at::Tensor& p, const char* who) {
+  TORCH_CHECK(p.device().is_cpu() && p.layout() == at::kStrided, who,
+              ": bfloat16 master weights must be dense CPU tensors, got ", p.toString(), " of shape ", p.sizes(),
+              " on ", p.device(), "; keep the masters on the CPU");
+  TORCH_CHECK(p.is_contiguous(), who, ": bfloat16 parameter of shape ", p.sizes(),
+              " is not contiguous; pass contiguous parameters (e.g. leaf tensors made with .contiguous())");
+}
+
 at::Tensor step_grad(const at::Tensor& p, const char* who, std::vector<at::Tensor>& keep_alive) {
   at::Tensor grad = p.grad();
   TORCH_CHECK(!grad.is_sparse(), who, " does not support sparse gradients; use torch::optim::SparseAdam");

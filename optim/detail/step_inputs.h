@@ -13,6 +13,10 @@ namespace roundpipe::optim::detail {
 /// optimizer in the message (e.g. "roundpipe::optim::Adam").
 void check_master_param(const at::Tensor& p, const char* who);
 
+/// Throws c10::Error unless the bfloat16 parameter `p` (an Adam bf16 master with Kahan
+/// compensation) is dense, contiguous and on the CPU.
+void check_bf16_master_param(const at::Tensor& p, const char* who);
+
 /// `p`'s gradient (which must be defined), checked: dense, on the CPU, float32 / float16 /
 /// bfloat16, `p`'s shape. A non-contiguous one is copied and the copy kept in `keep_alive`.
 at::Tensor step_grad(const at::Tensor& p, const char* who, std::vector<at::Tensor>& keep_alive);

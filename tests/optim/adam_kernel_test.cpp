@@ -1,7 +1,8 @@
 // The Adam kernel paths: every ISA the CPU supports gives bitwise the same results as the scalar
 // path (odd lengths exercise the vector tails), the thread count does not change results, the
-// compute copy written in the same pass equals PyTorch's own dtype conversion, and fp16/bf16
-// gradients read directly equal their fp32 values.
+// compute copy written in the same pass equals PyTorch's own dtype conversion, fp16/bf16
+// gradients read directly equal their fp32 values, and bf16 masters with Kahan compensation
+// (float32 and 8-bit moments) give the same bits on every ISA and thread count.
 #include "optim/adam.h"
 #include "optim/detail/adam_kernel.h"
 
@@ -146,6 +147,75 @@ TEST(AdamKernelTest, LowPrecisionGradsEqualTheirFp32Values_EveryIsa) {
       }
     }
   }
+}
+
+struct KahanRun {
+  std::vector<torch::Tensor> params;          // bfloat16
+  std::vector<torch::Tensor> compensations;  // bfloat16, from the optimizer's state
+};
+
+// bf16 masters (kahan_sum) of kLengths, bf16 gradients on odd-indexed parameters, 5 steps. With
+// int8 states the 200003 and 2^20 + x parameters get 8-bit moments (partial last blocks).
+KahanRun run_kahan(AdamOptions options, const std::string& isa, int64_t threads, bool int8) {
+  torch::manual_seed(13);
+  options.kahan_sum(true).state_dtype(int8 ? AdamStateDtype::kInt8 : AdamStateDtype::kFloat32);
+  if (int8) {
+    options.amsgrad(false);
+  }
+  KahanRun run;
+  for (size_t i = 0; i < kLengths.size(); ++i) {
+    const int64_t n = kLengths[i];
+    auto p = torch::randn({n + 1}).to(torch::kBFloat16);
+    run.params.push_back(i + 1 == kLengths.size() ? p.narrow(0, 1, n) : p.narrow(0, 0, n).clone());
+  }
+  Adam opt(run.params, options);
+  opt.set_kernel_isa(isa);
+  opt.set_num_threads(threads);
+  for (int s = 0; s < 5; ++s) {
+    for (size_t i = 0; i < run.params.size(); ++i) {
+      // Gradients of 1e-3 scale make updates below half a bf16 ulp, where compensation matters.
+      auto g = torch::randn({kLengths[i]}) * (s == 2 ? 1e-3 : 1.0);
+      run.params[i].mutable_grad() = i % 2 == 1 ? g.to(torch::kBFloat16) : g;
+    }
+    opt.step();
+  }
+  for (const auto& p : run.params) {
+    const auto it = opt.state().find(p.unsafeGetTensorImpl());
+    run.compensations.push_back(it == opt.state().end() ? torch::Tensor()
+                                                        : static_cast<const AdamParamState&>(*it->second).kahan_compensation());
+  }
+  return run;
+}
+
+// Note [Kahan-compensated bf16 masters]: every ISA and thread count gives the scalar path's bits,
+// for the master and the compensation, with float32 and 8-bit moments and every option set.
+TEST(AdamKernelTest, Bf16KahanMasters_EveryIsaAndThreadCountMatchScalarBitwise) {
+  const int saved = at::get_num_threads();
+  at::set_num_threads(2);
+  for (bool int8 : {false, true}) {
+    for (const auto& options : option_sets()) {
+      const KahanRun reference = run_kahan(options, "scalar", 1, int8);
+      for (const auto& isa : supported_isas()) {
+        for (int64_t threads : {1, 2}) {
+          if (isa == "scalar" && threads == 1) {
+            continue;
+          }
+          const KahanRun run = run_kahan(options, isa, threads, int8);
+          for (size_t i = 0; i < kLengths.size(); ++i) {
+            const std::string what = isa + ", " + std::to_string(threads) + " thread(s), int8 " +
+                                     std::to_string(int8) + ", length " + std::to_string(kLengths[i]);
+            EXPECT_TENSOR_EQ(run.params[i], reference.params[i]) << what;
+            if (kLengths[i] > 0) {
+              EXPECT_TENSOR_EQ(run.compensations[i], reference.compensations[i]) << what;
+            }
+          }
+        }
+      }
+      // The compensation is in use (not all zero) and the masters moved.
+      EXPECT_GT(reference.compensations[12].abs().max().item<float>(), 0.0f);
+    }
+  }
+  at::set_num_threads(saved);
 }
 
 TEST(AdamKernelTest, GradDtypeMustBeFloatingCpu) {
