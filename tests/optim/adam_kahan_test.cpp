@@ -14,6 +14,7 @@
 #include "optim/adam.h"
 #include "tests/common/python_oracle.h"
 #include "tests/common/tensor_compare.h"
+#include "tests/optim/adam_int8_reference.h"
 
 namespace roundpipe::optim {
 namespace {
@@ -26,11 +27,11 @@ using roundpipe::testing::TensorMap;
 // twice, which differs from one rounding with probability ~2^-29 per operation).
 constexpr const char* kReference = R"PY(
 import math
-f32 = torch.float32
+t32 = torch.float32
 def S(x):
-    return torch.tensor(x, dtype=f32)
+    return torch.tensor(x, dtype=t32)
 
-def fma(a, b, c):
+def tfma(a, b, c):
     return (a.double() * b.double() + c.double()).float()
 
 def kahan_adam(p16, c16, g, m, v, vmax, step, lr, b1, b2, eps, wd, dec, mx, ams):
@@ -48,8 +49,8 @@ def kahan_adam(p16, c16, g, m, v, vmax, step, lr, b1, b2, eps, wd, dec, mx, ams)
         if dec:
             p = p * S(1 - lr * wd)
         else:
-            g = fma(p, S(wd), g)
-    m = fma(coeff, g - m, g if from_grad else m)
+            g = tfma(p, S(wd), g)
+    m = tfma(coeff, g - m, g if from_grad else m)
     v = v * S(b2)
     v = v + (S(1 - b2) * g) * g
     vd = v
@@ -76,7 +77,7 @@ for i in range()PY" +
          std::to_string(n_params) + R"PY():
     p = inputs[f'p{i}']
     c = torch.zeros_like(p)
-    m = torch.zeros(p.shape, dtype=f32); v = torch.zeros(p.shape, dtype=f32); vmax = torch.zeros(p.shape, dtype=f32)
+    m = torch.zeros(p.shape, dtype=t32); v = torch.zeros(p.shape, dtype=t32); vmax = torch.zeros(p.shape, dtype=t32)
     for s in range()PY" +
          std::to_string(steps) + R"PY():
         p, c, m, v, vmax = kahan_adam(p, c, inputs[f'g{i}_{s}'], m, v, vmax, s + 1, lr, b1, b2, eps, wd,
@@ -177,6 +178,90 @@ TEST(AdamKahanTest, MatchesPythonReferenceBitwise_EveryOptionIsaAndThreadCount) 
         const auto& st = static_cast<const AdamParamState&>(*opt.state().at(params[1].unsafeGetTensorImpl()));
         EXPECT_GT(st.kahan_compensation().to(torch::kFloat).abs().max().item<float>(), 0.0f)
             << what << ": the compensation stayed zero";
+      }
+    }
+  }
+}
+
+// With 8-bit moments: the int8 test's numpy reference of the block-wise quantization
+// (tests/optim/adam_int8_reference.h) around the same Kahan update; 38700 elements (two threads'
+// worth, bf16 gradients) and 5000 (a partial last block). Parameters, compensations, codes and
+// scales bitwise.
+TEST(AdamKahanTest, Int8Moments_MatchPythonReferenceBitwise_EveryIsaAndThreadCount) {
+  ROUNDPIPE_REQUIRE_ORACLE();
+  const std::vector<std::vector<int64_t>> shapes = {{300, 129}, {5000}};
+  const Config configs[] = {{3e-3, 0.9, 0.95, 1e-8, 0.1, true, false, false},
+                            {1e-2, 0.4, 0.999, 1e-6, 0.01, false, true, false}};
+  torch::manual_seed(19);
+  std::vector<torch::Tensor> init;
+  TensorMap inputs;
+  for (size_t i = 0; i < shapes.size(); ++i) {
+    init.push_back(torch::randn(shapes[i]).to(torch::kBFloat16));
+    inputs["p" + std::to_string(i)] = init.back();
+    for (int s = 0; s < kSteps; ++s) {
+      auto g = torch::randn(shapes[i]) * torch::exp(torch::randn(shapes[i]) * 2);
+      inputs[key("g", i, s)] = i == 0 ? g.to(torch::kBFloat16) : g;
+    }
+  }
+  const std::string snippet = std::string(test_reference::kAdamInt8Reference) + kReference + R"PY(
+lr, b1, b2, eps, wd, dec, mx, ams = inputs['config'].tolist()
+for i in range()PY" + std::to_string(shapes.size()) +
+                              R"PY():
+    p = inputs[f'p{i}'].flatten()
+    c = torch.zeros_like(p)
+    c1, a1 = quant(np.zeros(p.numel(), np.float32), True); c2, a2 = quant(np.zeros(p.numel(), np.float32), False)
+    for s in range()PY" + std::to_string(kSteps) +
+                              R"PY():
+        m = torch.from_numpy(dequant(c1, a1, True).astype(np.float32))
+        v = torch.from_numpy(dequant(c2, a2, False).astype(np.float32))
+        p, c, m, v, _ = kahan_adam(p, c, inputs[f'g{i}_{s}'].flatten(), m, v, v, s + 1, lr, b1, b2, eps, wd,
+                                   bool(dec), bool(mx), False)
+        c1, a1 = quant(m.numpy(), True); c2, a2 = quant(v.numpy(), False)
+        outputs[f'p{i}_{s}'] = p; outputs[f'c{i}_{s}'] = c
+        outputs[f'c1{i}_{s}'] = torch.from_numpy(c1.copy()); outputs[f'a1{i}_{s}'] = torch.from_numpy(a1.copy())
+        outputs[f'c2{i}_{s}'] = torch.from_numpy(c2.copy()); outputs[f'a2{i}_{s}'] = torch.from_numpy(a2.copy())
+)PY";
+  for (const auto& c : configs) {
+    inputs["config"] = torch::tensor(
+        {c.lr, c.beta1, c.beta2, c.eps, c.weight_decay, double(c.decoupled), double(c.maximize), double(c.amsgrad)},
+        torch::kDouble);
+    const TensorMap ref = roundpipe::testing::run_python(snippet, inputs);
+    for (const auto& isa : supported_isas()) {
+      for (int threads : {1, 2}) {
+        std::vector<torch::Tensor> params;
+        for (const auto& t : init) {
+          params.push_back(t.clone());
+        }
+        Adam opt(params, AdamOptions(c.lr)
+                             .betas({c.beta1, c.beta2})
+                             .eps(c.eps)
+                             .weight_decay(c.weight_decay)
+                             .decoupled_weight_decay(c.decoupled)
+                             .maximize(c.maximize)
+                             .state_dtype(AdamStateDtype::kInt8)
+                             .kahan_sum(true));
+        opt.set_kernel_isa(isa);
+        opt.set_num_threads(threads);
+        const std::string what = "lr " + std::to_string(c.lr) + ", isa " + isa + ", threads " + std::to_string(threads);
+        for (int s = 0; s < kSteps; ++s) {
+          for (size_t i = 0; i < params.size(); ++i) {
+            params[i].mutable_grad() = inputs.at(key("g", i, s));
+          }
+          opt.step();
+          for (size_t i = 0; i < params.size(); ++i) {
+            const auto& st = static_cast<const AdamParamState&>(*opt.state().at(params[i].unsafeGetTensorImpl()));
+            const auto where = what + ", step " + std::to_string(s) + ", param " + std::to_string(i);
+            ASSERT_EQ(st.exp_avg().scalar_type(), torch::kByte) << where;
+            ASSERT_TRUE(torch::equal(params[i].flatten(), ref.at(key("p", i, s)))) << where << ": parameter";
+            ASSERT_TRUE(torch::equal(st.kahan_compensation().flatten(), ref.at(key("c", i, s))))
+                << where << ": compensation";
+            ASSERT_TRUE(torch::equal(st.exp_avg().flatten(), ref.at(key("c1", i, s)))) << where << ": exp_avg codes";
+            ASSERT_TRUE(torch::equal(st.exp_avg_sq().flatten(), ref.at(key("c2", i, s))))
+                << where << ": exp_avg_sq codes";
+            ASSERT_TRUE(torch::equal(st.exp_avg_absmax(), ref.at(key("a1", i, s)))) << where;
+            ASSERT_TRUE(torch::equal(st.exp_avg_sq_absmax(), ref.at(key("a2", i, s)))) << where;
+          }
+        }
       }
     }
   }
