@@ -86,7 +86,7 @@ int main(int argc, char** argv) {
   std::vector<int64_t> sizes_m = {16, 128};
   std::vector<int64_t> threads = {1, 2};
   int reps = 5;
-  std::string isa = "auto";
+  roundpipe::optim::CpuIsa isa = roundpipe::optim::best_cpu_isa();
   for (int i = 1; i + 1 < argc; i += 2) {
     if (!std::strcmp(argv[i], "--sizes")) {
       sizes_m = parse_list(argv[i + 1]);
@@ -95,7 +95,12 @@ int main(int argc, char** argv) {
     } else if (!std::strcmp(argv[i], "--reps")) {
       reps = std::atoi(argv[i + 1]);
     } else if (!std::strcmp(argv[i], "--isa")) {
-      isa = argv[i + 1];
+      const auto parsed = roundpipe::optim::parse_cpu_isa(argv[i + 1]);
+      if (!parsed || !roundpipe::optim::cpu_supports(*parsed)) {
+        std::fprintf(stderr, "--isa %s: not an ISA this CPU supports; use auto, scalar, avx2 or avx512\n", argv[i + 1]);
+        return 2;
+      }
+      isa = *parsed;
     } else {
       std::fprintf(stderr, "unknown argument %s\n", argv[i]);
       return 2;
@@ -131,7 +136,7 @@ int main(int argc, char** argv) {
         param.mutable_grad() = g;
         roundpipe::optim::Adam opt({param}, roundpipe::optim::AdamOptions(1e-3));
         opt.set_kernel_isa(isa);
-        rows.push_back({"roundpipe Adam (" + opt.kernel_isa() + ")", median_seconds(reps, [&] { opt.step(); }),
+        rows.push_back({std::string("roundpipe Adam (") + roundpipe::optim::cpu_isa_name(opt.kernel_isa()) + ")", median_seconds(reps, [&] { opt.step(); }),
                         adam_bytes});
       }
       {

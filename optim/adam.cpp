@@ -250,7 +250,7 @@ void AdamParamState::serialize(torch::serialize::InputArchive& archive) {
 
 Adam::Adam(const std::vector<torch::optim::OptimizerParamGroup>& param_groups, AdamOptions defaults)
     : Optimizer(param_groups, std::make_unique<AdamOptions>(defaults)),
-      isa_(static_cast<int>(detail::best_cpu_isa())) {
+      isa_(best_cpu_isa()) {
   check_options(defaults, "the default options");
   for (const auto g : c10::irange(param_groups_.size())) {
     const auto& options = static_cast<const AdamOptions&>(param_groups_[g].options());
@@ -260,7 +260,7 @@ Adam::Adam(const std::vector<torch::optim::OptimizerParamGroup>& param_groups, A
     }
   }
   ROUNDPIPE_LOG(Logger::get("optim"), kDebug, "Adam: ", param_groups_.size(),
-                " param group(s), kernel ", kernel_isa());
+                " param group(s), kernel ", cpu_isa_name(isa_));
 }
 
 Adam::Adam(std::vector<torch::Tensor> params, AdamOptions defaults)
@@ -287,25 +287,10 @@ void Adam::set_num_threads(int64_t num_threads) {
 
 void Adam::set_streaming_stores(bool enabled) { streaming_stores_ = enabled; }
 
-std::string Adam::kernel_isa() const { return detail::isa_name(static_cast<detail::CpuIsa>(isa_)); }
-
-void Adam::set_kernel_isa(const std::string& isa) {
-  detail::CpuIsa chosen;
-  if (isa == "auto") {
-    chosen = detail::best_cpu_isa();
-  } else if (isa == "scalar") {
-    chosen = detail::CpuIsa::kScalar;
-  } else if (isa == "avx2") {
-    chosen = detail::CpuIsa::kAvx2;
-  } else if (isa == "avx512") {
-    chosen = detail::CpuIsa::kAvx512;
-  } else {
-    TORCH_CHECK(false, "roundpipe::optim::Adam::set_kernel_isa: unknown ISA '", isa,
-                "'; use auto, scalar, avx2 or avx512");
-  }
-  TORCH_CHECK(detail::cpu_supports(chosen), "roundpipe::optim::Adam::set_kernel_isa: this CPU (or "
-              "build) does not support '", isa, "'; use auto");
-  isa_ = static_cast<int>(chosen);
+void Adam::set_kernel_isa(CpuIsa isa) {
+  TORCH_CHECK(cpu_supports(isa), "roundpipe::optim::Adam::set_kernel_isa: this CPU (or build) does not "
+              "support '", cpu_isa_name(isa), "'; use best_cpu_isa()");
+  isa_ = isa;
 }
 
 void Adam::set_compute_copy(const torch::Tensor& param, torch::Tensor copy) {
@@ -416,7 +401,7 @@ torch::Tensor Adam::step(LossClosure closure) {
   // Split the concatenation of all parameters into equal contiguous element ranges, one thread
   // each (Note [Why not at::parallel_for]).
   last_step_threads_ =
-      detail::run_split_jobs(jobs, num_threads_, detail::adam_update_fn(static_cast<detail::CpuIsa>(isa_)));
+      detail::run_split_jobs(jobs, num_threads_, detail::adam_update_fn(isa_));
   return loss;
 }
 

@@ -4,6 +4,7 @@
 // optimizer thread and can write the fp16/bf16 compute copy of each parameter in the same pass.
 #pragma once
 
+#include "optim/cpu_isa.h"
 #include "optim/quantized_state.h"
 
 #include <torch/arg.h>
@@ -174,11 +175,11 @@ class Adam : public torch::optim::Optimizer {
   void set_streaming_stores(bool enabled);
   bool streaming_stores() const { return streaming_stores_; }
 
-  /// Name of the kernel ISA steps use: "avx512", "avx2" or "scalar".
-  std::string kernel_isa() const;
-  /// Forces a kernel ISA ("scalar", "avx2", "avx512"; "auto" = best supported), mainly for tests
-  /// and benchmarks. Throws if the CPU does not support it.
-  void set_kernel_isa(const std::string& isa);
+  /// The kernel ISA steps use; by default best_cpu_isa() (optim/cpu_isa.h has its name).
+  CpuIsa kernel_isa() const { return isa_; }
+  /// Forces a kernel ISA, mainly for tests and benchmarks. Throws if the CPU (or the build) does
+  /// not support it (cpu_supports).
+  void set_kernel_isa(CpuIsa isa);
 
  private:
   template <typename Self, typename Archive>
@@ -188,7 +189,7 @@ class Adam : public torch::optim::Optimizer {
   int64_t num_threads_ = 0;
   int64_t last_step_threads_ = 0;
   bool streaming_stores_ = false;
-  int isa_ = 0;  // detail::CpuIsa, kept as int so the public header stays free of detail/
+  CpuIsa isa_;
   std::unordered_map<const void*, torch::Tensor> compute_copies_;  // TensorImpl* -> copy
 };
 

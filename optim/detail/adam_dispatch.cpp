@@ -1,4 +1,6 @@
-// Runtime selection of the Adam kernel ISA (baseline flags; never calls into a TU the CPU lacks).
+// Runtime selection of the kernel ISA (baseline flags; never calls into a TU the CPU lacks), and the
+// public optim/cpu_isa.h functions.
+#include "optim/cpu_isa.h"
 #include "optim/detail/adam_kernel.h"
 #include "optim/detail/lion_kernel.h"
 
@@ -6,7 +8,7 @@
 #include <cpuid.h>
 #endif
 
-namespace roundpipe::optim::detail {
+namespace roundpipe::optim {
 namespace {
 
 #if ROUNDPIPE_OPTIM_X86
@@ -49,7 +51,7 @@ CpuIsa best_cpu_isa() {
   return CpuIsa::kScalar;
 }
 
-const char* isa_name(CpuIsa isa) {
+const char* cpu_isa_name(CpuIsa isa) {
   switch (isa) {
     case CpuIsa::kScalar:
       return "scalar";
@@ -60,6 +62,30 @@ const char* isa_name(CpuIsa isa) {
   }
   return "unknown";
 }
+
+std::vector<CpuIsa> supported_cpu_isas() {
+  std::vector<CpuIsa> isas;
+  for (const CpuIsa isa : {CpuIsa::kScalar, CpuIsa::kAvx2, CpuIsa::kAvx512}) {
+    if (cpu_supports(isa)) {
+      isas.push_back(isa);
+    }
+  }
+  return isas;
+}
+
+std::optional<CpuIsa> parse_cpu_isa(const std::string& name) {
+  if (name == "auto") {
+    return best_cpu_isa();
+  }
+  for (const CpuIsa isa : {CpuIsa::kScalar, CpuIsa::kAvx2, CpuIsa::kAvx512}) {
+    if (name == cpu_isa_name(isa)) {
+      return isa;
+    }
+  }
+  return std::nullopt;
+}
+
+namespace detail {
 
 AdamUpdateFn adam_update_fn(CpuIsa isa) {
 #if ROUNDPIPE_OPTIM_X86
@@ -93,4 +119,5 @@ LionUpdateFn lion_update_fn(CpuIsa isa) {
   return &lion_update_scalar;
 }
 
-}  // namespace roundpipe::optim::detail
+}  // namespace detail
+}  // namespace roundpipe::optim

@@ -6,12 +6,15 @@
 
 #include <cstdint>
 
+#include "optim/cpu_isa.h"
 #include "optim/detail/quant_map.h"
 
 namespace roundpipe::optim::detail {
 
-/// The instruction sets the kernel is compiled for, best last.
-enum class CpuIsa { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
+// The ISA enum is public (optim/cpu_isa.h); the kernels name it unqualified.
+using optim::best_cpu_isa;
+using optim::cpu_supports;
+using optim::CpuIsa;
 
 /// Element type of an optional compute copy written in the same pass.
 enum class CopyDtype { kNone, kFloat, kHalf, kBFloat16 };
@@ -81,13 +84,6 @@ struct AdamTensor {
 void adam_update_scalar(const AdamTensor& t, int64_t begin, int64_t end);
 void adam_update_avx2(const AdamTensor& t, int64_t begin, int64_t end);
 void adam_update_avx512(const AdamTensor& t, int64_t begin, int64_t end);
-
-/// True when the running CPU supports `isa` (and the library was built with it).
-bool cpu_supports(CpuIsa isa);
-/// The best ISA the running CPU supports.
-CpuIsa best_cpu_isa();
-/// "scalar", "avx2", "avx512".
-const char* isa_name(CpuIsa isa);
 
 using AdamUpdateFn = void (*)(const AdamTensor&, int64_t, int64_t);
 /// The kernel for `isa` (which must be supported).

@@ -84,15 +84,7 @@ TEST(AdamInt8Test, MatchesPythonReferenceOfTheSameQuantization_AdamAndAdamW_Ever
       inputs[key("g", i, s)] = i == kBf16GradParam ? g.to(torch::kBFloat16) : g;
     }
   }
-  std::vector<std::string> isas = {"scalar"};
-  for (const char* isa : {"avx2", "avx512"}) {
-    Adam probe({torch::zeros({1})});
-    try {
-      probe.set_kernel_isa(isa);
-      isas.push_back(isa);
-    } catch (const c10::Error&) {
-    }
-  }
+  const std::vector<CpuIsa> isas = supported_cpu_isas();
   for (const auto& c : configs) {
     inputs["config"] = torch::tensor({c.lr, c.beta1, c.beta2, c.eps, c.weight_decay, double(c.decoupled),
                                       double(c.maximize)}, torch::kDouble);
@@ -113,7 +105,7 @@ TEST(AdamInt8Test, MatchesPythonReferenceOfTheSameQuantization_AdamAndAdamW_Ever
         opt.set_kernel_isa(isa);
         opt.set_num_threads(threads);
         const std::string what = "lr " + std::to_string(c.lr) + ", decoupled " + std::to_string(c.decoupled) +
-                                 ", isa " + isa + ", threads " + std::to_string(threads);
+                                 ", isa " + cpu_isa_name(isa) + ", threads " + std::to_string(threads);
         bool bitwise = true;
         for (int s = 0; s < kSteps; ++s) {
           for (size_t i = 0; i < params.size(); ++i) {
@@ -403,15 +395,7 @@ TEST(AdamInt8Test, EveryIsaQuantizesLikeTheScalarReference_RandomBitsAndEdges) {
                   torch::randn({100})});
   const auto m_ref = quantize_blockwise(g, QuantMap::kSignedDynamic);
   const auto v_ref = quantize_blockwise(g * g, QuantMap::kUnsignedDynamic);
-  std::vector<std::string> isas = {"scalar"};
-  for (const char* isa : {"avx2", "avx512"}) {
-    Adam probe({torch::zeros({1})});
-    try {
-      probe.set_kernel_isa(isa);
-      isas.push_back(isa);
-    } catch (const c10::Error&) {
-    }
-  }
+  const std::vector<CpuIsa> isas = supported_cpu_isas();
   for (const auto& isa : isas) {
     auto param = torch::zeros_like(g);
     param.mutable_grad() = g;
@@ -419,10 +403,10 @@ TEST(AdamInt8Test, EveryIsaQuantizesLikeTheScalarReference_RandomBitsAndEdges) {
     opt.set_kernel_isa(isa);
     opt.step();
     const auto& st = static_cast<const AdamParamState&>(*opt.state().at(param.unsafeGetTensorImpl()));
-    EXPECT_TRUE(torch::equal(st.exp_avg(), m_ref.first)) << isa << ": exp_avg codes";
-    EXPECT_TRUE(torch::equal(st.exp_avg_absmax(), m_ref.second)) << isa << ": exp_avg absmax";
-    EXPECT_TRUE(torch::equal(st.exp_avg_sq(), v_ref.first)) << isa << ": exp_avg_sq codes";
-    EXPECT_TRUE(torch::equal(st.exp_avg_sq_absmax(), v_ref.second)) << isa << ": exp_avg_sq absmax";
+    EXPECT_TRUE(torch::equal(st.exp_avg(), m_ref.first)) << cpu_isa_name(isa) << ": exp_avg codes";
+    EXPECT_TRUE(torch::equal(st.exp_avg_absmax(), m_ref.second)) << cpu_isa_name(isa) << ": exp_avg absmax";
+    EXPECT_TRUE(torch::equal(st.exp_avg_sq(), v_ref.first)) << cpu_isa_name(isa) << ": exp_avg_sq codes";
+    EXPECT_TRUE(torch::equal(st.exp_avg_sq_absmax(), v_ref.second)) << cpu_isa_name(isa) << ": exp_avg_sq absmax";
   }
 }
 

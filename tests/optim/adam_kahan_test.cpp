@@ -95,19 +95,6 @@ struct Config {
   bool decoupled, maximize, amsgrad;
 };
 
-std::vector<std::string> supported_isas() {
-  std::vector<std::string> isas = {"scalar"};
-  for (const char* isa : {"avx2", "avx512"}) {
-    Adam probe({torch::zeros({1})});
-    try {
-      probe.set_kernel_isa(isa);
-      isas.emplace_back(isa);
-    } catch (const c10::Error&) {
-    }
-  }
-  return isas;
-}
-
 // 37 (vector tails), 1000, and 300 x 129 = 38700 (two threads' worth; bf16 gradients).
 const std::vector<std::vector<int64_t>> kShapes = {{37}, {1000}, {300, 129}};
 constexpr size_t kBf16GradParam = 2;
@@ -132,7 +119,7 @@ TEST(AdamKahanTest, MatchesPythonReferenceBitwise_EveryOptionIsaAndThreadCount) 
       inputs[key("g", i, s)] = i == kBf16GradParam ? g.to(torch::kBFloat16) : g;
     }
   }
-  const auto isas = supported_isas();
+  const auto isas = supported_cpu_isas();
   for (const auto& c : configs) {
     inputs["config"] = torch::tensor(
         {c.lr, c.beta1, c.beta2, c.eps, c.weight_decay, double(c.decoupled), double(c.maximize), double(c.amsgrad)},
@@ -155,7 +142,7 @@ TEST(AdamKahanTest, MatchesPythonReferenceBitwise_EveryOptionIsaAndThreadCount) 
         opt.set_kernel_isa(isa);
         opt.set_num_threads(threads);
         const std::string what = "lr " + std::to_string(c.lr) + ", decoupled " + std::to_string(c.decoupled) +
-                                 ", isa " + isa + ", threads " + std::to_string(threads);
+                                 ", isa " + cpu_isa_name(isa) + ", threads " + std::to_string(threads);
         for (int s = 0; s < kSteps; ++s) {
           for (size_t i = 0; i < params.size(); ++i) {
             params[i].mutable_grad() = inputs.at(key("g", i, s));
@@ -226,7 +213,7 @@ for i in range()PY" + std::to_string(shapes.size()) +
         {c.lr, c.beta1, c.beta2, c.eps, c.weight_decay, double(c.decoupled), double(c.maximize), double(c.amsgrad)},
         torch::kDouble);
     const TensorMap ref = roundpipe::testing::run_python(snippet, inputs);
-    for (const auto& isa : supported_isas()) {
+    for (const auto& isa : supported_cpu_isas()) {
       for (int threads : {1, 2}) {
         std::vector<torch::Tensor> params;
         for (const auto& t : init) {
@@ -242,7 +229,7 @@ for i in range()PY" + std::to_string(shapes.size()) +
                              .kahan_sum(true));
         opt.set_kernel_isa(isa);
         opt.set_num_threads(threads);
-        const std::string what = "lr " + std::to_string(c.lr) + ", isa " + isa + ", threads " + std::to_string(threads);
+        const std::string what = "lr " + std::to_string(c.lr) + ", isa " + cpu_isa_name(isa) + ", threads " + std::to_string(threads);
         for (int s = 0; s < kSteps; ++s) {
           for (size_t i = 0; i < params.size(); ++i) {
             params[i].mutable_grad() = inputs.at(key("g", i, s));

@@ -31,7 +31,7 @@ const std::vector<int64_t> kLengths = {0, 1, 3, 7, 8, 9, 15, 16, 17, 31, 33, 100
 
 // `grad_dtype`: the gradients are rounded to it; `widen` hands them to the optimizer widened back
 // to float32 (the reference for the kernel's own widening of fp16/bf16 gradients).
-AdamRun run_adam(const AdamOptions& options, const std::string& isa, int64_t threads, bool with_copies,
+AdamRun run_adam(const AdamOptions& options, CpuIsa isa, int64_t threads, bool with_copies,
                  bool streaming = false, torch::Dtype grad_dtype = torch::kFloat, bool widen = false) {
   torch::manual_seed(11);
   AdamRun run;
@@ -78,18 +78,8 @@ std::vector<AdamOptions> option_sets() {
           AdamOptions(1e-2).weight_decay(0.1).decoupled_weight_decay(true).amsgrad(true).eps(1e-6)};
 }
 
-std::vector<std::string> supported_isas() {
-  std::vector<std::string> isas;
-  for (auto isa : {detail::CpuIsa::kScalar, detail::CpuIsa::kAvx2, detail::CpuIsa::kAvx512}) {
-    if (detail::cpu_supports(isa)) {
-      isas.emplace_back(detail::isa_name(isa));
-    }
-  }
-  return isas;
-}
-
 TEST(AdamKernelTest, EveryIsaMatchesScalarBitwise_OddLengths) {
-  const auto isas = supported_isas();
+  const auto isas = supported_cpu_isas();
   ASSERT_GE(isas.size(), 1u);
   if (isas.size() == 1) {
     GTEST_SKIP() << "only the scalar kernel is available on this CPU";
@@ -99,8 +89,8 @@ TEST(AdamKernelTest, EveryIsaMatchesScalarBitwise_OddLengths) {
     for (size_t k = 1; k < isas.size(); ++k) {
       const AdamRun run = run_adam(options, isas[k], 1, /*with_copies=*/true, /*streaming=*/k % 2 == 0);
       for (size_t i = 0; i < kLengths.size(); ++i) {
-        EXPECT_TENSOR_EQ(run.params[i], reference.params[i]) << isas[k] << ", length " << kLengths[i];
-        EXPECT_TENSOR_EQ(run.copies[i], reference.copies[i]) << isas[k] << ", length " << kLengths[i];
+        EXPECT_TENSOR_EQ(run.params[i], reference.params[i]) << cpu_isa_name(isas[k]) << ", length " << kLengths[i];
+        EXPECT_TENSOR_EQ(run.copies[i], reference.copies[i]) << cpu_isa_name(isas[k]) << ", length " << kLengths[i];
       }
     }
   }
@@ -109,25 +99,25 @@ TEST(AdamKernelTest, EveryIsaMatchesScalarBitwise_OddLengths) {
 TEST(AdamKernelTest, ResultsIndependentOfThreadCount) {
   const int saved = at::get_num_threads();
   at::set_num_threads(2);
-  for (const auto& isa : supported_isas()) {
+  for (const auto& isa : supported_cpu_isas()) {
     const auto options = option_sets()[2];
     const AdamRun one = run_adam(options, isa, 1, /*with_copies=*/false);
     const AdamRun two = run_adam(options, isa, 2, /*with_copies=*/false);
     const AdamRun streamed = run_adam(options, isa, 2, /*with_copies=*/false, /*streaming=*/true);
     for (size_t i = 0; i < kLengths.size(); ++i) {
-      EXPECT_TENSOR_EQ(two.params[i], one.params[i]) << isa << ", length " << kLengths[i];
-      EXPECT_TENSOR_EQ(streamed.params[i], one.params[i]) << isa << " streaming, length " << kLengths[i];
+      EXPECT_TENSOR_EQ(two.params[i], one.params[i]) << cpu_isa_name(isa) << ", length " << kLengths[i];
+      EXPECT_TENSOR_EQ(streamed.params[i], one.params[i]) << cpu_isa_name(isa) << " streaming, length " << kLengths[i];
     }
   }
   at::set_num_threads(saved);
 }
 
 TEST(AdamKernelTest, ComputeCopyEqualsTorchConversion_EveryIsa) {
-  for (const auto& isa : supported_isas()) {
+  for (const auto& isa : supported_cpu_isas()) {
     const AdamRun run = run_adam(option_sets()[1], isa, 2, /*with_copies=*/true);
     for (size_t i = 0; i < kLengths.size(); ++i) {
       EXPECT_TENSOR_EQ(run.copies[i], run.params[i].to(run.copies[i].scalar_type()))
-          << isa << ", length " << kLengths[i] << ", dtype " << run.copies[i].scalar_type();
+          << cpu_isa_name(isa) << ", length " << kLengths[i] << ", dtype " << run.copies[i].scalar_type();
     }
   }
 }
@@ -135,14 +125,14 @@ TEST(AdamKernelTest, ComputeCopyEqualsTorchConversion_EveryIsa) {
 // fp16/bf16 gradients are widened in the kernel's pass: bitwise the same as a step on their fp32
 // values, on every ISA (vector bodies and scalar tails), with and without compute copies.
 TEST(AdamKernelTest, LowPrecisionGradsEqualTheirFp32Values_EveryIsa) {
-  for (const auto& isa : supported_isas()) {
+  for (const auto& isa : supported_cpu_isas()) {
     for (auto dtype : {torch::kHalf, torch::kBFloat16}) {
       for (const auto& options : option_sets()) {
         const AdamRun low = run_adam(options, isa, 2, /*with_copies=*/true, /*streaming=*/false, dtype);
         const AdamRun ref = run_adam(options, isa, 2, /*with_copies=*/true, /*streaming=*/false, dtype, /*widen=*/true);
         for (size_t i = 0; i < kLengths.size(); ++i) {
-          EXPECT_TENSOR_EQ(low.params[i], ref.params[i]) << isa << ", " << dtype << ", length " << kLengths[i];
-          EXPECT_TENSOR_EQ(low.copies[i], ref.copies[i]) << isa << ", " << dtype << ", length " << kLengths[i];
+          EXPECT_TENSOR_EQ(low.params[i], ref.params[i]) << cpu_isa_name(isa) << ", " << dtype << ", length " << kLengths[i];
+          EXPECT_TENSOR_EQ(low.copies[i], ref.copies[i]) << cpu_isa_name(isa) << ", " << dtype << ", length " << kLengths[i];
         }
       }
     }
@@ -156,7 +146,7 @@ struct KahanRun {
 
 // bf16 masters (kahan_sum) of kLengths, bf16 gradients on odd-indexed parameters, 5 steps. With
 // int8 states the 200003 and 2^20 + x parameters get 8-bit moments (partial last blocks).
-KahanRun run_kahan(AdamOptions options, const std::string& isa, int64_t threads, bool int8) {
+KahanRun run_kahan(AdamOptions options, CpuIsa isa, int64_t threads, bool int8) {
   torch::manual_seed(13);
   options.kahan_sum(true).state_dtype(int8 ? AdamStateDtype::kInt8 : AdamStateDtype::kFloat32);
   if (int8) {
@@ -194,15 +184,15 @@ TEST(AdamKernelTest, Bf16KahanMasters_EveryIsaAndThreadCountMatchScalarBitwise) 
   at::set_num_threads(2);
   for (bool int8 : {false, true}) {
     for (const auto& options : option_sets()) {
-      const KahanRun reference = run_kahan(options, "scalar", 1, int8);
-      for (const auto& isa : supported_isas()) {
+      const KahanRun reference = run_kahan(options, CpuIsa::kScalar, 1, int8);
+      for (const auto& isa : supported_cpu_isas()) {
         for (int64_t threads : {1, 2}) {
-          if (isa == "scalar" && threads == 1) {
+          if (isa == CpuIsa::kScalar && threads == 1) {
             continue;
           }
           const KahanRun run = run_kahan(options, isa, threads, int8);
           for (size_t i = 0; i < kLengths.size(); ++i) {
-            const std::string what = isa + ", " + std::to_string(threads) + " thread(s), int8 " +
+            const std::string what = cpu_isa_name(isa) + std::string(", ") + std::to_string(threads) + " thread(s), int8 " +
                                      std::to_string(int8) + ", length " + std::to_string(kLengths[i]);
             EXPECT_TENSOR_EQ(run.params[i], reference.params[i]) << what;
             if (kLengths[i] > 0) {
@@ -236,7 +226,7 @@ TEST(AdamKernelTest, ComputeCopyRoundsSpecialValuesLikeTorch) {
   auto p = torch::tensor({0.0f, -0.0f, 1.0f, 65504.0f, 65520.0f, 1e6f, -1e6f, 6e-8f, 3e-5f,
                           1.00048828125f, 1.0009765625f, 3.14159265f, 1.00390625f, 1.005859375f,
                           -2.7182818f, 1e-40f, 3.4e38f});
-  for (const auto& isa : supported_isas()) {
+  for (const auto& isa : supported_cpu_isas()) {
     for (auto dtype : {torch::kHalf, torch::kBFloat16}) {
       auto param = p.clone();
       auto copy = torch::zeros(p.sizes(), dtype);
@@ -245,8 +235,8 @@ TEST(AdamKernelTest, ComputeCopyRoundsSpecialValuesLikeTorch) {
       opt.set_compute_copy(param, copy);
       param.mutable_grad() = torch::ones_like(param);
       opt.step();
-      EXPECT_TENSOR_EQ(param, p) << isa;  // lr 0 leaves p unchanged
-      EXPECT_TENSOR_EQ(copy, p.to(dtype)) << isa << ", " << dtype;
+      EXPECT_TENSOR_EQ(param, p) << cpu_isa_name(isa);  // lr 0 leaves p unchanged
+      EXPECT_TENSOR_EQ(copy, p.to(dtype)) << cpu_isa_name(isa) << ", " << dtype;
     }
   }
 }
@@ -254,11 +244,20 @@ TEST(AdamKernelTest, ComputeCopyRoundsSpecialValuesLikeTorch) {
 TEST(AdamKernelTest, KernelIsaSelection_DefaultsToBestSupported) {
   auto p = torch::zeros({2});
   Adam opt({p});
-  EXPECT_EQ(opt.kernel_isa(), detail::isa_name(detail::best_cpu_isa()));
-  opt.set_kernel_isa("scalar");
-  EXPECT_EQ(opt.kernel_isa(), "scalar");
-  opt.set_kernel_isa("auto");
-  EXPECT_EQ(opt.kernel_isa(), detail::isa_name(detail::best_cpu_isa()));
+  EXPECT_EQ(opt.kernel_isa(), best_cpu_isa());
+  opt.set_kernel_isa(CpuIsa::kScalar);
+  EXPECT_EQ(opt.kernel_isa(), CpuIsa::kScalar);
+  EXPECT_EQ(cpu_isa_name(opt.kernel_isa()), std::string("scalar"));
+  opt.set_kernel_isa(best_cpu_isa());
+  EXPECT_EQ(opt.kernel_isa(), best_cpu_isa());
+  // The command-line edge: names round-trip, "auto" is the best, anything else is nullopt.
+  for (const CpuIsa isa : {CpuIsa::kScalar, CpuIsa::kAvx2, CpuIsa::kAvx512}) {
+    EXPECT_EQ(parse_cpu_isa(cpu_isa_name(isa)), isa);
+  }
+  EXPECT_EQ(parse_cpu_isa("auto"), best_cpu_isa());
+  EXPECT_EQ(parse_cpu_isa("sse9"), std::nullopt);
+  EXPECT_EQ(supported_cpu_isas().front(), CpuIsa::kScalar);
+  EXPECT_EQ(supported_cpu_isas().back(), best_cpu_isa());
 }
 
 }  // namespace
