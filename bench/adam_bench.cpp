@@ -12,8 +12,13 @@
 // write p, codes, absmax: 16 + 16/256 B/param (14 + 16/256 with bf16 gradients).
 // bf16 masters with Kahan compensation (AdamOptions::kahan_sum, bf16 gradients): read p, g, c, m,
 // v; write p, c, m, v: 26 B/param.
+// Adafactor (not a single pass: torch's two norms need the sums first): a matrix [n / 4096, 4096]
+// reads p (its norm), g three times (row sums, column sums, the update's norm), then p and g and
+// writes p: 28 B/param; torch.optim.Adafactor on the same shape is timed in Python
+// (docs/optimizer.md, "Adafactor").
 // The time per implementation is the median of --reps steps after one warm-up step; elements/s
 // (G elem/s) = parameters updated per second.
+#include "optim/adafactor.h"
 #include "optim/adam.h"
 #include "optim/lion.h"
 #include "optim/detail/parallel_tasks.h"
@@ -192,6 +197,12 @@ int main(int argc, char** argv) {
         rows.push_back({"roundpipe Lion", median_seconds(reps, [&] { opt.step(); }), 20.0 * n});
         param.mutable_grad() = g.to(torch::kBFloat16);
         rows.push_back({"bf16 g: roundpipe Lion", median_seconds(reps, [&] { opt.step(); }), 18.0 * n});
+      }
+      if (n % 4096 == 0) {  // Adafactor, factored (a matrix of rows of 4096)
+        auto param = p.clone().view({n / 4096, 4096});
+        param.mutable_grad() = g.view({n / 4096, 4096});
+        roundpipe::optim::Adafactor opt({param}, roundpipe::optim::AdafactorOptions(1e-2).weight_decay(0.01));
+        rows.push_back({"roundpipe Adafactor (matrix)", median_seconds(reps, [&] { opt.step(); }), 28.0 * n});
       }
       {
         auto param = p.clone();

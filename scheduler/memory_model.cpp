@@ -61,7 +61,8 @@ namespace roundpipe::scheduler {
 //    dtypes match) + m when they differ (the persistent cast buffer, Note [Gradient hand-over])
 //    + s in async mode (the next iteration's gradients while the step holds the previous ones);
 //  - optimizer state: Adam/AdamW 2 m; int8 states 2 + 8 / 256 (one fp32 scale per 256 values
-//    per moment); Lion m; SGD with momentum m; SGD 0;
+//    per moment); Lion m; SGD with momentum m; SGD 0; Adafactor 4 (rows + cols) per matrix, 4
+//    per vector element (factored_state_bytes: the model's tensors, not a count per parameter);
 //  - no allowance above the live sum: the launcher's allocator policy returns freed blocks to the
 //    OS and checkpoints stream the optimizer state (Note [Host allocator policy], Note [Checkpoint
 //    host memory]). Before them the peak came while the final checkpoint serialized the optimizer
@@ -178,6 +179,46 @@ void check_shape(const TransformerShape& shape) {
               "memory model: the shape needs positive vocab, hidden, heads, kv_heads and head_dim, got vocab ",
               shape.vocab, ", hidden ", shape.hidden, ", heads ", shape.heads, ", kv_heads ", shape.kv_heads,
               ", head_dim ", shape.head_dim);
+}
+
+// Floats of Adafactor's state for decoder layer `index`'s trainable tensors (the tensors of
+// decoder_params, their shapes as models:: allocates them).
+int64_t decoder_factored_floats(const TransformerShape& shape, int64_t index) {
+  const int64_t h = shape.hidden, q = shape.q_dim(), kv = shape.kv_dim(), I = shape.intermediate;
+  const int64_t e = shape.experts, w = shape.moe_intermediate;
+  const bool sparse = is_sparse(shape, index);
+  int64_t floats = 0;
+  if (shape.lora_rank > 0) {  // the adapters only: A [r, in], B [out, r]
+    const int64_t r = shape.lora_rank, er = e * r;
+    struct Projection {
+      const char* name;
+      int64_t in, out;
+      bool mlp;
+    };
+    const Projection projections[] = {{"q_proj", h, q, false},  {"k_proj", h, kv, false},  {"v_proj", h, kv, false},
+                                      {"o_proj", q, h, false},  {"gate_proj", h, I, true}, {"up_proj", h, I, true},
+                                      {"down_proj", I, h, true}};
+    for (const Projection& pr : projections) {
+      if (adapted(shape, pr.name) && !(pr.mlp && sparse)) floats += 2 * r + pr.in + pr.out;
+    }
+    if (sparse) {  // A [E r, in], B [out, E r]
+      floats += adapted_experts(shape, "gate_up_proj", index) * (2 * er + h + 2 * w);
+      floats += adapted_experts(shape, "down_proj", index) * (2 * er + w + h);
+    }
+    return floats;
+  }
+  floats = (q + h) + 2 * (kv + h) + (h + q) + 2 * h;  // q, k, v, o projections; the two norms
+  if (shape.attention_bias) floats += q + 2 * kv + h;
+  if (shape.qk_norm) floats += 2 * shape.head_dim;
+  if (shape.attention_sinks) floats += shape.heads;
+  if (sparse) {
+    floats += (e + h) + e * (h + 2 * w) + e * (w + h);           // router [E, h]; gate_up, down per expert
+    if (shape.expert_bias) floats += e + (e + 2 * w) + (e + h);  // router bias; [E, 2w], [E, h]
+  } else {
+    floats += 3 * (I + h);  // gate, up [I, h]; down [h, I]
+    if (shape.mlp_bias) floats += 2 * I + h;
+  }
+  return floats;
 }
 
 }  // namespace
@@ -366,6 +407,17 @@ int64_t max_seq_len(const TransformerShape& shape, DeviceMemoryOptions options, 
   return lo * granularity;
 }
 
+int64_t factored_state_bytes(const TransformerShape& shape) {
+  check_shape(shape);
+  int64_t floats = 0;
+  if (shape.lora_rank == 0) {
+    floats += shape.vocab + shape.hidden;                                               // embeddings [V, h]
+    floats += shape.hidden + (shape.tied_embeddings ? 0 : shape.vocab + shape.hidden);  // final norm, LM head
+  }
+  for (int64_t i = 0; i < shape.num_layers; ++i) floats += decoder_factored_floats(shape, i);
+  return 4 * floats;
+}
+
 HostMemory host_memory(const ParameterCount& params, const HostMemoryOptions& o) {
   TORCH_CHECK(o.compute_bytes > 0 && o.master_bytes > 0, "host memory model: dtype bytes must be positive");
   const int64_t n = params.trainable, s = o.compute_bytes, m = o.master_bytes;
@@ -384,6 +436,9 @@ HostMemory host_memory(const ParameterCount& params, const HostMemoryOptions& o)
       break;
     case OptimizerStateKind::kAdamInt8:
       h.optimizer_state = 2 * (n + 4 * ((n + 255) / 256));
+      break;
+    case OptimizerStateKind::kFactored:
+      h.optimizer_state = o.factored_state_bytes;
       break;
   }
   h.cpu_devices = o.cpu_device_bytes;

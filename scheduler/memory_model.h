@@ -133,7 +133,13 @@ enum class OptimizerStateKind {
   kOneMasterSized,  ///< Lion's momentum, SGD's momentum buffer
   kAdamFloat32,     ///< Adam/AdamW exp_avg + exp_avg_sq in the master dtype
   kAdamInt8,        ///< block-wise 8-bit moments: 1 B each + an fp32 scale per 256 values
+  kFactored,        ///< Adafactor: HostMemoryOptions::factored_state_bytes (factored_state_bytes())
 };
+
+/// Bytes of Adafactor's fp32 second moment for the trainable parameters of `shape`: (rows + cols)
+/// x 4 per matrix (a tensor of 3 dimensions: per matrix of its trailing two), 4 per element of a
+/// vector (norms, biases), as optim::Adafactor and torch.optim.Adafactor keep it.
+int64_t factored_state_bytes(const TransformerShape& shape);
 
 struct HostMemoryOptions {
   int64_t compute_bytes = 2;  ///< model.dtype
@@ -143,6 +149,7 @@ struct HostMemoryOptions {
   /// Host bytes the CPU devices' stage jobs hold at their peak (their "device" memory is host
   /// memory): 0 with GPUs.
   int64_t cpu_device_bytes = 0;
+  int64_t factored_state_bytes = 0;  ///< kFactored's optimizer state: factored_state_bytes(shape)
 };
 
 /// Predicted peak host bytes, by term (formulas in memory_model.cpp).

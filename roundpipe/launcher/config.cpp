@@ -589,6 +589,7 @@ const char* optimizer_name(OptimizerName name) {
     case OptimizerName::kAdam: return "adam";
     case OptimizerName::kSgd: return "sgd";
     case OptimizerName::kLion: return "lion";
+    case OptimizerName::kAdafactor: return "adafactor";
   }
   return "?";
 }

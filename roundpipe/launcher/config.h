@@ -30,7 +30,7 @@ class ConfigError : public std::runtime_error {
 };
 
 enum class DataFormat { kTokens, kBytes, kSynthetic, kChat };
-enum class OptimizerName { kAdamW, kAdam, kSgd, kLion };
+enum class OptimizerName { kAdamW, kAdam, kSgd, kLion, kAdafactor };
 /// distributed.backend: kAuto is NCCL with CUDA devices, Gloo otherwise.
 enum class DistributedBackend { kAuto, kGloo, kNccl };
 /// How Adam(W) stores its moments: float32, or block-wise 8-bit (optim::AdamStateDtype::kInt8).

@@ -234,6 +234,53 @@ TEST(CliOracleTest, MoeTrainStepAndEval_MatchTransformers) {
   EXPECT_NE(metrics.find("\"loss\":"), std::string::npos);
 }
 
+// optimizer.name: adafactor through the launcher (two pipeline stages, sync steps) against
+// transformers' model trained by torch.optim.Adafactor on the same batches: one window in the
+// data, so every batch is that window twice whatever the order.
+TEST(CliOracleTest, AdafactorTwoSteps_MatchTransformersAndTorchAdafactor) {
+  ROUNDPIPE_REQUIRE_PYTHON("transformers");
+  constexpr int64_t kSeq = 16;
+  ScratchDir dir;
+  const std::string hf = make_hf_dir(dir);
+  std::vector<int64_t> tokens;
+  for (int64_t i = 0; i <= kSeq; ++i) tokens.push_back((i * 29 + i / 3) % 64);
+  write_token_file(dir.file("data.bin"), tokens, TokenWidth::kUint16);
+  const at::Tensor window = at::tensor(tokens).view({1, kSeq + 1});
+  dir.write("run.yaml", "out_dir: run\nmodel: {pretrained: " + hf + ", dtype: float32}\n"
+                        "data: {train: " + dir.file("data.bin") + ", valid: " + dir.file("data.bin") +
+                        ", format: tokens, seq_len: " + std::to_string(kSeq) + "}\n"
+                        "train: {steps: 2, batch_size: 2, seed: 1}\n"
+                        "optimizer: {name: adafactor, lr: 1.0e-2, weight_decay: 0.1}\n"
+                        "eval: {every: 0}\n"
+                        "run: {devices: 2, num_microbatch: 1, step_mode: sync}\n");
+  CliResult trained = run_cli(dir, "train run.yaml");
+  ASSERT_EQ(trained.code, 0) << trained.err;
+  ASSERT_EQ(run_cli(dir, "export run/checkpoints/latest exported").code, 0);
+  auto ref = run_python("from transformers import AutoModelForCausalLM\n"
+                        "import torch.nn.functional as F\n"
+                        "def load(d):\n"
+                        "    return AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)\n"
+                        "model = load('" + hf + "').train()\n"
+                        "start = {n: p.detach().clone() for n, p in model.named_parameters()}\n"
+                        "opt = torch.optim.Adafactor(model.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)\n"
+                        "w = inputs['w'].repeat(2, 1)\n"
+                        "x, y = w[:, :-1], w[:, 1:]\n"
+                        "for _ in range(2):\n"
+                        "    opt.zero_grad()\n"
+                        "    logits = model(input_ids=x).logits\n"
+                        "    F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1)).backward()\n"
+                        "    opt.step()\n"
+                        "ours = dict(load('" + dir.file("exported") + "').named_parameters())\n"
+                        "params = dict(model.named_parameters())\n"
+                        "outputs['max_diff'] = max((ours[n] - p).abs().max().item() for n, p in params.items())\n"
+                        "outputs['moved'] = min((p - start[n]).abs().max().item() for n, p in params.items())\n"
+                        "outputs['count'] = len(ours) == len(params)\n",
+                        {{"w", window}});
+  EXPECT_TRUE(ref.at("count").item<bool>());
+  EXPECT_LE(ref.at("max_diff").item<double>(), 1e-5);
+  EXPECT_GT(ref.at("moved").item<double>(), 1e-4) << "every tensor must have trained";
+}
+
 TEST(CliOracleTest, GpuConfigs_ValidateWithATransformersModel) {
   ROUNDPIPE_REQUIRE_PYTHON("transformers");
   ScratchDir dir;

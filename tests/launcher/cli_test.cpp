@@ -110,6 +110,25 @@ TEST(CliTest, Lion_TrainsAndResumesBitwise) {
   for (const TrainRecord& record : log.train) EXPECT_TRUE(std::isfinite(record.loss)) << record.step;
 }
 
+// optimizer.name: adafactor (roundpipe::optim::Adafactor): trains, and its factored second moment
+// round-trips through the checkpoint (a resume without it would diverge from the straight run).
+TEST(CliTest, Adafactor_TrainsAndResumesBitwise) {
+  ScratchDir dir;
+  const std::string common =
+      " optimizer.name=adafactor optimizer.lr=1.0e-2 optimizer.weight_decay=0.1"
+      " train.steps=4 checkpoint.every=2 checkpoint.keep=5 eval.every=0";
+  dir.write("run.yaml", tiny_config("straight"));
+  CliResult straight = run_cli(dir, "train run.yaml" + common);
+  ASSERT_EQ(straight.code, 0) << straight.err;
+  CliResult resumed =
+      run_cli(dir, "train run.yaml out_dir=resumed" + common + " --resume straight/checkpoints/step-000002");
+  ASSERT_EQ(resumed.code, 0) << resumed.err;
+  expect_same_weights(dir.file("straight/checkpoints/step-000004"), dir.file("resumed/checkpoints/step-000004"));
+  MetricsLog log = read_metrics(dir.file("straight/metrics.jsonl"));
+  ASSERT_EQ(log.train.size(), 4u);
+  for (const TrainRecord& record : log.train) EXPECT_TRUE(std::isfinite(record.loss)) << record.step;
+}
+
 // optimizer.state_dtype: int8 (block-wise 8-bit Adam moments): the option reaches the optimizer
 // (the weights differ from float32 states' after a few steps, but the loss stays close), and the
 // 8-bit states round-trip through the checkpoint (resume == straight, bitwise).

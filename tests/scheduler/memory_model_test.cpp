@@ -208,6 +208,34 @@ TEST(MemoryModelTest, CpuDeviceBytes_ClonedLayersPerDevicePlusOneStagesActivatio
             all + (64 * 32 + kDecoderParams) * 4 + fused_activations);  // device 2 clones layers 0-1 again
 }
 
+// Adafactor's state (optim::Adafactor, torch.optim.Adafactor): rows + cols floats per matrix
+// (per expert for the experts' 3-dimensional tensors), one per element of a vector.
+TEST(MemoryModelTest, FactoredStateBytes_MatchesHandCount) {
+  // Embeddings 64 + 32, final norm 32, LM head 64 + 32; per layer q 32 + 32, k, v 16 + 32 each,
+  // o 32 + 32, two norms 2 x 32, gate, up, down 64 + 32 each.
+  constexpr int64_t kLayer = 64 + 2 * 48 + 64 + 64 + 3 * 96;  // 576
+  EXPECT_EQ(factored_state_bytes(tiny()), 4 * (96 + 32 + 96 + 2 * kLayer));
+  TransformerShape tied = tiny();
+  tied.tied_embeddings = true;
+  EXPECT_EQ(factored_state_bytes(tied), 4 * (96 + 32 + 2 * kLayer));
+  // LoRA rank 2 on q and v: A [2, 32] and B [32, 2] / [16, 2] per layer; the frozen base has none.
+  TransformerShape lora = tiny();
+  lora.lora_rank = 2;
+  lora.lora_targets = {"q_proj", "v_proj"};
+  EXPECT_EQ(factored_state_bytes(lora), 4 * 2 * ((2 + 32) + (32 + 2) + (2 + 32) + (16 + 2)));
+  // Experts on layer 1: router [4, 32], gate_up 4 x [32, 32], down 4 x [16, 32] or [32, 16].
+  TransformerShape moe = tiny();
+  moe.experts = 4;
+  moe.experts_per_token = 2;
+  moe.moe_intermediate = 16;
+  moe.sparse_layers = {false, true};
+  EXPECT_EQ(factored_state_bytes(moe), 4 * (96 + 32 + 96 + kLayer + (kLayer - 3 * 96) + 36 + 4 * 64 + 4 * 48));
+  HostMemoryOptions o;
+  o.optimizer = OptimizerStateKind::kFactored;
+  o.factored_state_bytes = factored_state_bytes(tiny());
+  EXPECT_EQ(host_memory(ParameterCount{kParams, kParams}, o).optimizer_state, 4 * (224 + 2 * kLayer));
+}
+
 TEST(MemoryModelTest, HostMemory_TermsPerOptimizer) {
   const ParameterCount n{kParams, kParams};
   HostMemoryOptions o;

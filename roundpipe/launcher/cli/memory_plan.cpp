@@ -98,6 +98,8 @@ scheduler::OptimizerStateKind optimizer_kind(const OptimizerSection& o) {
                                                          : scheduler::OptimizerStateKind::kAdamFloat32;
     case OptimizerName::kLion:
       return scheduler::OptimizerStateKind::kOneMasterSized;
+    case OptimizerName::kAdafactor:
+      return scheduler::OptimizerStateKind::kFactored;
     case OptimizerName::kSgd:
       return o.momentum != 0.0 ? scheduler::OptimizerStateKind::kOneMasterSized : scheduler::OptimizerStateKind::kNone;
   }
@@ -122,6 +124,9 @@ scheduler::HostMemory host_of(const LauncherConfig& config, const MemoryPlan& me
   o.compute_bytes = static_cast<int64_t>(c10::elementSize(config.model.dtype));
   o.master_bytes = static_cast<int64_t>(c10::elementSize(config.model.master_dtype));
   o.optimizer = optimizer_kind(config.optimizer);
+  if (o.optimizer == scheduler::OptimizerStateKind::kFactored) {
+    o.factored_state_bytes = scheduler::factored_state_bytes(memory.shape);
+  }
   o.async_step = config.run.step_mode == StepMode::kAsync;
   if (memory.cpu_devices) {
     o.cpu_device_bytes =

@@ -18,6 +18,7 @@
 
 #include "amp/grad_scaler.h"
 #include "base/logging.h"
+#include "optim/adafactor.h"
 #include "optim/adam.h"
 #include "optim/lion.h"
 #include "roundpipe/launcher/atomic_file.h"
@@ -43,6 +44,10 @@ std::unique_ptr<torch::optim::Optimizer> make_optimizer(RoundPipe& model, const 
   if (o.name == OptimizerName::kSgd) {
     return std::make_unique<torch::optim::SGD>(
         model.parameters(), torch::optim::SGDOptions(o.lr).momentum(o.momentum).weight_decay(o.weight_decay));
+  }
+  if (o.name == OptimizerName::kAdafactor) {
+    return std::make_unique<optim::Adafactor>(model.parameters(),
+                                              optim::AdafactorOptions(o.lr).weight_decay(o.weight_decay));
   }
   if (o.name == OptimizerName::kLion) {
     return std::make_unique<optim::Lion>(

@@ -286,14 +286,19 @@ std::vector<KeySpec> build_schema() {
 
   // ---- optimizer ----
   t.push_back(Key("optimizer", KeyKind::kSection, "{}", "The optimizer (runs on master weights).").section());
-  t.push_back(Key("optimizer.name", KeyKind::kChoice, "adamw",
-                  "`adamw` (decoupled weight decay), `adam` (L2 weight decay), `sgd`, or `lion` "
-                  "(sign updates, one state tensor: 4 B/param less host memory than Adam; its lr is "
-                  "usually 3-10x smaller and its weight_decay 3-10x larger than AdamW's).")
-                  .one_of({"adamw", "adam", "sgd", "lion"})
-                  .enum_field([](C& c) -> OptimizerName& { return c.optimizer.name; },
-                              std::vector<OptimizerName>{OptimizerName::kAdamW, OptimizerName::kAdam,
-                                                         OptimizerName::kSgd, OptimizerName::kLion}));
+  t.push_back(
+      Key("optimizer.name", KeyKind::kChoice, "adamw",
+          "`adamw` (decoupled weight decay), `adam` (L2 weight decay), `sgd`, `lion` "
+          "(sign updates, one state tensor: 4 B/param less host memory than Adam; its lr is "
+          "usually 3-10x smaller and its weight_decay 3-10x larger than AdamW's), or "
+          "`adafactor` (torch.optim.Adafactor's update with its defaults besides lr and "
+          "weight_decay: a factored second moment, (rows + cols) x 4 B per matrix; its "
+          "relative step is min(lr, 1/sqrt(step)) scaled by each parameter's RMS, torch's "
+          "default lr is 1.0e-2).")
+          .one_of({"adamw", "adam", "sgd", "lion", "adafactor"})
+          .enum_field([](C& c) -> OptimizerName& { return c.optimizer.name; },
+                      std::vector<OptimizerName>{OptimizerName::kAdamW, OptimizerName::kAdam, OptimizerName::kSgd,
+                                                 OptimizerName::kLion, OptimizerName::kAdafactor}));
   t.push_back(Key("optimizer.lr", KeyKind::kFloat, "3.0e-4", "Peak learning rate (after warmup).")
                   .range(gt(0))
                   .field([](C& c) -> double& { return c.optimizer.lr; }));
@@ -305,10 +310,10 @@ std::vector<KeySpec> build_schema() {
   t.push_back(Key("optimizer.eps", KeyKind::kFloat, "1.0e-8", "Adam(W) denominator epsilon.")
                   .range(gt(0))
                   .field([](C& c) -> double& { return c.optimizer.eps; }));
-  t.push_back(
-      Key("optimizer.weight_decay", KeyKind::kFloat, "0.0", "Weight decay coefficient (decoupled for adamw and lion).")
-          .range(ge(0))
-          .field([](C& c) -> double& { return c.optimizer.weight_decay; }));
+  t.push_back(Key("optimizer.weight_decay", KeyKind::kFloat, "0.0",
+                  "Weight decay coefficient (decoupled for adamw, lion and adafactor).")
+                  .range(ge(0))
+                  .field([](C& c) -> double& { return c.optimizer.weight_decay; }));
   t.push_back(Key("optimizer.momentum", KeyKind::kFloat, "0.0", "SGD momentum (sgd only).")
                   .range(in_co(0, 1))
                   .field([](C& c) -> double& { return c.optimizer.momentum; }));
