@@ -18,14 +18,14 @@
 // (docs/optimizer.md, "Adafactor").
 // The time per implementation is the median of --reps steps after one warm-up step; elements/s
 // (G elem/s) = parameters updated per second.
-#include "optim/adafactor.h"
-#include "optim/adam.h"
-#include "optim/lion.h"
-#include "optim/detail/parallel_tasks.h"
-
 #include <ATen/Parallel.h>
 #include <ATen/ops/_fused_adam.h>
 #include <torch/torch.h>
+
+#include "optim/adafactor.h"
+#include "optim/adam.h"
+#include "optim/detail/parallel_tasks.h"
+#include "optim/lion.h"
 
 #if defined(__SSE2__)
 #include <immintrin.h>
@@ -112,8 +112,8 @@ int main(int argc, char** argv) {
     }
   }
   torch::NoGradGuard no_grad;
-  std::printf("%-8s %-7s %-32s %10s %9s %10s %12s\n", "params", "threads", "implementation", "ms/step",
-              "GB/s", "G elem/s", "t / t_ours");
+  std::printf("%-8s %-7s %-32s %10s %9s %10s %12s\n", "params", "threads", "implementation", "ms/step", "GB/s",
+              "G elem/s", "t / t_ours");
   for (int64_t size_m : sizes_m) {
     const int64_t n = size_m << 20;
     torch::manual_seed(0);
@@ -133,16 +133,16 @@ int main(int argc, char** argv) {
         float* a = p.data_ptr<float>();
         const float* b = m.data_ptr<float>();
         const float* c = v.data_ptr<float>();
-        rows.push_back({"triad a=b+s*c (12 B/elem)", median_seconds(reps, [&] { triad(a, b, c, 1e-9f, n); }),
-                        12.0 * n});
+        rows.push_back(
+            {"triad a=b+s*c (12 B/elem)", median_seconds(reps, [&] { triad(a, b, c, 1e-9f, n); }), 12.0 * n});
       }
       {
         auto param = p.clone();
         param.mutable_grad() = g;
         roundpipe::optim::Adam opt({param}, roundpipe::optim::AdamOptions(1e-3));
         opt.set_kernel_isa(isa);
-        rows.push_back({std::string("roundpipe Adam (") + roundpipe::optim::cpu_isa_name(opt.kernel_isa()) + ")", median_seconds(reps, [&] { opt.step(); }),
-                        adam_bytes});
+        rows.push_back({std::string("roundpipe Adam (") + roundpipe::optim::cpu_isa_name(opt.kernel_isa()) + ")",
+                        median_seconds(reps, [&] { opt.step(); }), adam_bytes});
       }
       {
         auto param = p.clone();
@@ -155,8 +155,8 @@ int main(int argc, char** argv) {
       {
         auto param = p.clone();
         param.mutable_grad() = g;
-        roundpipe::optim::Adam opt(
-            {param}, roundpipe::optim::AdamOptions(1e-3).weight_decay(0.01).decoupled_weight_decay(true));
+        roundpipe::optim::Adam opt({param},
+                                   roundpipe::optim::AdamOptions(1e-3).weight_decay(0.01).decoupled_weight_decay(true));
         opt.set_kernel_isa(isa);
         rows.push_back({"roundpipe AdamW", median_seconds(reps, [&] { opt.step(); }), adam_bytes});
       }
@@ -177,16 +177,15 @@ int main(int argc, char** argv) {
         opt.set_kernel_isa(isa);
         rows.push_back({"roundpipe Adam, 8-bit states", median_seconds(reps, [&] { opt.step(); }), int8_bytes});
         param.mutable_grad() = g.to(torch::kBFloat16);
-        rows.push_back({"bf16 g: roundpipe Adam, 8-bit", median_seconds(reps, [&] { opt.step(); }),
-                        int8_bytes - 2.0 * n});
+        rows.push_back(
+            {"bf16 g: roundpipe Adam, 8-bit", median_seconds(reps, [&] { opt.step(); }), int8_bytes - 2.0 * n});
       }
       {
         auto param = p.clone();
         param.mutable_grad() = g;
-        roundpipe::optim::Adam opt({param}, roundpipe::optim::AdamOptions(1e-3)
-                                                .weight_decay(0.01)
-                                                .decoupled_weight_decay(true)
-                                                .state_dtype(roundpipe::optim::AdamStateDtype::kInt8));
+        roundpipe::optim::Adam opt(
+            {param}, roundpipe::optim::AdamOptions(1e-3).weight_decay(0.01).decoupled_weight_decay(true).state_dtype(
+                         roundpipe::optim::AdamStateDtype::kInt8));
         opt.set_kernel_isa(isa);
         rows.push_back({"roundpipe AdamW, 8-bit states", median_seconds(reps, [&] { opt.step(); }), int8_bytes});
       }
@@ -208,10 +207,12 @@ int main(int argc, char** argv) {
         auto param = p.clone();
         auto m = torch::zeros({n}), v = torch::zeros({n});
         auto step = torch::zeros({}, torch::kFloat);
-        rows.push_back({"at::_fused_adam_", median_seconds(reps, [&] {
-                          at::_fused_adam_({param}, {g}, {m}, {v}, {}, {step}, 1e-3, 0.9, 0.999, 0, 1e-8,
-                                           false, false);
-                        }),
+        rows.push_back({"at::_fused_adam_",
+                        median_seconds(reps,
+                                       [&] {
+                                         at::_fused_adam_({param}, {g}, {m}, {v}, {}, {step}, 1e-3, 0.9, 0.999, 0, 1e-8,
+                                                          false, false);
+                                       }),
                         adam_bytes});
       }
       // Gradients arriving in bf16 (RoundPipe's bf16 compute copies): read directly by our kernel
@@ -231,10 +232,12 @@ int main(int argc, char** argv) {
         param.mutable_grad() = buffer;
         roundpipe::optim::Adam opt({param}, roundpipe::optim::AdamOptions(1e-3));
         opt.set_kernel_isa(isa);
-        rows.push_back({"bf16 g: cast + roundpipe", median_seconds(reps, [&] {
-                          buffer.copy_(g16);
-                          opt.step();
-                        }),
+        rows.push_back({"bf16 g: cast + roundpipe",
+                        median_seconds(reps,
+                                       [&] {
+                                         buffer.copy_(g16);
+                                         opt.step();
+                                       }),
                         34.0 * n});
       }
       {
@@ -242,11 +245,13 @@ int main(int argc, char** argv) {
         auto m = torch::zeros({n}), v = torch::zeros({n});
         auto step = torch::zeros({}, torch::kFloat);
         auto buffer = torch::empty({n});
-        rows.push_back({"bf16 g: cast + fused_adam_", median_seconds(reps, [&] {
-                          buffer.copy_(g16);
-                          at::_fused_adam_({param}, {buffer}, {m}, {v}, {}, {step}, 1e-3, 0.9, 0.999, 0, 1e-8,
-                                           false, false);
-                        }),
+        rows.push_back({"bf16 g: cast + fused_adam_",
+                        median_seconds(reps,
+                                       [&] {
+                                         buffer.copy_(g16);
+                                         at::_fused_adam_({param}, {buffer}, {m}, {v}, {}, {step}, 1e-3, 0.9, 0.999, 0,
+                                                          1e-8, false, false);
+                                       }),
                         34.0 * n});
       }
       {
@@ -264,8 +269,8 @@ int main(int argc, char** argv) {
       const double ours = rows[1].seconds;
       for (const auto& row : rows) {
         std::printf("%-8s %-7lld %-32s %10.2f %9.2f %10.3f %11.2fx\n", (std::to_string(size_m) + "M").c_str(),
-                    static_cast<long long>(t), row.name.c_str(), row.seconds * 1e3,
-                    row.bytes / row.seconds / 1e9, n / row.seconds / 1e9, row.seconds / ours);
+                    static_cast<long long>(t), row.name.c_str(), row.seconds * 1e3, row.bytes / row.seconds / 1e9,
+                    n / row.seconds / 1e9, row.seconds / ours);
       }
       const auto time_of = [&](const std::string& name) {
         for (const auto& row : rows) {
@@ -276,9 +281,10 @@ int main(int argc, char** argv) {
       std::printf("%-8s %-7lld bf16 gradients: cast + at::_fused_adam_ takes %.2fx the time of our direct read\n", "",
                   static_cast<long long>(t), time_of("bf16 g: cast + fused_adam_") / time_of("bf16 g: roundpipe Adam"));
       const double triad_gbs = rows[0].bytes / rows[0].seconds;
-      std::printf("%-8s %-7lld ours / triad bandwidth: %.0f%% (%.0f%% counting the triad's write-allocate, 16 B/elem)\n",
-                  "", static_cast<long long>(t), 100.0 * (adam_bytes / ours) / triad_gbs,
-                  100.0 * (adam_bytes / ours) / (triad_gbs * 16.0 / 12.0));
+      std::printf(
+          "%-8s %-7lld ours / triad bandwidth: %.0f%% (%.0f%% counting the triad's write-allocate, 16 B/elem)\n", "",
+          static_cast<long long>(t), 100.0 * (adam_bytes / ours) / triad_gbs,
+          100.0 * (adam_bytes / ours) / (triad_gbs * 16.0 / 12.0));
       std::fflush(stdout);
     }
   }

@@ -1,16 +1,16 @@
 #include "optim/adam.h"
 
-#include "optim/detail/adam_kernel.h"
-#include "optim/detail/parallel_tasks.h"
-#include "optim/detail/step_inputs.h"
-#include "base/logging.h"
-
 #include <c10/util/irange.h>
 #include <torch/optim/serialize.h>
 #include <torch/serialize/archive.h>
 
 #include <algorithm>
 #include <cmath>
+
+#include "base/logging.h"
+#include "optim/detail/adam_kernel.h"
+#include "optim/detail/parallel_tasks.h"
+#include "optim/detail/step_inputs.h"
 
 namespace roundpipe::optim {
 
@@ -22,17 +22,15 @@ constexpr const char* kWho = "roundpipe::optim::Adam";
 constexpr int64_t kStreamingMinElements = int64_t{1} << 20;
 
 void check_options(const AdamOptions& o, const std::string& where) {
-  TORCH_CHECK(o.lr() >= 0, "roundpipe::optim::Adam: invalid learning rate lr=", o.lr(), " in ",
-              where, "; use lr >= 0");
-  TORCH_CHECK(o.eps() >= 0, "roundpipe::optim::Adam: invalid epsilon eps=", o.eps(), " in ",
-              where, "; use eps >= 0");
+  TORCH_CHECK(o.lr() >= 0, "roundpipe::optim::Adam: invalid learning rate lr=", o.lr(), " in ", where, "; use lr >= 0");
+  TORCH_CHECK(o.eps() >= 0, "roundpipe::optim::Adam: invalid epsilon eps=", o.eps(), " in ", where, "; use eps >= 0");
   const auto [beta1, beta2] = o.betas();
-  TORCH_CHECK(0 <= beta1 && beta1 < 1.0, "roundpipe::optim::Adam: invalid beta parameter at index 0: ",
-              beta1, " in ", where, "; betas must lie in [0, 1)");
-  TORCH_CHECK(0 <= beta2 && beta2 < 1.0, "roundpipe::optim::Adam: invalid beta parameter at index 1: ",
-              beta2, " in ", where, "; betas must lie in [0, 1)");
-  TORCH_CHECK(o.weight_decay() >= 0, "roundpipe::optim::Adam: invalid weight_decay=", o.weight_decay(),
-              " in ", where, "; use weight_decay >= 0");
+  TORCH_CHECK(0 <= beta1 && beta1 < 1.0, "roundpipe::optim::Adam: invalid beta parameter at index 0: ", beta1, " in ",
+              where, "; betas must lie in [0, 1)");
+  TORCH_CHECK(0 <= beta2 && beta2 < 1.0, "roundpipe::optim::Adam: invalid beta parameter at index 1: ", beta2, " in ",
+              where, "; betas must lie in [0, 1)");
+  TORCH_CHECK(o.weight_decay() >= 0, "roundpipe::optim::Adam: invalid weight_decay=", o.weight_decay(), " in ", where,
+              "; use weight_decay >= 0");
   TORCH_CHECK(o.state_dtype() == AdamStateDtype::kFloat32 || o.state_dtype() == AdamStateDtype::kInt8,
               "roundpipe::optim::Adam: invalid state_dtype=", static_cast<int>(o.state_dtype()), " in ", where,
               "; use AdamStateDtype::kFloat32 or kInt8");
@@ -73,8 +71,9 @@ torch::Tensor quantized_buffer(torch::Tensor t, const torch::Tensor& p, const ch
   }
   const bool fits = absmax ? t.dim() == 1 && t.numel() == num_blocks(p) : t.sizes() == p.sizes();
   TORCH_CHECK(fits, kWho, ": state '", name, "' has shape ", t.sizes(), " but a parameter of shape ", p.sizes(),
-              " needs ", (absmax ? "one float32 per " + std::to_string(kQuantBlockSize) + " elements" :
-                                   std::string("a uint8 code per element")),
+              " needs ",
+              (absmax ? "one float32 per " + std::to_string(kQuantBlockSize) + " elements"
+                      : std::string("a uint8 code per element")),
               "; the loaded state dict does not match the parameters");
   if (!t.is_contiguous() || !t.device().is_cpu()) {
     t = t.to(torch::kCPU).contiguous();
@@ -83,8 +82,7 @@ torch::Tensor quantized_buffer(torch::Tensor t, const torch::Tensor& p, const ch
 }
 
 // Creates (first step) or checks `state`'s moments and points `job` at them: float32 or 8-bit.
-void bind_moments(AdamParamState& state, const torch::Tensor& p, const AdamOptions& options,
-                  detail::AdamTensor& job) {
+void bind_moments(AdamParamState& state, const torch::Tensor& p, const AdamOptions& options, detail::AdamTensor& job) {
   if (!uses_8bit_states(options, p)) {
     // float32 moments also for bf16 masters (Note [Kahan-compensated bf16 masters]).
     const auto moment = torch::TensorOptions().dtype(torch::kFloat);
@@ -146,11 +144,11 @@ void bind_param(AdamParamState& state, const torch::Tensor& p, detail::AdamTenso
   }
   torch::Tensor c = state.kahan_compensation();
   TORCH_CHECK(c.defined(), kWho, ": state 'kahan_compensation' is missing for a bfloat16 parameter of shape ",
-              p.sizes(), " at step ", state.step(), "; the loaded state dict does not match this optimizer (it was "
+              p.sizes(), " at step ", state.step(),
+              "; the loaded state dict does not match this optimizer (it was "
               "saved from float32 parameters or without AdamOptions::kahan_sum)");
-  TORCH_CHECK(c.scalar_type() == torch::kBFloat16 && c.sizes() == p.sizes(), kWho,
-              ": state 'kahan_compensation' is ", c.toString(), " of shape ", c.sizes(),
-              " but a bfloat16 parameter of shape ", p.sizes(),
+  TORCH_CHECK(c.scalar_type() == torch::kBFloat16 && c.sizes() == p.sizes(), kWho, ": state 'kahan_compensation' is ",
+              c.toString(), " of shape ", c.sizes(), " but a bfloat16 parameter of shape ", p.sizes(),
               " needs bfloat16 of its shape; the loaded state dict does not match the parameters");
   if (!c.is_contiguous() || !c.device().is_cpu()) {
     c = c.to(torch::kCPU).contiguous();
@@ -169,9 +167,8 @@ AdamOptions::AdamOptions(double lr) : lr_(lr) {}
 bool operator==(const AdamOptions& lhs, const AdamOptions& rhs) {
   return lhs.lr() == rhs.lr() && lhs.betas() == rhs.betas() && lhs.eps() == rhs.eps() &&
          lhs.weight_decay() == rhs.weight_decay() && lhs.amsgrad() == rhs.amsgrad() &&
-         lhs.maximize() == rhs.maximize() &&
-         lhs.decoupled_weight_decay() == rhs.decoupled_weight_decay() && lhs.state_dtype() == rhs.state_dtype() &&
-         lhs.kahan_sum() == rhs.kahan_sum();
+         lhs.maximize() == rhs.maximize() && lhs.decoupled_weight_decay() == rhs.decoupled_weight_decay() &&
+         lhs.state_dtype() == rhs.state_dtype() && lhs.kahan_sum() == rhs.kahan_sum();
 }
 
 void AdamOptions::serialize(torch::serialize::OutputArchive& archive) const {
@@ -220,9 +217,9 @@ bool operator==(const AdamParamState& lhs, const AdamParamState& rhs) {
   auto same = [](const torch::Tensor& a, const torch::Tensor& b) {
     return a.defined() == b.defined() && (!a.defined() || torch::equal(a, b));
   };
-  return lhs.step() == rhs.step() && same(lhs.exp_avg(), rhs.exp_avg()) &&
-         same(lhs.exp_avg_sq(), rhs.exp_avg_sq()) && same(lhs.max_exp_avg_sq(), rhs.max_exp_avg_sq()) &&
-         same(lhs.exp_avg_absmax(), rhs.exp_avg_absmax()) && same(lhs.exp_avg_sq_absmax(), rhs.exp_avg_sq_absmax()) &&
+  return lhs.step() == rhs.step() && same(lhs.exp_avg(), rhs.exp_avg()) && same(lhs.exp_avg_sq(), rhs.exp_avg_sq()) &&
+         same(lhs.max_exp_avg_sq(), rhs.max_exp_avg_sq()) && same(lhs.exp_avg_absmax(), rhs.exp_avg_absmax()) &&
+         same(lhs.exp_avg_sq_absmax(), rhs.exp_avg_sq_absmax()) &&
          same(lhs.kahan_compensation(), rhs.kahan_compensation());
 }
 
@@ -249,8 +246,7 @@ void AdamParamState::serialize(torch::serialize::InputArchive& archive) {
 // ---- Adam ----------------------------------------------------------------------------------------
 
 Adam::Adam(const std::vector<torch::optim::OptimizerParamGroup>& param_groups, AdamOptions defaults)
-    : Optimizer(param_groups, std::make_unique<AdamOptions>(defaults)),
-      isa_(best_cpu_isa()) {
+    : Optimizer(param_groups, std::make_unique<AdamOptions>(defaults)), isa_(best_cpu_isa()) {
   check_options(defaults, "the default options");
   for (const auto g : c10::irange(param_groups_.size())) {
     const auto& options = static_cast<const AdamOptions&>(param_groups_[g].options());
@@ -259,13 +255,12 @@ Adam::Adam(const std::vector<torch::optim::OptimizerParamGroup>& param_groups, A
       check_param(p, options);
     }
   }
-  ROUNDPIPE_LOG(Logger::get("optim"), kDebug, "Adam: ", param_groups_.size(),
-                " param group(s), kernel ", cpu_isa_name(isa_));
+  ROUNDPIPE_LOG(Logger::get("optim"), kDebug, "Adam: ", param_groups_.size(), " param group(s), kernel ",
+                cpu_isa_name(isa_));
 }
 
 Adam::Adam(std::vector<torch::Tensor> params, AdamOptions defaults)
-    : Adam(std::vector<torch::optim::OptimizerParamGroup>{
-               torch::optim::OptimizerParamGroup(std::move(params))},
+    : Adam(std::vector<torch::optim::OptimizerParamGroup>{torch::optim::OptimizerParamGroup(std::move(params))},
            std::move(defaults)) {}
 
 void Adam::check_param(const torch::Tensor& p, const AdamOptions& options) const {
@@ -288,8 +283,10 @@ void Adam::set_num_threads(int64_t num_threads) {
 void Adam::set_streaming_stores(bool enabled) { streaming_stores_ = enabled; }
 
 void Adam::set_kernel_isa(CpuIsa isa) {
-  TORCH_CHECK(cpu_supports(isa), "roundpipe::optim::Adam::set_kernel_isa: this CPU (or build) does not "
-              "support '", cpu_isa_name(isa), "'; use best_cpu_isa()");
+  TORCH_CHECK(cpu_supports(isa),
+              "roundpipe::optim::Adam::set_kernel_isa: this CPU (or build) does not "
+              "support '",
+              cpu_isa_name(isa), "'; use best_cpu_isa()");
   isa_ = isa;
 }
 
@@ -301,8 +298,8 @@ void Adam::set_compute_copy(const torch::Tensor& param, torch::Tensor copy) {
       found = found || p.unsafeGetTensorImpl() == param.unsafeGetTensorImpl();
     }
   }
-  TORCH_CHECK(found, "roundpipe::optim::Adam::set_compute_copy: the parameter of shape ",
-              param.sizes(), " is not one of this optimizer's parameters");
+  TORCH_CHECK(found, "roundpipe::optim::Adam::set_compute_copy: the parameter of shape ", param.sizes(),
+              " is not one of this optimizer's parameters");
   TORCH_CHECK(param.scalar_type() != torch::kBFloat16 || !copy.defined(),
               "roundpipe::optim::Adam::set_compute_copy: the parameter of shape ", param.sizes(),
               " is a bfloat16 master (AdamOptions::kahan_sum), which is its own compute copy; use the parameter "
@@ -315,9 +312,10 @@ void Adam::set_compute_copy(const torch::Tensor& param, torch::Tensor copy) {
   TORCH_CHECK(copy.device().is_cpu() && copy.is_contiguous() && copy.layout() == torch::kStrided &&
                   (dtype == torch::kFloat || dtype == torch::kHalf || dtype == torch::kBFloat16),
               "roundpipe::optim::Adam::set_compute_copy: the copy must be a contiguous CPU tensor of "
-              "dtype float32, float16 or bfloat16, got ", copy.toString(), " on ", copy.device());
-  TORCH_CHECK(copy.sizes() == param.sizes(), "roundpipe::optim::Adam::set_compute_copy: copy has shape ",
-              copy.sizes(), " but the parameter has shape ", param.sizes());
+              "dtype float32, float16 or bfloat16, got ",
+              copy.toString(), " on ", copy.device());
+  TORCH_CHECK(copy.sizes() == param.sizes(), "roundpipe::optim::Adam::set_compute_copy: copy has shape ", copy.sizes(),
+              " but the parameter has shape ", param.sizes());
   compute_copies_[param.unsafeGetTensorImpl()] = std::move(copy);
 }
 
@@ -381,9 +379,10 @@ torch::Tensor Adam::step(LossClosure closure) {
       auto copy = compute_copies_.find(p.unsafeGetTensorImpl());
       if (copy != compute_copies_.end()) {
         const torch::Tensor& c = copy->second;
-        TORCH_CHECK(c.sizes() == p.sizes() && c.is_contiguous(), "roundpipe::optim::Adam: the "
-                    "compute copy of a parameter of shape ", p.sizes(), " changed shape or layout to ",
-                    c.sizes(), "; register it again with set_compute_copy");
+        TORCH_CHECK(c.sizes() == p.sizes() && c.is_contiguous(),
+                    "roundpipe::optim::Adam: the "
+                    "compute copy of a parameter of shape ",
+                    p.sizes(), " changed shape or layout to ", c.sizes(), "; register it again with set_compute_copy");
         job.copy = c.data_ptr();
         job.copy_dtype = c.scalar_type() == torch::kFloat  ? detail::CopyDtype::kFloat
                          : c.scalar_type() == torch::kHalf ? detail::CopyDtype::kHalf
@@ -400,8 +399,7 @@ torch::Tensor Adam::step(LossClosure closure) {
 
   // Split the concatenation of all parameters into equal contiguous element ranges, one thread
   // each (Note [Why not at::parallel_for]).
-  last_step_threads_ =
-      detail::run_split_jobs(jobs, num_threads_, detail::adam_update_fn(isa_));
+  last_step_threads_ = detail::run_split_jobs(jobs, num_threads_, detail::adam_update_fn(isa_));
   return loss;
 }
 
@@ -440,7 +438,8 @@ void Adam::load(torch::serialize::InputArchive& archive) {
       restore();
       TORCH_CHECK(false, "roundpipe::optim::Adam::load: param group ", g, " of the archive has kahan_sum ",
                   loaded_options.kahan_sum() ? "true" : "false", " but this optimizer's group ", g, " has kahan_sum ",
-                  wanted_options.kahan_sum() ? "true" : "false", "; construct the optimizer with AdamOptions().kahan_sum(",
+                  wanted_options.kahan_sum() ? "true" : "false",
+                  "; construct the optimizer with AdamOptions().kahan_sum(",
                   loaded_options.kahan_sum() ? "true" : "false",
                   ") (and parameters of the dtype it was saved with) to resume from this archive (the optimizer was "
                   "left unchanged)");

@@ -4,9 +4,6 @@
 // optimizer thread and can write the fp16/bf16 compute copy of each parameter in the same pass.
 #pragma once
 
-#include "optim/cpu_isa.h"
-#include "optim/quantized_state.h"
-
 #include <torch/arg.h>
 #include <torch/optim/optimizer.h>
 
@@ -15,6 +12,9 @@
 #include <tuple>
 #include <unordered_map>
 #include <vector>
+
+#include "optim/cpu_isa.h"
+#include "optim/quantized_state.h"
 
 namespace torch::serialize {
 class OutputArchive;
@@ -140,8 +140,7 @@ class Adam : public torch::optim::Optimizer {
  public:
   /// Throws c10::Error for invalid options or parameters that are not contiguous fp32 CPU tensors
   /// (or bf16 ones in a group with kahan_sum).
-  explicit Adam(const std::vector<torch::optim::OptimizerParamGroup>& param_groups,
-                AdamOptions defaults = {});
+  explicit Adam(const std::vector<torch::optim::OptimizerParamGroup>& param_groups, AdamOptions defaults = {});
   explicit Adam(std::vector<torch::Tensor> params, AdamOptions defaults = {});
 
   /// Runs `closure` (if given) with grad mode on, then updates every parameter that has a

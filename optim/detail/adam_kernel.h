@@ -26,14 +26,14 @@ enum class GradDtype { kFloat, kHalf, kBFloat16 };
 /// Per-tensor scalars, precomputed in double and rounded to float the way PyTorch's
 /// `_single_tensor_adam` hands Python floats to its float kernels.
 struct AdamScalars {
-  float lerp_weight = 0;     ///< (float)(1 - beta1), torch's lerp_ weight.
-  float beta2 = 0;           ///< exp_avg_sq *= beta2
-  float one_minus_beta2 = 0; ///< exp_avg_sq += (1 - beta2) * g * g
-  float neg_step_size = 0;   ///< -(lr / (1 - beta1^step))
+  float lerp_weight = 0;            ///< (float)(1 - beta1), torch's lerp_ weight.
+  float beta2 = 0;                  ///< exp_avg_sq *= beta2
+  float one_minus_beta2 = 0;        ///< exp_avg_sq += (1 - beta2) * g * g
+  float neg_step_size = 0;          ///< -(lr / (1 - beta1^step))
   float bias_correction2_sqrt = 1;  ///< sqrt(1 - beta2^step)
   float eps = 0;
-  float weight_decay = 0;    ///< L2 term added to the gradient (used when !decoupled)
-  float decay_factor = 1;    ///< 1 - lr * weight_decay (used when decoupled)
+  float weight_decay = 0;  ///< L2 term added to the gradient (used when !decoupled)
+  float decay_factor = 1;  ///< 1 - lr * weight_decay (used when decoupled)
   bool has_weight_decay = false;
   bool decoupled = false;
   bool amsgrad = false;
@@ -43,7 +43,7 @@ struct AdamScalars {
 /// Block-wise 8-bit moments (Note [8-bit Adam states] in adam_kernel_impl.h): codes of
 /// `numel` elements, one absmax per kQuantBlock elements (the last block may be shorter).
 struct QuantizedMoments {
-  uint8_t* exp_avg_codes = nullptr;     ///< signed dynamic map
+  uint8_t* exp_avg_codes = nullptr;  ///< signed dynamic map
   float* exp_avg_absmax = nullptr;
   uint8_t* exp_avg_sq_codes = nullptr;  ///< unsigned dynamic map
   float* exp_avg_sq_absmax = nullptr;
@@ -60,7 +60,7 @@ struct AdamTensor {
   float* param = nullptr;
   uint16_t* param_bf16 = nullptr;    ///< bf16 bits of the master; null for a float32 master
   uint16_t* compensation = nullptr;  ///< bf16 bits of the Kahan compensation; with param_bf16
-  const void* grad = nullptr;  ///< `numel` elements of `grad_dtype`
+  const void* grad = nullptr;        ///< `numel` elements of `grad_dtype`
   GradDtype grad_dtype = GradDtype::kFloat;
   float* exp_avg = nullptr;
   float* exp_avg_sq = nullptr;

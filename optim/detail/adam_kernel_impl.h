@@ -55,12 +55,12 @@
 #error "define ROUNDPIPE_ADAM_ISA before including adam_kernel_impl.h"
 #endif
 
-#include "optim/detail/adam_kernel.h"
-
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+
+#include "optim/detail/adam_kernel.h"
 
 namespace roundpipe::optim::detail::ROUNDPIPE_ADAM_ISA {
 
@@ -117,9 +117,8 @@ inline float grad_element(const AdamTensor& t, int64_t i) {
 /// One element of Note [Adam element order], scalar. `lerp_coeff`/`lerp_from_grad` come from
 /// ATen's lerp: weight < 0.5 ? m + w*(g-m) : g + (w-1)*(g-m).
 template <typename V>
-inline void adam_element(const AdamTensor& t, int64_t i, float lerp_coeff, bool lerp_from_grad,
-                         float beta2, float one_minus_beta2, float neg_step, float bc2_sqrt,
-                         float eps) {
+inline void adam_element(const AdamTensor& t, int64_t i, float lerp_coeff, bool lerp_from_grad, float beta2,
+                         float one_minus_beta2, float neg_step, float bc2_sqrt, float eps) {
   const AdamScalars& s = t.scalars;
   float g = grad_element<V>(t, i);
   if (s.maximize) {
@@ -183,8 +182,7 @@ inline typename V::reg load_grad(const AdamTensor& t, int64_t i) {
 
 /// The vector part of `adam_update`: whole vectors from `i` on; returns where it stopped.
 template <typename V, bool kStream, GradDtype G>
-int64_t adam_vector_loop(const AdamTensor& t, int64_t i, int64_t end, float lerp_coeff,
-                         bool lerp_from_grad) {
+int64_t adam_vector_loop(const AdamTensor& t, int64_t i, int64_t end, float lerp_coeff, bool lerp_from_grad) {
   const AdamScalars& s = t.scalars;
   using reg = typename V::reg;
   const auto put = [](float* dst, reg x) {
@@ -254,8 +252,7 @@ int64_t adam_vector_loop(const AdamTensor& t, int64_t i, int64_t end, float lerp
 
 /// The vector loop for the gradient dtype of `t`.
 template <typename V, bool kStream>
-int64_t adam_vector_loop_any(const AdamTensor& t, int64_t i, int64_t end, float lerp_coeff,
-                             bool lerp_from_grad) {
+int64_t adam_vector_loop_any(const AdamTensor& t, int64_t i, int64_t end, float lerp_coeff, bool lerp_from_grad) {
   switch (t.grad_dtype) {
     case GradDtype::kHalf:
       return adam_vector_loop<V, kStream, GradDtype::kHalf>(t, i, end, lerp_coeff, lerp_from_grad);
@@ -287,8 +284,8 @@ void adam_update_fp32(const AdamTensor& t, int64_t begin, int64_t end) {
         return other == nullptr ||
                (reinterpret_cast<uintptr_t>(other) - reinterpret_cast<uintptr_t>(t.param)) % V::kAlignBytes == 0;
       };
-      stream = reinterpret_cast<uintptr_t>(t.param) % sizeof(float) == 0 && apart(t.exp_avg) &&
-               apart(t.exp_avg_sq) && apart(t.max_exp_avg_sq);
+      stream = reinterpret_cast<uintptr_t>(t.param) % sizeof(float) == 0 && apart(t.exp_avg) && apart(t.exp_avg_sq) &&
+               apart(t.max_exp_avg_sq);
       for (; stream && i < end && reinterpret_cast<uintptr_t>(t.param + i) % V::kAlignBytes != 0; ++i) {
         adam_element<V>(t, i, lerp_coeff, lerp_from_grad, s.beta2, s.one_minus_beta2, s.neg_step_size,
                         s.bias_correction2_sqrt, s.eps);

@@ -8,7 +8,8 @@ void check_master_param(const at::Tensor& p, const char* who) {
   TORCH_CHECK(p.defined(), who, ": got an undefined parameter tensor");
   TORCH_CHECK(p.device().is_cpu() && p.scalar_type() == at::kFloat && p.layout() == at::kStrided, who,
               ": parameters must be dense float32 CPU tensors, got ", p.toString(), " of shape ", p.sizes(), " on ",
-              p.device(), "; keep fp32 master weights on the CPU (RoundPipeOptions().optim_dtype(torch::kFloat)) "
+              p.device(),
+              "; keep fp32 master weights on the CPU (RoundPipeOptions().optim_dtype(torch::kFloat)) "
               "or use torch::optim's optimizers");
   TORCH_CHECK(p.is_contiguous(), who, ": parameter of shape ", p.sizes(),
               " is not contiguous; pass contiguous parameters (e.g. leaf tensors made with .contiguous())");
@@ -30,7 +31,8 @@ at::Tensor step_grad(const at::Tensor& p, const char* who, std::vector<at::Tenso
                   grad.sizes() == p.sizes(),
               who, ": the gradient of a parameter of shape ", p.sizes(),
               " must be a float32, float16 or bfloat16 CPU tensor of the same shape, got ", grad.toString(),
-              " of shape ", grad.sizes(), " on ", grad.device(), "; convert gradients to the master dtype before step()");
+              " of shape ", grad.sizes(), " on ", grad.device(),
+              "; convert gradients to the master dtype before step()");
   if (!grad.is_contiguous()) {
     grad = grad.contiguous();
     keep_alive.push_back(grad);

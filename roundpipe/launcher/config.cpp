@@ -61,8 +61,8 @@ const KeySpec* enclosing_free_map(const std::string& path) {
 /// Where keys were written, for error prefixes.
 struct Context {
   std::string source;
-  std::map<std::string, YAML::Mark> marks;        // key path -> its key's position in the file
-  std::map<std::string, std::string> overrides;   // key path -> the override text
+  std::map<std::string, YAML::Mark> marks;       // key path -> its key's position in the file
+  std::map<std::string, std::string> overrides;  // key path -> the override text
 };
 
 std::string location(const Context& ctx, const std::string& path) {
@@ -77,8 +77,7 @@ std::string location(const Context& ctx, const std::string& path) {
     std::string key = p.substr(0, p.find('['));
     auto m = ctx.marks.find(key);
     if (m != ctx.marks.end()) {
-      return ctx.source + ":" + std::to_string(m->second.line + 1) + ":" +
-             std::to_string(m->second.column + 1) + ": ";
+      return ctx.source + ":" + std::to_string(m->second.line + 1) + ":" + std::to_string(m->second.column + 1) + ": ";
     }
   }
   return ctx.source + ": ";
@@ -125,8 +124,7 @@ void check_keys(const YAML::Node& node, const std::string& prefix, Context* ctx)
   for (const auto& kv : node) {
     const std::string shown = detail::show_node(kv.second);
     if (!kv.first.IsScalar()) {
-      config_fail(prefix.empty() ? "<top level>" : prefix, detail::show_node(kv.first),
-                  "keys must be plain names");
+      config_fail(prefix.empty() ? "<top level>" : prefix, detail::show_node(kv.first), "keys must be plain names");
     }
     const std::string path = prefix.empty() ? kv.first.Scalar() : prefix + "." + kv.first.Scalar();
     const size_t dot = kv.first.Scalar().find('.');
@@ -173,8 +171,7 @@ std::optional<YAML::Node> lookup(const YAML::Node& root, const std::string& path
 void apply_override(YAML::Node& root, const std::string& text, Context* ctx) {
   size_t eq = text.find('=');
   if (eq == std::string::npos || eq == 0) {
-    throw ConfigError("override '" + text +
-                      "': write key=value with a dotted key, e.g. optimizer.lr=1e-3");
+    throw ConfigError("override '" + text + "': write key=value with a dotted key, e.g. optimizer.lr=1e-3");
   }
   const std::string path = text.substr(0, eq);
   const std::string value_text = text.substr(eq + 1);
@@ -235,15 +232,19 @@ class ValueParser {
       case KeyKind::kString:
         if (!node_.IsScalar()) wrong_type();
         return node_.Scalar();
-      case KeyKind::kChoice: return parse_choice();
-      case KeyKind::kFloatPair: return parse_float_pair();
+      case KeyKind::kChoice:
+        return parse_choice();
+      case KeyKind::kFloatPair:
+        return parse_float_pair();
       case KeyKind::kStringList: {
         std::vector<std::string> values = scalar_list();
         check_range(static_cast<double>(values.size()), "the length");
         return values;
       }
-      case KeyKind::kDevices: return parse_devices();
-      case KeyKind::kFreeMap: return parse_free_map();
+      case KeyKind::kDevices:
+        return parse_devices();
+      case KeyKind::kFreeMap:
+        return parse_free_map();
     }
     TORCH_INTERNAL_ASSERT(false, "unhandled key kind of ", spec_.path);
   }
@@ -296,9 +297,9 @@ class ValueParser {
       if (choice == s) return s;
     }
     std::string hint = detail::closest_match(s, spec_.choices);
-    config_fail(spec_.path, shown_,
-                "not a valid choice: expected " + spec_.type_name() +
-                    (hint.empty() ? "" : "; did you mean '" + hint + "'?"));
+    config_fail(
+        spec_.path, shown_,
+        "not a valid choice: expected " + spec_.type_name() + (hint.empty() ? "" : "; did you mean '" + hint + "'?"));
   }
 
   Value parse_float_pair() const {
@@ -321,9 +322,9 @@ class ValueParser {
       if (node_.Scalar() == "auto") return Value();
       ResolvedScalar r = detail::resolve_scalar(node_);
       if (r.kind != ResolvedScalar::Kind::kInt) {
-        config_fail(spec_.path, shown_,
-                    "wrong type: expected " + spec_.type_name() +
-                        " (auto, a CPU worker count, or e.g. [cuda:0, cuda:1])");
+        config_fail(
+            spec_.path, shown_,
+            "wrong type: expected " + spec_.type_name() + " (auto, a CPU worker count, or e.g. [cuda:0, cuda:1])");
       }
       // An integer beyond 64 bits resolves to INT64_MAX / INT64_MIN: out of the bounds below.
       check_range(static_cast<double>(r.integer), "the count");
@@ -459,9 +460,7 @@ void emit_section(YAML::Emitter& out, const LauncherConfig& config, const std::s
 
 }  // namespace
 
-LauncherConfig::LauncherConfig() {
-  apply_keys(YAML::Node(YAML::NodeType::Map), *this);
-}
+LauncherConfig::LauncherConfig() { apply_keys(YAML::Node(YAML::NodeType::Map), *this); }
 
 LauncherConfig parse_config(const std::string& yaml_text, const std::vector<std::string>& overrides,
                             const std::string& source) {
@@ -472,8 +471,8 @@ LauncherConfig parse_config(const std::string& yaml_text, const std::vector<std:
     try {
       root = YAML::Load(yaml_text);
     } catch (const YAML::Exception& e) {
-      throw ConfigError(source + ":" + std::to_string(e.mark.line + 1) + ":" +
-                        std::to_string(e.mark.column + 1) + ": YAML syntax error: " + e.msg);
+      throw ConfigError(source + ":" + std::to_string(e.mark.line + 1) + ":" + std::to_string(e.mark.column + 1) +
+                        ": YAML syntax error: " + e.msg);
     }
     if (!root || root.IsNull()) {
       root = YAML::Node(YAML::NodeType::Map);
@@ -500,8 +499,7 @@ LauncherConfig parse_config(const std::string& yaml_text, const std::vector<std:
 
 LauncherConfig load_config(const std::string& path, const std::vector<std::string>& overrides) {
   if (!is_regular_file(path)) {
-    throw ConfigError("config file '" + path + "' not found; check the path (configs/default.yaml " +
-                      "is an example)");
+    throw ConfigError("config file '" + path + "' not found; check the path (configs/default.yaml " + "is an example)");
   }
   std::string text;
   try {
@@ -566,30 +564,42 @@ std::optional<int64_t> data_vocab_size(const LauncherConfig& config) {
 
 const char* data_format_name(DataFormat format) {
   switch (format) {
-    case DataFormat::kTokens: return "tokens";
-    case DataFormat::kBytes: return "bytes";
-    case DataFormat::kSynthetic: return "synthetic";
-    case DataFormat::kChat: return "chat";
+    case DataFormat::kTokens:
+      return "tokens";
+    case DataFormat::kBytes:
+      return "bytes";
+    case DataFormat::kSynthetic:
+      return "synthetic";
+    case DataFormat::kChat:
+      return "chat";
   }
   return "?";
 }
 
 const char* train_on_name(models::ChatTrainOn train_on) {
   switch (train_on) {
-    case models::ChatTrainOn::kAssistant: return "assistant";
-    case models::ChatTrainOn::kLastAssistant: return "last_assistant";
-    case models::ChatTrainOn::kAll: return "all";
+    case models::ChatTrainOn::kAssistant:
+      return "assistant";
+    case models::ChatTrainOn::kLastAssistant:
+      return "last_assistant";
+    case models::ChatTrainOn::kAll:
+      return "all";
   }
   return "?";
 }
 
 const char* optimizer_name(OptimizerName name) {
   switch (name) {
-    case OptimizerName::kAdamW: return "adamw";
-    case OptimizerName::kAdam: return "adam";
-    case OptimizerName::kSgd: return "sgd";
-    case OptimizerName::kLion: return "lion";
-    case OptimizerName::kAdafactor: return "adafactor";
+    case OptimizerName::kAdamW:
+      return "adamw";
+    case OptimizerName::kAdam:
+      return "adam";
+    case OptimizerName::kSgd:
+      return "sgd";
+    case OptimizerName::kLion:
+      return "lion";
+    case OptimizerName::kAdafactor:
+      return "adafactor";
   }
   return "?";
 }
@@ -598,12 +608,8 @@ const char* state_dtype_name(OptimizerStateDtype dtype) {
   return dtype == OptimizerStateDtype::kInt8 ? "int8" : "float32";
 }
 
-const char* recompute_name(RecomputeGrain grain) {
-  return grain == RecomputeGrain::kStage ? "stage" : "layer";
-}
+const char* recompute_name(RecomputeGrain grain) { return grain == RecomputeGrain::kStage ? "stage" : "layer"; }
 
-const char* step_mode_name(StepMode mode) {
-  return mode == StepMode::kAsync ? "async" : "sync";
-}
+const char* step_mode_name(StepMode mode) { return mode == StepMode::kAsync ? "async" : "sync"; }
 
 }  // namespace roundpipe::launcher

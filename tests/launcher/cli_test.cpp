@@ -71,8 +71,8 @@ TEST(CliTest, Resume_BitwiseEqualToStraightRun) {
   dir.write("run.yaml", tiny_config("straight"));
   CliResult straight = run_cli(dir, "train run.yaml" + common);
   ASSERT_EQ(straight.code, 0) << straight.err;
-  CliResult resumed = run_cli(dir, "train run.yaml out_dir=resumed" + common +
-                                       " --resume straight/checkpoints/step-000010");
+  CliResult resumed =
+      run_cli(dir, "train run.yaml out_dir=resumed" + common + " --resume straight/checkpoints/step-000010");
   ASSERT_EQ(resumed.code, 0) << resumed.err;
   EXPECT_NE(resumed.err.find("resumed from"), std::string::npos) << resumed.err;
   expect_same_weights(dir.file("straight/checkpoints/step-000020"), dir.file("resumed/checkpoints/step-000020"));
@@ -156,7 +156,8 @@ TEST(CliTest, Int8OptimizerStates_TrainAndResumeBitwise) {
   const double l32 = read_metrics(dir.file("fp32/metrics.jsonl")).train.back().loss;
   EXPECT_NEAR(l8, l32, 0.05 * l32);
   // A resume with the other state dtype fails naming the fix.
-  CliResult other = run_cli(dir, "train run.yaml out_dir=other" + common + " --resume straight/checkpoints/step-000003");
+  CliResult other =
+      run_cli(dir, "train run.yaml out_dir=other" + common + " --resume straight/checkpoints/step-000003");
   EXPECT_NE(other.code, 0);
   EXPECT_NE(other.err.find("state_dtype"), std::string::npos) << other.err;
 }
@@ -185,8 +186,8 @@ TEST(CliTest, EvalAtStart_LogsStepZero_NotOnResume) {
 TEST(CliTest, Checkpoint_FailureBeforePublishLeavesLatestValid) {
   ScratchDir dir;
   dir.write("run.yaml", tiny_config("run"));
-  CliResult r = run_cli(dir, "train run.yaml train.steps=4 eval.every=0",
-                        "ROUNDPIPE_TEST_FAIL_AT=checkpoint-publish@4");
+  CliResult r =
+      run_cli(dir, "train run.yaml train.steps=4 eval.every=0", "ROUNDPIPE_TEST_FAIL_AT=checkpoint-publish@4");
   EXPECT_EQ(r.code, 1);
   EXPECT_NE(r.err.find("injected failure"), std::string::npos) << r.err;
   // One error line (the last), no LibTorch backtrace; the detail is in train.log.
@@ -232,13 +233,13 @@ TEST(CliTest, HostAllocator_PolicyLoggedAndUnknownValueRefused) {
   EXPECT_NE(bad.err.find("ROUNDPIPE_MALLOC='bogus'"), std::string::npos) << bad.err;
   EXPECT_NE(bad.err.find("'retain'"), std::string::npos) << bad.err;
 
-  CliResult retain = run_cli(dir, "train run.yaml train.steps=1 eval.every=0 out_dir=retain",
-                             clean + " ROUNDPIPE_MALLOC=retain");
+  CliResult retain =
+      run_cli(dir, "train run.yaml train.steps=1 eval.every=0 out_dir=retain", clean + " ROUNDPIPE_MALLOC=retain");
   ASSERT_EQ(retain.code, 0) << retain.err;
   EXPECT_NE(read_file(dir.file("retain/train.log")).find("host allocator: glibc's default (ROUNDPIPE_MALLOC=retain"),
             std::string::npos);
-  CliResult user = run_cli(dir, "train run.yaml train.steps=1 eval.every=0 out_dir=user",
-                           clean + " MALLOC_MMAP_THRESHOLD_=4194304");
+  CliResult user =
+      run_cli(dir, "train run.yaml train.steps=1 eval.every=0 out_dir=user", clean + " MALLOC_MMAP_THRESHOLD_=4194304");
   ASSERT_EQ(user.code, 0) << user.err;
   EXPECT_NE(read_file(dir.file("user/train.log")).find("MALLOC_MMAP_THRESHOLD_ from the environment"),
             std::string::npos);
@@ -298,7 +299,9 @@ TEST(CliTest, Plan_PrintsDevicesStagesAndMemory) {
   // The simulated timeline: one lane per device, one line per stage, and the SVG picture with one
   // rectangle per stage and microbatch (the config's run.num_microbatch: 2).
   EXPECT_NE(r.out.find("simulated timeline (size-based costs; one iteration = 100): 3 devices, 2 microbatches: "
-                       "makespan 100.0, bubble "), std::string::npos) << r.out;
+                       "makespan 100.0, bubble "),
+            std::string::npos)
+      << r.out;
   for (const char* lane : {"device 0  |", "device 1  |", "device 2  |"}) {
     EXPECT_NE(r.out.find(lane), std::string::npos) << lane << "\n" << r.out;
   }
@@ -306,13 +309,15 @@ TEST(CliTest, Plan_PrintsDevicesStagesAndMemory) {
   ASSERT_TRUE(std::regex_search(r.out, m, std::regex("stages \\(([0-9]+)\\)"))) << r.out;
   const int stages = std::stoi(m[1]);
   EXPECT_NE(r.out.find("  " + std::to_string(stages - 1) + "  stage " + std::to_string(stages - 1) + " (backward"),
-            std::string::npos) << r.out;
+            std::string::npos)
+      << r.out;
   EXPECT_NE(r.out.find("timeline picture: plan.svg"), std::string::npos) << r.out;
   const std::string svg = read_file(dir.file("plan.svg"));
   std::string why;
   EXPECT_TRUE(tags_balanced(svg, &why)) << why;
   size_t rects = 0;
-  for (size_t at = svg.find("class=\"microbatch\""); at != std::string::npos; at = svg.find("class=\"microbatch\"", at + 1)) {
+  for (size_t at = svg.find("class=\"microbatch\""); at != std::string::npos;
+       at = svg.find("class=\"microbatch\"", at + 1)) {
     ++rects;
   }
   EXPECT_EQ(rects, static_cast<size_t>(stages) * 2);

@@ -1,13 +1,6 @@
 // roundpipe::optim::Adam with 8-bit states (AdamStateDtype::kInt8) against a Python reference of
 // the same block-wise quantization (numpy, written from bitsandbytes' description, not from our
 // C++), resume through state dicts, a training sanity check against fp32 Adam, and bad input.
-#include "optim/adam.h"
-#include "optim/quantized_state.h"
-
-#include "tests/common/python_oracle.h"
-#include "tests/common/tensor_compare.h"
-#include "tests/optim/adam_int8_reference.h"
-
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -15,6 +8,12 @@
 #include <sstream>
 #include <string>
 #include <vector>
+
+#include "optim/adam.h"
+#include "optim/quantized_state.h"
+#include "tests/common/python_oracle.h"
+#include "tests/common/tensor_compare.h"
+#include "tests/optim/adam_int8_reference.h"
 
 namespace roundpipe::optim {
 namespace {
@@ -30,13 +29,15 @@ constexpr const char* kReference = test_reference::kAdamInt8Reference;
 std::string reference_run(int n_params, int steps) {
   return std::string(kReference) + R"PY(
 lr, b1, b2, eps, wd, dec, mx = inputs['config'].tolist()
-for i in range()PY" + std::to_string(n_params) + R"PY():
+for i in range()PY" +
+         std::to_string(n_params) + R"PY():
     p = inputs[f'p{i}'].numpy().astype(np.float32).ravel()
     n = p.size
     q = n >= 4096
     m = np.zeros(n, np.float32); v = np.zeros(n, np.float32)
     c1, a1 = quant(m, True); c2, a2 = quant(v, False)
-    for s in range()PY" + std::to_string(steps) + R"PY():
+    for s in range()PY" +
+         std::to_string(steps) + R"PY():
         g = inputs[f'g{i}_{s}'].float().numpy().ravel()
         if q:
             m = dequant(c1, a1, True); v = dequant(c2, a2, False)
@@ -86,8 +87,8 @@ TEST(AdamInt8Test, MatchesPythonReferenceOfTheSameQuantization_AdamAndAdamW_Ever
   }
   const std::vector<CpuIsa> isas = supported_cpu_isas();
   for (const auto& c : configs) {
-    inputs["config"] = torch::tensor({c.lr, c.beta1, c.beta2, c.eps, c.weight_decay, double(c.decoupled),
-                                      double(c.maximize)}, torch::kDouble);
+    inputs["config"] = torch::tensor(
+        {c.lr, c.beta1, c.beta2, c.eps, c.weight_decay, double(c.decoupled), double(c.maximize)}, torch::kDouble);
     const TensorMap ref = roundpipe::testing::run_python(reference_run(kShapes.size(), kSteps), inputs);
     for (const auto& isa : isas) {
       for (int threads : {1, 2}) {
@@ -165,7 +166,8 @@ TEST(AdamInt8Test, DynamicMapsEqualTheReferenceAndBitsandbytesFormula_QuantizeRo
   torch::manual_seed(5);
   auto x = torch::randn({1000}) * torch::exp(torch::randn({1000}) * 3);
   x.slice(0, 256, 512).zero_();  // an all-zero block: absmax 0, every code that of 0
-  const auto ref = roundpipe::testing::run_python(std::string(kReference) + R"PY(
+  const auto ref = roundpipe::testing::run_python(
+      std::string(kReference) + R"PY(
 for name, signed in (('signed', True), ('unsigned', False)):
     outputs[name] = torch.from_numpy(MAPS[signed][0].copy())
     outputs['bnb_' + name] = bnb_map(signed)
@@ -175,14 +177,17 @@ outputs['codes'] = torch.from_numpy(codes); outputs['absmax'] = torch.from_numpy
 for signed in (True, False):
     e = inputs['edges_' + str(signed)].numpy()
     outputs['edge_codes_' + str(signed)] = torch.from_numpy(quant(e, signed)[0])
-)PY", {{"x", x}, {"edges_True", edges(QuantMap::kSignedDynamic)}, {"edges_False", edges(QuantMap::kUnsignedDynamic)}});
+)PY",
+      {{"x", x}, {"edges_True", edges(QuantMap::kSignedDynamic)}, {"edges_False", edges(QuantMap::kUnsignedDynamic)}});
   const auto s = dynamic_quant_map(QuantMap::kSignedDynamic);
   const auto u = dynamic_quant_map(QuantMap::kUnsignedDynamic);
   EXPECT_TRUE(torch::equal(s, ref.at("signed")));
   EXPECT_TRUE(torch::equal(u, ref.at("unsigned")));
   // bitsandbytes builds the same map in float32: equal to a float32 rounding or two.
-  EXPECT_LE(((s - ref.at("bnb_signed")).abs() / ref.at("bnb_signed").abs().clamp_min(1e-30)).max().item<double>(), 1e-6);
-  EXPECT_LE(((u - ref.at("bnb_unsigned")).abs() / ref.at("bnb_unsigned").abs().clamp_min(1e-30)).max().item<double>(), 1e-6);
+  EXPECT_LE(((s - ref.at("bnb_signed")).abs() / ref.at("bnb_signed").abs().clamp_min(1e-30)).max().item<double>(),
+            1e-6);
+  EXPECT_LE(((u - ref.at("bnb_unsigned")).abs() / ref.at("bnb_unsigned").abs().clamp_min(1e-30)).max().item<double>(),
+            1e-6);
   EXPECT_EQ(s[127].item<float>(), 0.0f);
   EXPECT_EQ(s[255].item<float>(), 1.0f);
   EXPECT_EQ(u[0].item<float>(), 0.0f);
@@ -227,8 +232,9 @@ struct Int8Run {
   std::vector<torch::Tensor> all() const { return {a[0], a[1], b[0]}; }
   std::unique_ptr<Adam> make() const {
     std::vector<torch::optim::OptimizerParamGroup> groups;
-    groups.emplace_back(a, std::make_unique<AdamOptions>(AdamOptions(1e-2).weight_decay(0.1).decoupled_weight_decay(true)
-                                                             .state_dtype(AdamStateDtype::kInt8)));
+    groups.emplace_back(
+        a, std::make_unique<AdamOptions>(
+               AdamOptions(1e-2).weight_decay(0.1).decoupled_weight_decay(true).state_dtype(AdamStateDtype::kInt8)));
     groups.emplace_back(b);
     return std::make_unique<Adam>(groups, AdamOptions(3e-3));
   }
@@ -365,10 +371,10 @@ TEST(AdamInt8Test, MismatchedStateDtype_ClearErrorAndOptimizerUnchanged) {
 
   expect_error([&] { Adam({p}, AdamOptions().amsgrad(true).state_dtype(AdamStateDtype::kInt8)); },
                "amsgrad is not supported with state_dtype int8");
-  expect_error([&] { dequantize_blockwise(torch::zeros({300}, torch::kByte), torch::zeros({1}), QuantMap::kSignedDynamic); },
-               "absmax must be a float32 CPU tensor of 2 elements");
+  expect_error(
+      [&] { dequantize_blockwise(torch::zeros({300}, torch::kByte), torch::zeros({1}), QuantMap::kSignedDynamic); },
+      "absmax must be a float32 CPU tensor of 2 elements");
 }
-
 
 // Every ISA's kernel quantizes exactly as quantize_blockwise (the scalar reference of Note [Fine
 // code lookup]) on hard inputs: with beta1 = 0 the new exp_avg is the gradient itself and with
@@ -391,8 +397,7 @@ TEST(AdamInt8Test, EveryIsaQuantizesLikeTheScalarReference_RandomBitsAndEdges) {
   special[kQuantBlockSize + 5] = 1e38f;  // not inf: the lerp would make it NaN (0 * inf)
   special[2 * kQuantBlockSize + 1] = -3e38f;
   special[2 * kQuantBlockSize + 2] = 1e-45f;
-  g = torch::cat({g, edges(QuantMap::kSignedDynamic), edges(QuantMap::kUnsignedDynamic), special,
-                  torch::randn({100})});
+  g = torch::cat({g, edges(QuantMap::kSignedDynamic), edges(QuantMap::kUnsignedDynamic), special, torch::randn({100})});
   const auto m_ref = quantize_blockwise(g, QuantMap::kSignedDynamic);
   const auto v_ref = quantize_blockwise(g * g, QuantMap::kUnsignedDynamic);
   const std::vector<CpuIsa> isas = supported_cpu_isas();

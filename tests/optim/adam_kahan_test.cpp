@@ -229,7 +229,8 @@ for i in range()PY" + std::to_string(shapes.size()) +
                              .kahan_sum(true));
         opt.set_kernel_isa(isa);
         opt.set_num_threads(threads);
-        const std::string what = "lr " + std::to_string(c.lr) + ", isa " + cpu_isa_name(isa) + ", threads " + std::to_string(threads);
+        const std::string what =
+            "lr " + std::to_string(c.lr) + ", isa " + cpu_isa_name(isa) + ", threads " + std::to_string(threads);
         for (int s = 0; s < kSteps; ++s) {
           for (size_t i = 0; i < params.size(); ++i) {
             params[i].mutable_grad() = inputs.at(key("g", i, s));

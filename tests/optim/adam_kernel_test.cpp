@@ -3,10 +3,7 @@
 // compute copy written in the same pass equals PyTorch's own dtype conversion, fp16/bf16
 // gradients read directly equal their fp32 values, and bf16 masters with Kahan compensation
 // (float32 and 8-bit moments) give the same bits on every ISA and thread count.
-#include "optim/adam.h"
 #include "optim/detail/adam_kernel.h"
-
-#include "tests/common/tensor_compare.h"
 
 #include <ATen/Parallel.h>
 #include <gtest/gtest.h>
@@ -14,6 +11,9 @@
 
 #include <string>
 #include <vector>
+
+#include "optim/adam.h"
+#include "tests/common/tensor_compare.h"
 
 namespace roundpipe::optim {
 namespace {
@@ -26,13 +26,13 @@ struct AdamRun {
 // Lengths around the AVX2 (8) and AVX-512 (16) widths, one big enough to use several threads, and
 // two past the streaming-store threshold (2^20): the last one is made misaligned (storage offset
 // 1) so the kernel must peel / fall back to ordinary stores.
-const std::vector<int64_t> kLengths = {0, 1, 3, 7, 8, 9, 15, 16, 17, 31, 33, 100, 200003,
-                                       (1 << 20) + 13, (1 << 20) + 5};
+const std::vector<int64_t> kLengths = {
+    0, 1, 3, 7, 8, 9, 15, 16, 17, 31, 33, 100, 200003, (1 << 20) + 13, (1 << 20) + 5};
 
 // `grad_dtype`: the gradients are rounded to it; `widen` hands them to the optimizer widened back
 // to float32 (the reference for the kernel's own widening of fp16/bf16 gradients).
-AdamRun run_adam(const AdamOptions& options, CpuIsa isa, int64_t threads, bool with_copies,
-                 bool streaming = false, torch::Dtype grad_dtype = torch::kFloat, bool widen = false) {
+AdamRun run_adam(const AdamOptions& options, CpuIsa isa, int64_t threads, bool with_copies, bool streaming = false,
+                 torch::Dtype grad_dtype = torch::kFloat, bool widen = false) {
   torch::manual_seed(11);
   AdamRun run;
   for (size_t i = 0; i < kLengths.size(); ++i) {
@@ -73,8 +73,7 @@ AdamRun run_adam(const AdamOptions& options, CpuIsa isa, int64_t threads, bool w
 }
 
 std::vector<AdamOptions> option_sets() {
-  return {AdamOptions(1e-2),
-          AdamOptions(1e-3).betas({0.4, 0.95}).weight_decay(0.01).amsgrad(true).maximize(true),
+  return {AdamOptions(1e-2), AdamOptions(1e-3).betas({0.4, 0.95}).weight_decay(0.01).amsgrad(true).maximize(true),
           AdamOptions(1e-2).weight_decay(0.1).decoupled_weight_decay(true).amsgrad(true).eps(1e-6)};
 }
 
@@ -131,8 +130,10 @@ TEST(AdamKernelTest, LowPrecisionGradsEqualTheirFp32Values_EveryIsa) {
         const AdamRun low = run_adam(options, isa, 2, /*with_copies=*/true, /*streaming=*/false, dtype);
         const AdamRun ref = run_adam(options, isa, 2, /*with_copies=*/true, /*streaming=*/false, dtype, /*widen=*/true);
         for (size_t i = 0; i < kLengths.size(); ++i) {
-          EXPECT_TENSOR_EQ(low.params[i], ref.params[i]) << cpu_isa_name(isa) << ", " << dtype << ", length " << kLengths[i];
-          EXPECT_TENSOR_EQ(low.copies[i], ref.copies[i]) << cpu_isa_name(isa) << ", " << dtype << ", length " << kLengths[i];
+          EXPECT_TENSOR_EQ(low.params[i], ref.params[i])
+              << cpu_isa_name(isa) << ", " << dtype << ", length " << kLengths[i];
+          EXPECT_TENSOR_EQ(low.copies[i], ref.copies[i])
+              << cpu_isa_name(isa) << ", " << dtype << ", length " << kLengths[i];
         }
       }
     }
@@ -140,7 +141,7 @@ TEST(AdamKernelTest, LowPrecisionGradsEqualTheirFp32Values_EveryIsa) {
 }
 
 struct KahanRun {
-  std::vector<torch::Tensor> params;          // bfloat16
+  std::vector<torch::Tensor> params;         // bfloat16
   std::vector<torch::Tensor> compensations;  // bfloat16, from the optimizer's state
 };
 
@@ -171,8 +172,9 @@ KahanRun run_kahan(AdamOptions options, CpuIsa isa, int64_t threads, bool int8) 
   }
   for (const auto& p : run.params) {
     const auto it = opt.state().find(p.unsafeGetTensorImpl());
-    run.compensations.push_back(it == opt.state().end() ? torch::Tensor()
-                                                        : static_cast<const AdamParamState&>(*it->second).kahan_compensation());
+    run.compensations.push_back(it == opt.state().end()
+                                    ? torch::Tensor()
+                                    : static_cast<const AdamParamState&>(*it->second).kahan_compensation());
   }
   return run;
 }
@@ -192,8 +194,9 @@ TEST(AdamKernelTest, Bf16KahanMasters_EveryIsaAndThreadCountMatchScalarBitwise) 
           }
           const KahanRun run = run_kahan(options, isa, threads, int8);
           for (size_t i = 0; i < kLengths.size(); ++i) {
-            const std::string what = cpu_isa_name(isa) + std::string(", ") + std::to_string(threads) + " thread(s), int8 " +
-                                     std::to_string(int8) + ", length " + std::to_string(kLengths[i]);
+            const std::string what = cpu_isa_name(isa) + std::string(", ") + std::to_string(threads) +
+                                     " thread(s), int8 " + std::to_string(int8) + ", length " +
+                                     std::to_string(kLengths[i]);
             EXPECT_TENSOR_EQ(run.params[i], reference.params[i]) << what;
             if (kLengths[i] > 0) {
               EXPECT_TENSOR_EQ(run.compensations[i], reference.compensations[i]) << what;
@@ -223,9 +226,8 @@ TEST(AdamKernelTest, GradDtypeMustBeFloatingCpu) {
 
 TEST(AdamKernelTest, ComputeCopyRoundsSpecialValuesLikeTorch) {
   // Values that hit fp16 overflow, subnormals, ties and bf16 rounding; written by a zero-lr step.
-  auto p = torch::tensor({0.0f, -0.0f, 1.0f, 65504.0f, 65520.0f, 1e6f, -1e6f, 6e-8f, 3e-5f,
-                          1.00048828125f, 1.0009765625f, 3.14159265f, 1.00390625f, 1.005859375f,
-                          -2.7182818f, 1e-40f, 3.4e38f});
+  auto p = torch::tensor({0.0f, -0.0f, 1.0f, 65504.0f, 65520.0f, 1e6f, -1e6f, 6e-8f, 3e-5f, 1.00048828125f,
+                          1.0009765625f, 3.14159265f, 1.00390625f, 1.005859375f, -2.7182818f, 1e-40f, 3.4e38f});
   for (const auto& isa : supported_cpu_isas()) {
     for (auto dtype : {torch::kHalf, torch::kBFloat16}) {
       auto param = p.clone();

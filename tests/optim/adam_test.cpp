@@ -2,17 +2,17 @@
 // round trips (ours and torch::optim::Adam's archives), option validation and LR schedulers.
 #include "optim/adam.h"
 
-#include "base/thread_budget.h"
-#include "tests/common/python_oracle.h"
-#include "tests/common/tensor_compare.h"
-
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
 #include <sstream>
-#include <thread>
 #include <string>
+#include <thread>
 #include <vector>
+
+#include "base/thread_budget.h"
+#include "tests/common/python_oracle.h"
+#include "tests/common/tensor_compare.h"
 
 namespace roundpipe::optim {
 namespace {
@@ -63,8 +63,7 @@ std::string key(const char* prefix, size_t a, size_t b) {
 
 // Elements compared at every step for the 1M-element parameter (all of it after the last step).
 torch::Tensor sample_index(int64_t n) {
-  return torch::cat({torch::arange(0, n, 61), torch::arange(n / 2 - 40, n / 2 + 40),
-                     torch::arange(n - 100, n)});
+  return torch::cat({torch::arange(0, n, 61), torch::arange(n / 2 - 40, n / 2 + 40), torch::arange(n - 100, n)});
 }
 
 TEST(AdamTest, MatchesTorchAdamAndAdamW_AllOptionCombinations) {
@@ -83,8 +82,8 @@ TEST(AdamTest, MatchesTorchAdamAndAdamW_AllOptionCombinations) {
   torch::Tensor config = torch::empty({static_cast<int64_t>(combos.size()), 8}, torch::kDouble);
   for (size_t c = 0; c < combos.size(); ++c) {
     const auto& k = combos[c];
-    double row[8] = {k.lr, k.beta1, k.beta2, k.eps, k.weight_decay, double(k.amsgrad),
-                     double(k.maximize), double(k.decoupled)};
+    double row[8] = {
+        k.lr, k.beta1, k.beta2, k.eps, k.weight_decay, double(k.amsgrad), double(k.maximize), double(k.decoupled)};
     for (int j = 0; j < 8; ++j) {
       config[c][j] = row[j];
     }
@@ -92,10 +91,12 @@ TEST(AdamTest, MatchesTorchAdamAndAdamW_AllOptionCombinations) {
   inputs["config"] = config;
   inputs["sample"] = sample_index(kShapes[kBigParam][0]);
   const std::string snippet = R"PY(
-n_params = )PY" + std::to_string(kShapes.size()) + R"PY(
-steps = )PY" + std::to_string(kSteps) + R"PY(
-late, late_steps, big = )PY" + std::to_string(kLateParam) + ", " + std::to_string(kLateSteps) + ", " +
-                              std::to_string(kBigParam) + R"PY(
+n_params = )PY" + std::to_string(kShapes.size()) +
+                              R"PY(
+steps = )PY" + std::to_string(kSteps) +
+                              R"PY(
+late, late_steps, big = )PY" + std::to_string(kLateParam) +
+                              ", " + std::to_string(kLateSteps) + ", " + std::to_string(kBigParam) + R"PY(
 cfg = inputs['config']
 for c in range(cfg.shape[0]):
     lr, b1, b2, eps, wd, ams, mx, dec = cfg[c].tolist()
@@ -128,16 +129,14 @@ for c in range(cfg.shape[0]):
                          .amsgrad(k.amsgrad)
                          .maximize(k.maximize)
                          .decoupled_weight_decay(k.decoupled));
-    const std::string what = "combo " + std::to_string(c) + " (lr " + std::to_string(k.lr) +
-                             ", beta1 " + std::to_string(k.beta1) + ", wd " +
-                             std::to_string(k.weight_decay) + ", amsgrad " + std::to_string(k.amsgrad) +
-                             ", maximize " + std::to_string(k.maximize) + ", decoupled " +
+    const std::string what = "combo " + std::to_string(c) + " (lr " + std::to_string(k.lr) + ", beta1 " +
+                             std::to_string(k.beta1) + ", wd " + std::to_string(k.weight_decay) + ", amsgrad " +
+                             std::to_string(k.amsgrad) + ", maximize " + std::to_string(k.maximize) + ", decoupled " +
                              std::to_string(k.decoupled) + ")";
     for (int s = 0; s < kSteps; ++s) {
       for (size_t i = 0; i < params.size(); ++i) {
-        params[i].mutable_grad() = (int(i) == kLateParam && s < kLateSteps)
-                                       ? torch::Tensor()
-                                       : inputs.at(key("g", i, s)).clone();
+        params[i].mutable_grad() =
+            (int(i) == kLateParam && s < kLateSteps) ? torch::Tensor() : inputs.at(key("g", i, s)).clone();
       }
       opt.step();
       for (size_t i = 0; i < params.size(); ++i) {
