@@ -84,7 +84,7 @@ TEST(AdamKernelTest, EveryIsaMatchesScalarBitwise_OddLengths) {
     GTEST_SKIP() << "only the scalar kernel is available on this CPU";
   }
   for (const auto& options : option_sets()) {
-    const AdamRun reference = run_adam(options, "scalar", 1, /*with_copies=*/true);
+    const AdamRun reference = run_adam(options, CpuIsa::kScalar, 1, /*with_copies=*/true);
     for (size_t k = 1; k < isas.size(); ++k) {
       const AdamRun run = run_adam(options, isas[k], 1, /*with_copies=*/true, /*streaming=*/k % 2 == 0);
       for (size_t i = 0; i < kLengths.size(); ++i) {
