@@ -58,8 +58,7 @@ CudaStreamSet& worker_streams(c10::DeviceIndex index) {
 }  // namespace
 
 struct DeviceIo::Cuda {
-  explicit Cuda(const c10::Device& device)
-      : streams(worker_streams(device.index())), compute_guard(streams.compute) {}
+  explicit Cuda(const c10::Device& device) : streams(worker_streams(device.index())), compute_guard(streams.compute) {}
   CudaStreamSet& streams;
   c10::cuda::CUDAStreamGuard compute_guard;
   std::vector<std::pair<const torch::nn::Module*, at::cuda::CUDAEvent>> pending_uploads;
@@ -203,7 +202,8 @@ DeviceIo::~DeviceIo() {
   }
 }
 
-void DeviceIo::upload_layer(torch::nn::Module& shell, torch::nn::Module& layer, const std::vector<at::Tensor>* buffers) {
+void DeviceIo::upload_layer(torch::nn::Module& shell, torch::nn::Module& layer,
+                            const std::vector<at::Tensor>* buffers) {
   at::NoGradGuard no_grad;
   int64_t bytes = 0;
   if (!cuda_) {
@@ -326,14 +326,27 @@ Activations DeviceIo::Pending::wait() {
   return std::move(host_);
 }
 
-DeviceIo::Pending DeviceIo::download_async(const Activations& acts, bool copy) {
+DeviceIo::Pending DeviceIo::download_async(const Activations& acts) {
   Pending pending;
   if (!cuda_) {
-    pending.host_ = copy ? download_copy(acts) : download(acts);
+    pending.host_ = download(acts);
     return pending;
   }
 #if ROUNDPIPE_WITH_CUDA
-  auto done = cuda_->enqueue_download(acts, pending.host_, copy, nullptr);
+  auto done = cuda_->enqueue_download(acts, pending.host_, /*clone=*/false, nullptr);
+  pending.complete_ = [done] { done->synchronize(); };
+#endif
+  return pending;
+}
+
+DeviceIo::Pending DeviceIo::download_copy_async(const Activations& acts) {
+  Pending pending;
+  if (!cuda_) {
+    pending.host_ = download_copy(acts);
+    return pending;
+  }
+#if ROUNDPIPE_WITH_CUDA
+  auto done = cuda_->enqueue_download(acts, pending.host_, /*clone=*/true, nullptr);
   pending.complete_ = [done] { done->synchronize(); };
 #endif
   return pending;

@@ -56,7 +56,8 @@ class DeviceIo {
   /// tensors instead (a backward stage's snapshot: it never reads the model's buffers, which the
   /// caller may write meanwhile, Note [Run tails]). CUDA: asynchronous; call
   /// `before_compute(shell)` before the shell's first use.
-  void upload_layer(torch::nn::Module& shell, torch::nn::Module& layer, const std::vector<at::Tensor>* buffers = nullptr);
+  void upload_layer(torch::nn::Module& shell, torch::nn::Module& layer,
+                    const std::vector<at::Tensor>* buffers = nullptr);
   /// Makes compute wait for `shell`'s upload (once; later calls are free). CPU: no-op.
   void before_compute(const torch::nn::Module& shell);
 
@@ -87,12 +88,13 @@ class DeviceIo {
     Activations host_;
     std::function<void()> complete_;  // CUDA: waits for the copies' event; CPU: empty
   };
-  /// Like `download` (`copy` false) or `download_copy` (`copy` true), but returns before the
-  /// copies complete. CUDA: enqueued on the download stream after the compute enqueued so far;
-  /// with `copy`, from a device clone made on the compute stream first, so later kernels that
-  /// write the tensors in place cannot alter the copy. CPU: complete on return, as `download` /
-  /// `download_copy`.
-  Pending download_async(const Activations& acts, bool copy);
+  /// Like `download`, but returns before the copies complete. CUDA: enqueued on the download
+  /// stream after the compute enqueued so far. CPU: complete on return, as `download`.
+  Pending download_async(const Activations& acts);
+  /// Like `download_copy`, but returns before the copies complete. CUDA: as `download_async`,
+  /// from a device clone made on the compute stream first, so later kernels that write the
+  /// tensors in place cannot alter the copy. CPU: complete on return, as `download_copy`.
+  Pending download_copy_async(const Activations& acts);
 
  private:
   c10::Device device_;

@@ -8,8 +8,10 @@
 #include <atomic>
 #include <chrono>
 #include <deque>
+#include <exception>
 #include <functional>
 #include <limits>
+#include <optional>
 #include <sstream>
 
 #include "amp/detail/grad_scaler_access.h"
@@ -94,13 +96,34 @@ class Handovers {
   std::deque<Held> held_;
 };
 
-// Where a job is, for error messages.
+// Where a job is, for error messages. Owned by the job's thread.
 struct Position {
   const char* phase;
   scheduler::LayerRange stage;
-  int64_t layer = -1;
-  int64_t microbatch = -1;
-  const char* step = "";
+  std::optional<int64_t> layer = std::nullopt;       // none: not inside one layer's pass
+  std::optional<int64_t> microbatch = std::nullopt;  // none: before or after the microbatches
+  const char* step = "";                             // set through StepLabel; "" names none
+};
+
+// Names what a job is doing (Position::step) for the label's scope, then restores the enclosing
+// label. A scope left by an exception keeps its label: guarded() reads the position after the
+// unwinding, to say where the job failed.
+class StepLabel {
+ public:
+  StepLabel(Position& pos, const char* step)
+      : pos_(pos), enclosing_(pos.step), exceptions_at_entry_(std::uncaught_exceptions()) {
+    pos.step = step;
+  }
+  ~StepLabel() {
+    if (std::uncaught_exceptions() == exceptions_at_entry_) pos_.step = enclosing_;
+  }
+  StepLabel(const StepLabel&) = delete;
+  StepLabel& operator=(const StepLabel&) = delete;
+
+ private:
+  Position& pos_;
+  const char* enclosing_;
+  int exceptions_at_entry_;
 };
 
 std::string job_name(const Position& pos) { return std::string(pos.phase) + " stage " + pos.stage.to_string(); }
@@ -122,8 +145,8 @@ void guarded(RunContext& ctx, const c10::Device& device, Position& pos, const st
     std::ostringstream msg;
     msg << "RoundPipe '" << ctx.model_name << "': " << pos.phase << " stage " << pos.stage.to_string() << " on "
         << device;
-    if (pos.layer >= 0) msg << ", layer " << ctx.model->names[pos.layer];
-    if (pos.microbatch >= 0) msg << ", microbatch " << pos.microbatch;
+    if (pos.layer) msg << ", layer " << ctx.model->names[*pos.layer];
+    if (pos.microbatch) msg << ", microbatch " << *pos.microbatch;
     if (*pos.step) msg << " (" << pos.step << ")";
     msg << ": " << (c10_error ? c10_error->what_without_backtrace() : e.what());
     error = std::make_exception_ptr(c10::Error(msg.str()));
@@ -187,16 +210,20 @@ void backward_paired(const Activations& outputs, const Activations& grads) {
 // layers before their first microbatch), unless set_cuda_flow_on_cpu_for_testing.
 // release_after_copy (the run's last reader has its copies, Note [Run tails]) leases whatever is
 // left first.
+// Where a job's layer copies take their buffers from: the model (a forward or fused job), or the
+// forward's snapshots (a backward job, which recomputes from the buffers the forward started
+// from and must not read the model's: Note [Buffers in recompute], Note [Run tails]).
+enum class LayerBuffers { kFromModel, kFromForwardSnapshot };
+
 class LayerLeases {
  public:
-  // `from_snapshot`: the buffers come from the forward's snapshots (a backward stage, which must
-  // not read the model's buffers: Note [Run tails]).
-  LayerLeases(RunContext& ctx, scheduler::LayerRange r, DeviceIo& io, Position& pos, bool from_snapshot = false)
+  LayerLeases(RunContext& ctx, scheduler::LayerRange r, DeviceIo& io, Position& pos,
+              LayerBuffers buffers = LayerBuffers::kFromModel)
       : ctx_(ctx),
         r_(r),
         io_(io),
         pos_(pos),
-        from_snapshot_(from_snapshot),
+        buffers_(buffers),
         lazy_(ctx.forward_ms.empty() && (io.device().is_cuda() || cuda_flow_on_cpu.load())) {
     shells_.reserve(static_cast<size_t>(r.end - r.begin));
     if (!lazy_) all();
@@ -219,36 +246,35 @@ class LayerLeases {
 
  private:
   void lease_through(int64_t last) {
-    const Position saved = pos_;
-    pos_.step = "copying the layer to the device";
+    const std::optional<int64_t> layer = pos_.layer;
+    StepLabel copying(pos_, "copying the layer to the device");
     for (int64_t l = r_.begin + static_cast<int64_t>(shells_.size()); l <= last; ++l) {
       pos_.layer = l;
       if (ctx_.wait_layer_ready) {
-        pos_.step = "waiting for the optimizer";
+        StepLabel waiting(pos_, "waiting for the optimizer");
         ctx_.wait_layer_ready(l);
-        pos_.step = "copying the layer to the device";
       }
+      const bool from_snapshot = buffers_ == LayerBuffers::kFromForwardSnapshot;
       const Activations* buffers = nullptr;
-      if (from_snapshot_) {
-        pos_.step = "waiting for the forward's buffers";
+      if (from_snapshot) {
+        StepLabel waiting(pos_, "waiting for the forward's buffers");
         buffers = &await(ctx_.buffer_snapshot[l]);
-        pos_.step = "copying the layer to the device";
       }
-      if (from_snapshot_ && l < static_cast<int64_t>(ctx_.preleased.size()) && ctx_.preleased[l]) {
+      if (from_snapshot && l < static_cast<int64_t>(ctx_.preleased.size()) && ctx_.preleased[l]) {
         shells_.push_back(std::move(*ctx_.preleased[l]));  // leased by the caller (Note [Run tails])
       } else {
         shells_.emplace_back(ctx_.model->shells, l);
       }
       io_.upload_layer(*shells_.back().module().ptr(), *ctx_.model->layers[l].ptr(), buffers);
     }
-    pos_ = saved;
+    pos_.layer = layer;
   }
 
   RunContext& ctx_;
   scheduler::LayerRange r_;
   DeviceIo& io_;
   Position& pos_;
-  bool from_snapshot_;
+  LayerBuffers buffers_;
   bool lazy_;
   std::vector<ShellLease> shells_;  // layers r.begin, r.begin + 1, ... leased so far
 };
@@ -266,17 +292,19 @@ SideInputScope microbatch_side_inputs(const RunContext& ctx, int64_t j, DeviceIo
   return SideInputScope(std::move(rows), io.device());
 }
 
-// `first_pass`: the layer's forward or fused pass (not a recompute); timed when measuring.
+// `kind`: whether the pass saves data for its recompute (a training forward stage), replays it (a
+// recompute) or neither (Note [Recompute data] in roundpipe/recompute_data.h). Any pass but a
+// recompute is the layer's first pass on the microbatch (its forward or fused pass): timed when
+// measuring.
 // Note [Draws in the tail]: a training run's first pass notes whether the layer drew random
 // numbers on the microbatch (ctx.rng_used, written before the pass's output goes downstream, so
 // the recompute of that microbatch sees it). A recompute of a pass that drew nothing runs
 // unseeded: bitwise the same, and it leaves the device's default generator alone, which lets a
 // run whose backward stages draw nothing finish them in the background while the caller's
 // thread uses the generator (Note [Overlapping iterations]).
-// `kind`: whether the pass saves data for its recompute (a training forward stage), replays it (a
-// recompute) or neither (Note [Recompute data] in roundpipe/recompute_data.h).
 Activations run_layer(RunContext& ctx, ShellLease& shell, int64_t l, int64_t j, const Activations& acts, DeviceIo& io,
-                      bool first_pass, PassKind kind) {
+                      PassKind kind) {
+  const bool first_pass = kind != PassKind::kReplays;
   RecomputeSlot* slot =
       ctx.recompute_slots.empty() ? nullptr : &ctx.recompute_slots[static_cast<size_t>(l * ctx.num_microbatch + j)];
   if (slot == nullptr) kind = PassKind::kPlain;
@@ -450,6 +478,134 @@ const Activations& layer_inputs(const RunContext& ctx, int64_t l, Activations& a
   return acts;
 }
 
+// What the steps of a running stage job share: all on the job's stack, used by its worker thread
+// only.
+struct JobState {
+  RunContext& ctx;
+  scheduler::LayerRange r;
+  Position& pos;
+  DeviceIo& io;
+  LayerLeases& shells;
+  Handovers& handovers;
+};
+
+// The fused job's loss on one microbatch: loss_fn on the last layer's output, checked.
+at::Tensor call_loss_fn(RunContext& ctx, Position& pos, RunScaleObserver& observer, const Activations& acts,
+                        const at::Tensor& label) {
+  StepLabel doing(pos, "loss_fn");
+  TORCH_CHECK(acts.size() == 1, "the last layer returned ", acts.size(), " tensors; loss_fn takes one output tensor");
+  at::Tensor loss;
+  {
+    amp::detail::ScopedScaleObserver observe(&observer);
+    loss = (*ctx.loss_fn)(acts[0], label);
+  }
+  TORCH_CHECK(loss.defined() && loss.numel() == 1, "loss_fn must return a one-element tensor, got ",
+              loss.defined() ? "shape " + c10::str(loss.sizes()) : "an undefined tensor",
+              ": reduce the loss to a scalar inside loss_fn (e.g. a sum over the microbatch divided by the full "
+              "batch size)");
+  TORCH_CHECK(loss.requires_grad(),
+              "loss_fn returned a loss that does not require grad: compute it from the "
+              "output tensor without detaching it (no .detach(), .item() or NoGradGuard inside loss_fn)");
+  return loss;
+}
+
+// What a backward or fused job's layer buffers are at its end: the fused job ran the layers'
+// forward, so they are the run's final values, handed to the caller; a backward job's recompute
+// evolved the forward's snapshots, and they are discarded (Note [Buffers in recompute]).
+enum class JobBuffers { kDiscarded, kFinal };
+
+// The ending of a backward or fused job, after its last microbatch: hands everything over, posts
+// the found_inf flag of its layers' gradients, then hands the gradients (and final buffers) over.
+void finish_gradient_job(JobState& job, JobBuffers buffers) {
+  job.handovers.flush_all();
+  job.pos.microbatch.reset();
+  {
+    StepLabel doing(job.pos, "checking gradients for inf/NaN");
+    post_found_inf(job.ctx, job.shells, job.io.device());
+  }
+  for (int64_t l = job.r.begin; l < job.r.end; ++l) {
+    job.ctx.grads[l] = param_grads(job.ctx, l, job.shells[l], job.io);
+    if (buffers == JobBuffers::kFinal) job.ctx.buffers[l] = buffer_copies(job.shells[l], job.io);
+  }
+  if (job.ctx.on_grads_ready) job.ctx.on_grads_ready(job.r.begin, job.r.end);
+}
+
+// Note [Recompute ahead]: with the stage grain a microbatch is recomputed as soon as the device is
+// free and the forward has passed the stage's layers for it, and its gradient is awaited only
+// before the backward pass, so the recompute overlaps the wait for the stage downstream (what the
+// Python original does; scheduler::SimulateOptions::recompute_ahead). The measuring call awaits
+// first, so its timer sees only the work.
+bool recomputes_ahead(const RunContext& ctx, size_t stage) {
+  return ctx.grain == RecomputeGrain::kStage && stage >= ctx.backward_stage_ms.size();
+}
+
+// The gradients of backward stage `stage`'s output on microbatch j, sent by the stage downstream.
+Activations await_output_grads(JobState& job, size_t stage, int64_t j) {
+  return job.io.upload(job.handovers.await_input(job.ctx.bwd_grad[stage - 1][j]));
+}
+
+// Stage grain, microbatch j: recomputes the stage's layers from the stage's saved input, then
+// backward from `grads` (awaited here when recomputing ahead). Returns the input's gradients.
+Activations stage_grain_backward(JobState& job, size_t stage, int64_t j, bool ahead, Activations grads) {
+  RunContext& ctx = job.ctx;
+  const scheduler::LayerRange r = job.r;
+  // The forward of the stage's layers must be done for this microbatch (the recompute replays its
+  // draws, Note [Layer RNG]): the saved input of the next stage down, or the fused tail's input.
+  // Awaiting the gradient first implied it.
+  if (ahead) {
+    job.handovers.await_input(r.end < ctx.num_layers && !ctx.saved[r.end].empty() ? ctx.saved[r.end][j]
+                                                                                  : ctx.fwd_out.back()[j]);
+  }
+  Activations leaves = make_leaves(job.io, job.handovers.await_input(ctx.saved[r.begin][j]), r.begin > 0);
+  Activations acts = leaves;
+  {
+    StepLabel doing(job.pos, "recompute");
+    for (int64_t l = r.begin; l < r.end; ++l) {
+      job.pos.layer = l;
+      acts = run_layer(ctx, job.shells[l], l, j, acts, job.io, PassKind::kReplays);
+    }
+    job.pos.layer.reset();
+  }
+  // Unlabelled, as when awaiting first: an upstream failure is reported as such.
+  if (ahead) grads = await_output_grads(job, stage, j);
+  StepLabel doing(job.pos, "backward");
+  backward_paired(acts, grads);
+  return leaf_grads(leaves);
+}
+
+// Layer grain, microbatch j: for each of the stage's layers, last first, recomputes it from its
+// saved input and backward from `grads`. Returns the stage input's gradients.
+Activations layer_grain_backward(JobState& job, int64_t j, Activations grads) {
+  for (int64_t l = job.r.end - 1; l >= job.r.begin; --l) {
+    job.pos.layer = l;
+    Activations leaves = make_leaves(job.io, job.handovers.await_input(job.ctx.saved[l][j]), l > 0);
+    Activations acts;
+    {
+      StepLabel doing(job.pos, "recompute");
+      acts = run_layer(job.ctx, job.shells[l], l, j, leaves, job.io, PassKind::kReplays);
+    }
+    StepLabel doing(job.pos, "backward");
+    backward_paired(acts, grads);
+    grads = leaf_grads(leaves);
+  }
+  job.pos.layer.reset();
+  return grads;
+}
+
+// Backward stage `stage` on microbatch j: recompute and backward of its layers, timed when the
+// call measures. Returns the gradients of the stage's input.
+Activations backward_microbatch(JobState& job, size_t stage, int64_t j, bool ahead) {
+  Activations grads;
+  if (!ahead) grads = await_output_grads(job, stage, j);
+  StageTimer timer(job.ctx, job.io, stage);
+  SideInputScope side = microbatch_side_inputs(job.ctx, j, job.io);
+  grads = job.ctx.grain == RecomputeGrain::kStage ? stage_grain_backward(job, stage, j, ahead, std::move(grads))
+                                                  : layer_grain_backward(job, j, std::move(grads));
+  StepLabel doing(job.pos, "backward");  // the timer's synchronization reports the backward's errors
+  timer.stop();
+  return grads;
+}
+
 }  // namespace
 
 void set_cuda_flow_on_cpu_for_testing(bool on) { cuda_flow_on_cpu.store(on); }
@@ -487,17 +643,17 @@ void run_forward_stage(RunContext& ctx, size_t stage, scheduler::LayerRange r, c
       SideInputScope side = microbatch_side_inputs(ctx, j, io);
       for (int64_t l = r.begin; l < r.end; ++l) {
         pos.layer = l;
-        if (!ctx.saved[l].empty()) handovers.post(j, ctx.saved[l][j], io.download_async(acts, /*copy=*/true));
-        acts = run_layer(ctx, shells[l], l, j, layer_inputs(ctx, l, acts, label), io, /*first_pass=*/true,
+        if (!ctx.saved[l].empty()) handovers.post(j, ctx.saved[l][j], io.download_copy_async(acts));
+        acts = run_layer(ctx, shells[l], l, j, layer_inputs(ctx, l, acts, label), io,
                          ctx.training ? PassKind::kSaves : PassKind::kPlain);
       }
-      pos.layer = -1;
+      pos.layer.reset();
       handovers.flush_before(j);
       if (stage < ctx.fwd_out.size()) {
-        handovers.post(j, ctx.fwd_out[stage][j], io.download_async(acts, /*copy=*/false));
+        handovers.post(j, ctx.fwd_out[stage][j], io.download_async(acts));
       } else if (ctx.output_device.is_cpu()) {
         handovers.post(
-            j, [&ctx, j](Activations a) { ctx.outputs[j] = std::move(a); }, io.download_async(acts, /*copy=*/false));
+            j, [&ctx, j](Activations a) { ctx.outputs[j] = std::move(a); }, io.download_async(acts));
       } else {
         for (const auto& t : acts) ctx.outputs[j].push_back(t.defined() ? t.to(ctx.output_device) : t);
       }
@@ -517,56 +673,34 @@ void run_fused_stage(RunContext& ctx, scheduler::LayerRange r, c10::Device devic
     RunScaleObserver observer(ctx);
     const size_t fwd_stages = ctx.fwd_out.size();
     Handovers handovers(io);  // Note [Deferred hand-over]
+    JobState job{ctx, r, pos, io, shells, handovers};
     for (int64_t j = 0; j < ctx.num_microbatch; ++j) {
       pos.microbatch = j;
       Activations leaves = r.begin == 0 ? io.upload(ctx.inputs[j])
-                                        : make_leaves(io, handovers.await_input(ctx.fwd_out[fwd_stages - 1][j]), true);
+                                        : make_leaves(io, handovers.await_input(ctx.fwd_out[fwd_stages - 1][j]),
+                                                      /*need_grad=*/true);
       StageTimer timer(ctx, io, 0);
       Activations acts = leaves;
       const at::Tensor label = label_for(ctx, r, j, io, LabelUse::kLossFn);
       SideInputScope side = microbatch_side_inputs(ctx, j, io);
       for (int64_t l = r.begin; l < r.end; ++l) {
         pos.layer = l;
-        acts = run_layer(ctx, shells[l], l, j, layer_inputs(ctx, l, acts, label), io, /*first_pass=*/true,
-                         PassKind::kPlain);
+        acts = run_layer(ctx, shells[l], l, j, layer_inputs(ctx, l, acts, label), io, PassKind::kPlain);
       }
-      pos.layer = -1;
-      pos.step = "loss_fn";
-      TORCH_CHECK(acts.size() == 1, "the last layer returned ", acts.size(),
-                  " tensors; loss_fn takes one output tensor");
-      at::Tensor loss;
+      pos.layer.reset();
+      const at::Tensor loss = call_loss_fn(ctx, pos, observer, acts, label);
       {
-        amp::detail::ScopedScaleObserver observe(&observer);
-        loss = (*ctx.loss_fn)(acts[0], label);
+        StepLabel doing(pos, "backward");
+        loss.backward();
+        timer.stop();
       }
-      TORCH_CHECK(loss.defined() && loss.numel() == 1, "loss_fn must return a one-element tensor, got ",
-                  loss.defined() ? "shape " + c10::str(loss.sizes()) : "an undefined tensor",
-                  ": reduce the loss to a scalar inside loss_fn (e.g. a sum over the microbatch divided by the full "
-                  "batch size)");
-      TORCH_CHECK(loss.requires_grad(),
-                  "loss_fn returned a loss that does not require grad: compute it from the "
-                  "output tensor without detaching it (no .detach(), .item() or NoGradGuard inside loss_fn)");
-      pos.step = "backward";
-      loss.backward();
-      timer.stop();
-      pos.step = "";
       handovers.flush_before(j);
       handovers.post(
-          j, [&ctx, j](Activations a) { ctx.losses[j] = a[0].reshape({}); },
-          io.download_async({loss.detach()}, /*copy=*/false));
-      if (r.begin > 0) handovers.post(j, ctx.bwd_grad[0][j], io.download_async(leaf_grads(leaves), /*copy=*/false));
+          j, [&ctx, j](Activations a) { ctx.losses[j] = a[0].reshape({}); }, io.download_async({loss.detach()}));
+      if (r.begin > 0) handovers.post(j, ctx.bwd_grad[0][j], io.download_async(leaf_grads(leaves)));
       if (j == 0) release_after_copy(ctx, r, shells, io, ReleasePoint::kAfterFirstMicrobatch);
     }
-    handovers.flush_all();
-    pos.microbatch = -1;
-    pos.step = "checking gradients for inf/NaN";
-    post_found_inf(ctx, shells, device);
-    pos.step = "";
-    for (int64_t l = r.begin; l < r.end; ++l) {
-      ctx.grads[l] = param_grads(ctx, l, shells[l], io);
-      ctx.buffers[l] = buffer_copies(shells[l], io);
-    }
-    if (ctx.on_grads_ready) ctx.on_grads_ready(r.begin, r.end);
+    finish_gradient_job(job, JobBuffers::kFinal);
   });
 }
 
@@ -579,73 +713,23 @@ void run_backward_stage(RunContext& ctx, size_t stage, scheduler::LayerRange r, 
     // Recompute starts from the buffers the forward started from (the shells get the snapshots),
     // and evolves them in the same microbatch order; the results are discarded (Note [Buffers in
     // recompute]).
-    LayerLeases shells(ctx, r, io, pos, /*from_snapshot=*/true);
+    LayerLeases shells(ctx, r, io, pos, LayerBuffers::kFromForwardSnapshot);
     release_after_copy(ctx, r, shells, io, ReleasePoint::kBeforeFirstMicrobatch);
-    // Note [Recompute ahead]: with the stage grain a microbatch is recomputed as soon as the
-    // device is free and the forward has passed the stage's layers for it, and its gradient is
-    // awaited only before the backward pass, so the recompute overlaps the wait for the stage
-    // downstream (what the Python original does; scheduler::SimulateOptions::recompute_ahead).
-    // The measuring call awaits first, so its timer sees only the work.
-    const bool ahead = ctx.grain == RecomputeGrain::kStage && stage >= ctx.backward_stage_ms.size();
-    Handovers handovers(io);  // Note [Deferred hand-over]
+    const bool ahead = recomputes_ahead(ctx, stage);  // Note [Recompute ahead]
+    Handovers handovers(io);                          // Note [Deferred hand-over]
+    JobState job{ctx, r, pos, io, shells, handovers};
     for (int64_t j = 0; j < ctx.num_microbatch; ++j) {
       pos.microbatch = j;
-      Activations grads;
-      if (!ahead) grads = io.upload(handovers.await_input(ctx.bwd_grad[stage - 1][j]));
-      StageTimer timer(ctx, io, stage);
-      SideInputScope side = microbatch_side_inputs(ctx, j, io);
-      if (ctx.grain == RecomputeGrain::kStage) {
-        // The forward of the stage's layers must be done for this microbatch (the recompute
-        // replays its draws, Note [Layer RNG]): the saved input of the next stage down, or the
-        // fused tail's input. Awaiting the gradient first implied it.
-        if (ahead) {
-          handovers.await_input(r.end < ctx.num_layers && !ctx.saved[r.end].empty() ? ctx.saved[r.end][j]
-                                                                                    : ctx.fwd_out.back()[j]);
-        }
-        Activations leaves = make_leaves(io, handovers.await_input(ctx.saved[r.begin][j]), r.begin > 0);
-        Activations acts = leaves;
-        pos.step = "recompute";
-        for (int64_t l = r.begin; l < r.end; ++l) {
-          pos.layer = l;
-          acts = run_layer(ctx, shells[l], l, j, acts, io, /*first_pass=*/false, PassKind::kReplays);
-        }
-        pos.layer = -1;
-        if (ahead) {
-          pos.step = "";  // as when awaiting first: an upstream failure is reported as such
-          grads = io.upload(handovers.await_input(ctx.bwd_grad[stage - 1][j]));
-        }
-        pos.step = "backward";
-        backward_paired(acts, grads);
-        grads = leaf_grads(leaves);
-      } else {
-        for (int64_t l = r.end - 1; l >= r.begin; --l) {
-          pos.layer = l;
-          Activations leaves = make_leaves(io, handovers.await_input(ctx.saved[l][j]), l > 0);
-          pos.step = "recompute";
-          Activations acts = run_layer(ctx, shells[l], l, j, leaves, io, /*first_pass=*/false, PassKind::kReplays);
-          pos.step = "backward";
-          backward_paired(acts, grads);
-          grads = leaf_grads(leaves);
-        }
-        pos.layer = -1;
-      }
-      timer.stop();
-      pos.step = "";
+      const Activations grads = backward_microbatch(job, stage, j, ahead);
       if (!ctx.recompute_slots.empty()) {
         for (int64_t l = r.begin; l < r.end; ++l)
           ctx.recompute_slots[static_cast<size_t>(l * ctx.num_microbatch + j)] = {};
       }
       handovers.flush_before(j);
-      if (r.begin > 0) handovers.post(j, ctx.bwd_grad[stage][j], io.download_async(grads, /*copy=*/false));
+      if (r.begin > 0) handovers.post(j, ctx.bwd_grad[stage][j], io.download_async(grads));
       if (j == 0) release_after_copy(ctx, r, shells, io, ReleasePoint::kAfterFirstMicrobatch);
     }
-    handovers.flush_all();
-    pos.microbatch = -1;
-    pos.step = "checking gradients for inf/NaN";
-    post_found_inf(ctx, shells, device);
-    pos.step = "";
-    for (int64_t l = r.begin; l < r.end; ++l) ctx.grads[l] = param_grads(ctx, l, shells[l], io);
-    if (ctx.on_grads_ready) ctx.on_grads_ready(r.begin, r.end);
+    finish_gradient_job(job, JobBuffers::kDiscarded);
   });
 }
 
