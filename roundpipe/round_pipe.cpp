@@ -52,6 +52,75 @@ thread_local int optimizer_ctx_depth = 0;
 thread_local const void* async_step_of = nullptr;
 std::atomic<uint64_t> next_flag_batch{1};  // run ids for GradScaler flags, unique in the process
 
+// A run's gradient sync (data parallelism), abandoned (GradSync::abandon: this rank's collectives
+// are out of step) when the guard goes out of scope before finish() or release(). Empty without a
+// sync. Used on the thread that owns the sync at that point: the caller, then the run's tail.
+class PendingGradSync {
+ public:
+  explicit PendingGradSync(detail::GradSync* sync) : sync_(sync) {}
+  ~PendingGradSync() {
+    if (sync_ != nullptr) sync_->abandon();
+  }
+  PendingGradSync(const PendingGradSync&) = delete;
+  PendingGradSync& operator=(const PendingGradSync&) = delete;
+
+  /// The run succeeded: averages its gradients over the ranks (GradSync::finish).
+  void finish() {
+    if (detail::GradSync* sync = std::exchange(sync_, nullptr)) sync->finish();
+  }
+  /// Hands the sync to the run's tail, which guards it from then on.
+  detail::GradSync* release() { return std::exchange(sync_, nullptr); }
+
+ private:
+  detail::GradSync* sync_;
+};
+
+// The tail of a training run (Note [Run tails] in step_pipeline.cpp), detached or not, on the step
+// pipeline's tail thread: waits for the run's backward jobs, then averages the gradients over the
+// ranks (with a sync) and hands them over, accumulated until step. A failed run hands nothing
+// over: its sync is abandoned, the GradScaler flags announced for it are dropped (as for a run
+// never announced, so that no update waits for flags that never come), and the error is rethrown.
+struct RunTail {
+  std::shared_ptr<detail::RunContext> ctx;
+  std::shared_ptr<detail::RunJobs> jobs;
+  detail::StepPipeline* steps = nullptr;
+  const detail::LayerSet* layers = nullptr;
+  int64_t steps_before = 0;
+  detail::GradSync* sync = nullptr;               // released to the tail by the caller, or null
+  amp::GradScaler* flags_announced_to = nullptr;  // a detached run's scaler, told to expect its flags
+
+  void operator()() const {
+    PendingGradSync pending(sync);
+    if (const std::exception_ptr error = detail::finish_backward(*ctx, *jobs)) {
+      if (flags_announced_to != nullptr) {
+        amp::detail::GradScalerAccess::drop_run(*flags_announced_to, ctx->scaler_generation.load(), ctx->flag_batch);
+      }
+      std::rethrow_exception(error);
+    }
+    pending.finish();
+    steps->accept_grads(*layers, ctx->grads, steps_before);
+  }
+};
+
+torch::nn::Sequential checked_model(torch::nn::Sequential model) {
+  TORCH_CHECK(!model.is_empty() && model->size() > 0,
+              "RoundPipe needs a torch::nn::Sequential with at least one layer");
+  return model;
+}
+
+std::vector<c10::Device> checked_devices(const RoundPipeOptions& options) {
+  std::vector<c10::Device> devices = options.devices().empty() ? default_devices() : options.devices();
+  check_devices(devices);
+  return devices;
+}
+
+// The base seed of layer_seed when RoundPipeOptions::seed is unset: drawn from the CPU generator.
+uint64_t draw_seed() {
+  auto gen = at::detail::getDefaultCPUGenerator();
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  return gen.get<at::CPUGeneratorImpl>()->random64();
+}
+
 }  // namespace
 
 OptimizerCtx::OptimizerCtx() { ++optimizer_ctx_depth; }
@@ -59,26 +128,49 @@ OptimizerCtx::~OptimizerCtx() { --optimizer_ctx_depth; }
 bool OptimizerCtx::active() { return optimizer_ctx_depth > 0; }
 
 // Owned by the caller thread; the members below that others touch say so.
+// Members without a comment saying otherwise are set by the constructor and fixed after it.
 struct RoundPipe::Impl {
-  torch::nn::Sequential model;
-  RoundPipeOptions options;
-  std::vector<c10::Device> devices;
+  Impl(torch::nn::Sequential model, RoundPipeOptions options);
+
+  const torch::nn::Sequential model;
+  const RoundPipeOptions options;
+  const std::vector<c10::Device> devices;
   detail::LayerSet layer_set;  // immutable after construction, but for what LayerSet says
   // Compute copies per layer (the model's own parameters), distinct within the model.
   std::vector<std::vector<torch::Tensor>> params;
   std::vector<std::vector<std::string>> param_names;
   std::vector<std::unique_ptr<detail::DeviceWorker>> workers;
   int64_t device_cursor = 0;  // round-robin position, continues across calls
-  int64_t iteration = 0;
+  int64_t iteration = 0;      // changed by training calls and set_iteration
   uint64_t seed = 0;
-  bool warned_small_batch = false;
-  const Logger* log = &Logger::get("runtime");
+  bool warned_small_batch = false;  // changed by the first call that clamps num_microbatch
+  const Logger* const log = &Logger::get("runtime");
   std::unique_ptr<detail::PlanSelector> planner;
   std::unique_ptr<detail::GradSync> grad_sync;  // with a process group of more than one rank
-  detail::CallerGuard caller_guard;  // Note [One caller thread]
+  detail::CallerGuard caller_guard;             // Note [One caller thread]
   std::unique_ptr<detail::StepPipeline> steps;  // declared last: destroyed (drained) first
 
   int64_t num_layers() const { return static_cast<int64_t>(layer_set.layers.size()); }
+  bool drives_gpus() const {
+    return std::any_of(devices.begin(), devices.end(), [](const c10::Device& d) { return d.is_cuda(); });
+  }
+  // Data parallelism: gradients are averaged over the ranks of the process group.
+  bool data_parallel() const { return options.process_group() && options.process_group()->world_size() > 1; }
+
+  // The constructor's steps, in order.
+  void check_options() const;
+  void build_layer_set();
+  void add_layer(const torch::nn::AnyModule& layer, std::unordered_map<const void*, detail::ParamRef>& owner);
+  void pin_host_copies();
+  int64_t device_memory_budget() const;
+  void make_planner();
+
+  // forward_backward's steps.
+  PendingGradSync begin_grad_sync(detail::RunContext& ctx);
+  void prelease_backward_shells(detail::RunContext& ctx, int64_t fused_begin);
+  [[noreturn]] void fail_run(const std::shared_ptr<detail::RunContext>& ctx,
+                             const std::shared_ptr<detail::RunJobs>& jobs, const std::exception_ptr& head_error);
+  int64_t combine_found_inf(detail::RunContext& ctx, amp::GradScaler* scaler);
 
   // The entry of forward_backward, forward, step and synchronize (Note [One caller thread]): one
   // thread at a time, and never one of the model's own threads, where a callback calling back in
@@ -93,7 +185,8 @@ struct RoundPipe::Impl {
     }
     TORCH_CHECK(async_step_of != this, "RoundPipe '", options.name(), "': ", entry,
                 " called from inside a step function, on the model's optimizer thread (it would wait for "
-                "itself); call ", entry, " from your own thread after step() returns");
+                "itself); call ",
+                entry, " from your own thread after step() returns");
     return caller_guard.enter(entry, options.name());
   }
 
@@ -140,8 +233,8 @@ struct RoundPipe::Impl {
       warned_small_batch = true;
       if (log->enabled(level)) {
         log->log(level, detail::log_concat("RoundPipe '", options.name(), "': ", entry, ": batch of ", rows,
-                                           " rows is smaller than num_microbatch ", *cfg.clamped_from, "; using ",
-                                           rows, " microbatches"));
+                                           " rows is smaller than num_microbatch ", *cfg.clamped_from, "; using ", rows,
+                                           " microbatches"));
       }
     }
     scheduler::ExecutePlan plan = planner->plan_for(cfg.execute_plan, type);
@@ -159,8 +252,8 @@ struct RoundPipe::Impl {
     ctx.autocast = amp::AutocastState::capture();
     ctx.inputs = detail::split_batch(inputs, M, "inputs", options.name());
     ctx.label_to_last_layer = options.label_to_last_layer();
-    TORCH_CHECK(!ctx.label_to_last_layer || label.defined() || !ctx.training, "RoundPipe '", options.name(), "': ",
-                entry, " needs a label: RoundPipeOptions::label_to_last_layer passes it to the last layer");
+    TORCH_CHECK(!ctx.label_to_last_layer || label.defined() || !ctx.training, "RoundPipe '", options.name(),
+                "': ", entry, " needs a label: RoundPipeOptions::label_to_last_layer passes it to the last layer");
     if (ctx.training || label.defined()) ctx.labels = detail::split_label(label, rows, M, options.name());
     ctx.side_inputs = detail::split_side_inputs(SideInputScope::current(), rows, M, options.name());
     if (ctx.training) {
@@ -176,83 +269,31 @@ struct RoundPipe::Impl {
   }
 };
 
-RoundPipe::RoundPipe(torch::nn::Sequential model, RoundPipeOptions options) : impl_(std::make_unique<Impl>()) {
-  Impl& m = *impl_;
-  TORCH_CHECK(!model.is_empty() && model->size() > 0, "RoundPipe needs a torch::nn::Sequential with at least one layer");
-  m.model = model;
-  m.options = options;
-  m.devices = options.devices().empty() ? default_devices() : options.devices();
-  check_devices(m.devices);
+RoundPipe::Impl::Impl(torch::nn::Sequential model_in, RoundPipeOptions options_in)
+    : model(checked_model(std::move(model_in))), options(std::move(options_in)), devices(checked_devices(options)) {
+  check_options();
+  build_layer_set();
+  if (drives_gpus()) pin_host_copies();
+  seed = options.seed() ? *options.seed() : draw_seed();
+  make_planner();
+  if (data_parallel()) {
+    detail::broadcast_model(*options.process_group(), options.name(), layer_set);
+    grad_sync =
+        std::make_unique<detail::GradSync>(options.process_group(), layer_set, params, options.grad_bucket_bytes());
+  }
+  // Note [Optimizer thread budget] (step_pipeline.cpp): half the cores when driving GPUs.
+  const int64_t optimizer_threads = drives_gpus() ? std::max<int64_t>(1, std::thread::hardware_concurrency() / 2) : 0;
+  steps = std::make_unique<detail::StepPipeline>(&params, options.optim_dtype(), options.master_grad_dtype(),
+                                                 optimizer_threads);
+  for (const auto& device : devices) workers.push_back(std::make_unique<detail::DeviceWorker>(device));
+  ROUNDPIPE_LOG(*log, kInfo, "RoundPipe '", options.name(), "': ", num_layers(), " layers on ", devices.size(),
+                " device(s)");
+}
+
+// Every option a bad value of which would fail later, checked at construction.
+void RoundPipe::Impl::check_options() const {
   if (options.run_config().num_microbatch) {
     detail::check_num_microbatch(*options.run_config().num_microbatch, "RoundPipeOptions::run_config.num_microbatch");
-  }
-  std::unordered_map<const void*, detail::ParamRef> owner;
-  for (const auto& layer : *model) {
-    const int64_t l = static_cast<int64_t>(m.layer_set.layers.size());
-    m.layer_set.layers.push_back(layer);
-    m.layer_set.names.push_back(std::to_string(l) + " (" + layer.ptr()->name() + ")");
-    for (const auto& b : layer.ptr()->named_buffers()) {
-      TORCH_CHECK(!b.value().requires_grad(), "RoundPipe '", options.name(), "': buffer '", b.key(), "' of layer ",
-                  m.layer_set.names.back(), " requires grad; buffers must not (register it as a parameter instead)");
-    }
-    std::vector<torch::Tensor> ps;
-    std::vector<std::string> names;
-    std::vector<detail::ParamRef> uses;
-    std::vector<int64_t> use_of_position;
-    for (const auto& p : layer.ptr()->named_parameters()) {
-      const detail::ParamRef ref{l, static_cast<int64_t>(ps.size())};
-      // Note [Shared parameters]: a parameter belongs to the first layer that holds it (its master,
-      // optimizer state and name are that layer's); a later layer that holds it too (tied
-      // embeddings) or a second position in the same layer is one more use of it. Each stage job
-      // sends one gradient per use (LayerSet::uses), which the caller adds into the owner's .grad:
-      // the gradient is the sum over all uses. The owner comes first, so the async protocol's
-      // per-layer waits cover it: published[l] >= k implies published[owner] >= k (the step job
-      // publishes in layer order), and the caller waits for consumed[owner] before adding.
-      auto [it, inserted] = owner.emplace(p.value().unsafeGetTensorImpl(), ref);
-      if (inserted) {
-        ps.push_back(p.value());
-        names.push_back(std::to_string(l) + "." + p.key());
-      }
-      const detail::ParamRef& used = it->second;
-      auto u = std::find_if(uses.begin(), uses.end(), [&](const detail::ParamRef& r) {
-        return r.layer == used.layer && r.index == used.index;
-      });
-      if (u == uses.end()) u = uses.insert(uses.end(), used);
-      use_of_position.push_back(static_cast<int64_t>(u - uses.begin()));
-    }
-    m.params.push_back(ps);
-    m.param_names.push_back(names);
-    m.layer_set.uses.push_back(uses);
-    m.layer_set.use_of_position.push_back(use_of_position);
-  }
-  const bool drives_gpus = std::any_of(m.devices.begin(), m.devices.end(), [](const c10::Device& d) { return d.is_cuda(); });
-  if (drives_gpus) {
-    // Host copies in pinned memory, so uploads are asynchronous (Note [Stage streams]): one
-    // exact-size registered block per layer (Note [Exact-size pinned host memory]); what that
-    // leaves pageable (a refused registration, tensors outside the layers) goes through the
-    // caching host allocator.
-    torch::NoGradGuard no_grad;
-    const auto packed = detail::pack_layers(m.layer_set.layers, detail::cuda_host_pinner());
-    constexpr double kMiB = 1024.0 * 1024.0;
-    ROUNDPIPE_LOG(Logger::get("runtime"), kInfo, "RoundPipe '", options.name(), "': compute copies pinned in ",
-                  packed.blocks, " exact-size host blocks, ", packed.block_bytes / kMiB, " MiB (",
-                  packed.power_of_two_bytes / kMiB, " MiB through the caching host allocator)",
-                  packed.refused_groups > 0 ? "; " + std::to_string(packed.refused_groups) + " layers refused" : "");
-    m.layer_set.grad_buffers = std::make_shared<detail::HostBufferPool>(detail::cuda_host_pinner());
-    auto pin = [](torch::Tensor t) {
-      if (t.defined() && t.is_cpu() && !t.is_pinned()) t.set_data(t.detach().pin_memory());
-    };
-    for (auto& p : model->parameters()) pin(p);
-    for (auto& b : model->buffers()) pin(b);
-  }
-  m.layer_set.call_modes = std::make_unique<std::atomic<int>[]>(m.layer_set.layers.size());
-  for (size_t l = 0; l < m.layer_set.layers.size(); ++l) m.layer_set.call_modes[l] = 0;
-  if (options.seed()) {
-    m.seed = *options.seed();
-  } else {
-    auto gen = at::detail::getDefaultCPUGenerator();
-    std::lock_guard<std::mutex> lock(gen.mutex());
-    m.seed = gen.get<at::CPUGeneratorImpl>()->random64();
   }
   if (options.optim_dtype()) detail::check_master_dtype(*options.optim_dtype(), "RoundPipeOptions::optim_dtype");
   if (options.master_grad_dtype()) {
@@ -260,46 +301,112 @@ RoundPipe::RoundPipe(torch::nn::Sequential model, RoundPipeOptions options) : im
                 "RoundPipeOptions::master_grad_dtype must be a floating-point dtype (e.g. torch::kBFloat16), got ",
                 *options.master_grad_dtype());
   }
-  int64_t budget = std::numeric_limits<int64_t>::max();
   if (options.device_memory_budget_bytes()) {
-    TORCH_CHECK(*options.device_memory_budget_bytes() > 0, "RoundPipeOptions::device_memory_budget_bytes must be > 0, got ",
+    TORCH_CHECK(*options.device_memory_budget_bytes() > 0,
+                "RoundPipeOptions::device_memory_budget_bytes must be > 0, got ",
                 *options.device_memory_budget_bytes());
-    budget = *options.device_memory_budget_bytes();
-  } else {
-    for (const auto& d : m.devices) {
-      if (d.is_cuda()) budget = std::min(budget, cuda_device_memory_bytes(d.index()) / 2);
-    }
   }
+}
+
+void RoundPipe::Impl::build_layer_set() {
+  std::unordered_map<const void*, detail::ParamRef> owner;  // by TensorImpl (Note [Shared parameters])
+  for (const auto& layer : *model) add_layer(layer, owner);
+  layer_set.call_modes = std::make_unique<std::atomic<int>[]>(layer_set.layers.size());
+  for (size_t l = 0; l < layer_set.layers.size(); ++l) layer_set.call_modes[l] = 0;
+}
+
+// Appends `layer` to layer_set, params and param_names; `owner`: every parameter seen so far.
+void RoundPipe::Impl::add_layer(const torch::nn::AnyModule& layer,
+                                std::unordered_map<const void*, detail::ParamRef>& owner) {
+  const int64_t l = num_layers();
+  layer_set.layers.push_back(layer);
+  layer_set.names.push_back(std::to_string(l) + " (" + layer.ptr()->name() + ")");
+  for (const auto& b : layer.ptr()->named_buffers()) {
+    TORCH_CHECK(!b.value().requires_grad(), "RoundPipe '", options.name(), "': buffer '", b.key(), "' of layer ",
+                layer_set.names.back(), " requires grad; buffers must not (register it as a parameter instead)");
+  }
+  std::vector<torch::Tensor> ps;
+  std::vector<std::string> names;
+  std::vector<detail::ParamRef> uses;
+  std::vector<int64_t> use_of_position;
+  for (const auto& p : layer.ptr()->named_parameters()) {
+    const detail::ParamRef ref{l, static_cast<int64_t>(ps.size())};
+    // Note [Shared parameters]: a parameter belongs to the first layer that holds it (its master,
+    // optimizer state and name are that layer's); a later layer that holds it too (tied
+    // embeddings) or a second position in the same layer is one more use of it. Each stage job
+    // sends one gradient per use (LayerSet::uses), which the caller adds into the owner's .grad:
+    // the gradient is the sum over all uses. The owner comes first, so the async protocol's
+    // per-layer waits cover it: published[l] >= k implies published[owner] >= k (the step job
+    // publishes in layer order), and the caller waits for consumed[owner] before adding.
+    auto [it, inserted] = owner.emplace(p.value().unsafeGetTensorImpl(), ref);
+    if (inserted) {
+      ps.push_back(p.value());
+      names.push_back(std::to_string(l) + "." + p.key());
+    }
+    const detail::ParamRef& used = it->second;
+    auto u = std::find_if(uses.begin(), uses.end(),
+                          [&](const detail::ParamRef& r) { return r.layer == used.layer && r.index == used.index; });
+    if (u == uses.end()) u = uses.insert(uses.end(), used);
+    use_of_position.push_back(static_cast<int64_t>(u - uses.begin()));
+  }
+  params.push_back(ps);
+  param_names.push_back(names);
+  layer_set.uses.push_back(uses);
+  layer_set.use_of_position.push_back(use_of_position);
+}
+
+// Host copies in pinned memory, so uploads are asynchronous (Note [Stage streams]): one exact-size
+// registered block per layer (Note [Exact-size pinned host memory]); what that leaves pageable (a
+// refused registration, tensors outside the layers) goes through the caching host allocator.
+void RoundPipe::Impl::pin_host_copies() {
+  torch::NoGradGuard no_grad;
+  const auto packed = detail::pack_layers(layer_set.layers, detail::cuda_host_pinner());
+  constexpr double kMiB = 1024.0 * 1024.0;
+  ROUNDPIPE_LOG(*log, kInfo, "RoundPipe '", options.name(), "': compute copies pinned in ", packed.blocks,
+                " exact-size host blocks, ", packed.block_bytes / kMiB, " MiB (", packed.power_of_two_bytes / kMiB,
+                " MiB through the caching host allocator)",
+                packed.refused_groups > 0 ? "; " + std::to_string(packed.refused_groups) + " layers refused" : "");
+  layer_set.grad_buffers = std::make_shared<detail::HostBufferPool>(detail::cuda_host_pinner());
+  auto pin = [](torch::Tensor t) {
+    if (t.defined() && t.is_cpu() && !t.is_pinned()) t.set_data(t.detach().pin_memory());
+  };
+  for (auto& p : model->parameters()) pin(p);
+  for (auto& b : model->buffers()) pin(b);
+}
+
+// The planner's per-device memory budget: the option, else half the smallest GPU's memory, else
+// none (max).
+int64_t RoundPipe::Impl::device_memory_budget() const {
+  if (options.device_memory_budget_bytes()) return *options.device_memory_budget_bytes();
+  int64_t budget = std::numeric_limits<int64_t>::max();
+  for (const auto& d : devices) {
+    if (d.is_cuda()) budget = std::min(budget, cuda_device_memory_bytes(d.index()) / 2);
+  }
+  return budget;
+}
+
+void RoundPipe::Impl::make_planner() {
+  const int64_t budget = device_memory_budget();
   // Overlapping iterations: forward_backward returns before its backward ends (Note [Overlapping
   // iterations]); data-parallel runs wait for their gradient all-reduce.
-  const bool iterations_overlap =
-      options.overlap_backward() && !(options.process_group() && options.process_group()->world_size() > 1);
+  const bool iterations_overlap = options.overlap_backward() && !data_parallel();
   std::vector<std::string> kinds;
-  for (const auto& layer : m.layer_set.layers) kinds.push_back(layer.ptr()->name());
-  m.planner = std::make_unique<detail::PlanSelector>(m.layer_bytes(false), m.layer_bytes(true), std::move(kinds),
-                                                static_cast<int64_t>(m.devices.size()), budget,
-      engine_simulate_options(options.run_config().recompute_grain.value_or(kDefaultRecomputeGrain), iterations_overlap));
-  if (budget != std::numeric_limits<int64_t>::max()) {
-    try {
-      m.planner->auto_plan(RunType::kFused);  // a layer over the budget fails now, not at the first call
-    } catch (const c10::Error& e) {
-      TORCH_CHECK(false, "RoundPipe '", options.name(), "': RoundPipeOptions::device_memory_budget_bytes = ", budget,
-                  ": ", e.what_without_backtrace());
-    }
+  for (const auto& layer : layer_set.layers) kinds.push_back(layer.ptr()->name());
+  planner = std::make_unique<detail::PlanSelector>(
+      layer_bytes(false), layer_bytes(true), std::move(kinds), static_cast<int64_t>(devices.size()), budget,
+      engine_simulate_options(options.run_config().recompute_grain.value_or(kDefaultRecomputeGrain),
+                              iterations_overlap));
+  if (budget == std::numeric_limits<int64_t>::max()) return;
+  try {
+    planner->auto_plan(RunType::kFused);  // a layer over the budget fails now, not at the first call
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, "RoundPipe '", options.name(), "': RoundPipeOptions::device_memory_budget_bytes = ", budget,
+                ": ", e.what_without_backtrace());
   }
-  if (options.process_group() && options.process_group()->world_size() > 1) {
-    detail::broadcast_model(*options.process_group(), options.name(), m.layer_set);
-    m.grad_sync = std::make_unique<detail::GradSync>(options.process_group(), m.layer_set, m.params,
-                                                     options.grad_bucket_bytes());
-  }
-  // Note [Optimizer thread budget] (step_pipeline.cpp): half the cores when driving GPUs.
-  const int64_t optimizer_threads = drives_gpus ? std::max<int64_t>(1, std::thread::hardware_concurrency() / 2) : 0;
-  m.steps = std::make_unique<detail::StepPipeline>(&m.params, options.optim_dtype(), options.master_grad_dtype(),
-                                                   optimizer_threads);
-  for (const auto& device : m.devices) m.workers.push_back(std::make_unique<detail::DeviceWorker>(device));
-  ROUNDPIPE_LOG(*m.log, kInfo, "RoundPipe '", options.name(), "': ", m.num_layers(), " layers on ", m.devices.size(),
-                " device(s)");
 }
+
+RoundPipe::RoundPipe(torch::nn::Sequential model, RoundPipeOptions options)
+    : impl_(std::make_unique<Impl>(std::move(model), std::move(options))) {}
 
 RoundPipe::~RoundPipe() = default;
 
@@ -332,112 +439,90 @@ torch::Tensor RoundPipe::forward_backward(const std::vector<torch::Tensor>& inpu
   ctx.flag_batch = next_flag_batch.fetch_add(1);
   const int64_t steps_before = m.steps->steps();
   const bool measure = m.options.measure_layer_times() && m.planner->wants_measurement();
-  detail::GradSync* sync = m.grad_sync.get();
-  if (sync != nullptr) {
-    m.steps->wait_tails();
-    sync->begin(&ctx.grads);
-    ctx.on_grads_ready = [sync](int64_t begin, int64_t end) { sync->layers_ready(begin, end); };
-    ctx.defer_found_inf = true;
-  }
-  std::optional<std::pair<detail::ResolvedRunConfig, scheduler::ExecutePlan>> prepared;
-  try {
-    prepared.emplace(m.prepare(ctx, RunType::kFused, "forward_backward", inputs, label, config, measure));
-  } catch (...) {
-    if (sync != nullptr) sync->abandon();
-    throw;
-  }
-  const detail::ResolvedRunConfig& cfg = prepared->first;
-  const int64_t fused_begin = prepared->second.backward_stages().front().begin;
-  bool detached = m.options.overlap_backward() && sync == nullptr && ctx.forward_ms.empty();
-  if (detached) {
-    // Shells for the backward stages, leased here: a backward job that had to clone a layer would
-    // draw from the CPU generator in the background (Note [Draws in the tail] in stage_jobs.cpp).
-    ctx.preleased.resize(static_cast<size_t>(fused_begin));
-    for (int64_t l = 0; l < fused_begin; ++l) ctx.preleased[l].emplace(m.layer_set.shells, l);
-  }
+  PendingGradSync sync = m.begin_grad_sync(ctx);  // abandoned if this call fails
+  const auto [cfg, plan] = m.prepare(ctx, RunType::kFused, "forward_backward", inputs, label, config, measure);
+  const int64_t fused_begin = plan.backward_stages().front().begin;
+  bool detached = m.options.overlap_backward() && m.grad_sync == nullptr && ctx.forward_ms.empty();
+  if (detached) m.prelease_backward_shells(ctx, fused_begin);
   detail::StepPipeline* steps = m.steps.get();
   ctx.on_release = [steps](int64_t l) { steps->release_layer(l); };
-  std::shared_ptr<detail::RunJobs> jobs;
-  try {
-    jobs = std::make_shared<detail::RunJobs>(
-        detail::launch_run(ctx, prepared->second, RunType::kFused, m.workers, &m.device_cursor));
-  } catch (...) {
-    if (sync != nullptr) sync->abandon();
-    throw;
-  }
+  auto jobs =
+      std::make_shared<detail::RunJobs>(detail::launch_run(ctx, plan, RunType::kFused, m.workers, &m.device_cursor));
   // From here on, exactly one tail is posted. (The jobs may already have released layers: the
   // counts are read only by a step queued after this call.)
   steps->begin_run();
-  const std::exception_ptr head_error = detail::wait_jobs(jobs->jobs, 0, jobs->head);
-  if (head_error) {
-    // The backward jobs fail with the same error; wait for them (they reference ctx) in a tail,
-    // so the releases stay in run order, then report the root cause.
-    auto done = steps->post_tail(
-        [run_ctx, jobs] { detail::finish_backward(*run_ctx, *jobs); },
-        /*detached=*/false);
-    done.wait();
-    if (sync != nullptr) sync->abandon();
-    std::rethrow_exception(head_error);
+  if (const std::exception_ptr head_error = detail::wait_jobs(jobs->jobs, 0, jobs->head)) {
+    m.fail_run(run_ctx, jobs, head_error);
   }
   detail::write_back_buffers(ctx, m.layer_set);  // written by the forward and fused jobs
   // A layer of a backward stage that drew random numbers in its forward is recomputed with its
   // device's default generator reseeded (Note [Layer RNG]): not while the caller may draw from it.
   for (int64_t i = 0; detached && i < fused_begin * cfg.num_microbatch; ++i) detached = !ctx.rng_used[i].load();
   amp::GradScaler* scaler = ctx.scaler.load();
-  const int64_t expected_flags =
-      scaler != nullptr && scaler->is_enabled() ? static_cast<int64_t>(prepared->second.backward_stages().size()) : 0;
   torch::Tensor total = ctx.losses[0].clone();
   for (int64_t j = 1; j < cfg.num_microbatch; ++j) total.add_(ctx.losses[j]);
-
+  RunTail tail{run_ctx, jobs, steps, &m.layer_set, steps_before};
   if (detached) {
-    if (scaler != nullptr) m.steps->attach_scaler(*scaler, ctx.scaler_generation.load(), ctx.flag_batch, expected_flags);
-    steps->post_tail(
-        [run_ctx, jobs, steps, steps_before, scaler, expected_flags, layers = &m.layer_set] {
-          if (const std::exception_ptr error = detail::finish_backward(*run_ctx, *jobs)) {
-            // The scaler expects a flag per backward stage: a failed run's flags are dropped, as
-            // for a run never announced, so no update waits for the ones that never come.
-            if (scaler != nullptr && expected_flags > 0) {
-              amp::detail::GradScalerAccess::drop_run(*scaler, run_ctx->scaler_generation.load(), run_ctx->flag_batch);
-            }
-            std::rethrow_exception(error);
-          }
-          steps->accept_grads(*layers, run_ctx->grads, steps_before);
-        },
-        /*detached=*/true);
+    // The scaler expects a flag per backward stage; a failed tail drops them.
+    const bool flags = scaler != nullptr && scaler->is_enabled();
+    const int64_t expected_flags = flags ? static_cast<int64_t>(plan.backward_stages().size()) : 0;
+    if (scaler != nullptr) steps->attach_scaler(*scaler, ctx.scaler_generation.load(), ctx.flag_batch, expected_flags);
+    if (expected_flags > 0) tail.flags_announced_to = scaler;
+    steps->post_tail(tail, /*detached=*/true);
     return total;
   }
-
-  auto done = steps->post_tail(
-      [run_ctx, jobs, sync] {
-        if (const std::exception_ptr error = detail::finish_backward(*run_ctx, *jobs)) {
-          if (sync != nullptr) sync->abandon();
-          std::rethrow_exception(error);
-        }
-        if (sync != nullptr) sync->finish();  // the gradients are now the average over the ranks
-      },
-      /*detached=*/false);
-  done.get();
-  int64_t flags_posted = ctx.flags_posted.load();
-  if (sync != nullptr && scaler != nullptr && scaler->is_enabled()) {
-    // Note [found_inf across ranks]: the scaler's skip decision and its next scale come from the
-    // found_inf flags of the run's backward jobs, computed on this rank's gradients before the
-    // average. They are combined here (max over the ranks, one flag), so every rank skips the
-    // same steps and keeps the same scale, exactly as one process with the whole batch would.
-    at::Tensor found = ctx.found_inf_sum.defined() ? ctx.found_inf_sum.to(at::kFloat).reshape({1}).contiguous()
-                                                   : at::zeros({1}, at::kFloat);
-    sync->group().all_reduce(found, comm::ReduceOp::kMax).wait();
-    amp::detail::GradScalerAccess::post_found_inf(*scaler, ctx.scaler_generation.load(), ctx.flag_batch,
-                                                  found.reshape({}));
-    flags_posted = 1;
-  }
-  // Success: hand the gradients over (accumulated until step). Every earlier tail has finished.
-  m.steps->accept_grads(m.layer_set, ctx.grads, steps_before);
-  if (scaler != nullptr) m.steps->attach_scaler(*scaler, ctx.scaler_generation.load(), ctx.flag_batch, flags_posted);
+  tail.sync = sync.release();
+  steps->post_tail(tail, /*detached=*/false).get();
+  const int64_t flags_posted = m.combine_found_inf(ctx, scaler);
+  if (scaler != nullptr) steps->attach_scaler(*scaler, ctx.scaler_generation.load(), ctx.flag_batch, flags_posted);
   if (!ctx.forward_ms.empty()) {
     const std::string plans = m.planner->use_measured_times(ctx.forward_ms, ctx.backward_stage_ms, cfg.num_microbatch);
     ROUNDPIPE_LOG(*m.log, kInfo, "RoundPipe '", m.options.name(), "': plan from measured layer times: ", plans);
   }
   return total;
+}
+
+// Data parallelism: starts the gradient sync of the run `ctx` (after every earlier run's tail),
+// whose jobs report their layers' final gradients to it and defer their found_inf flags.
+PendingGradSync RoundPipe::Impl::begin_grad_sync(detail::RunContext& ctx) {
+  detail::GradSync* sync = grad_sync.get();
+  if (sync == nullptr) return PendingGradSync(nullptr);
+  steps->wait_tails();
+  sync->begin(&ctx.grads);
+  ctx.on_grads_ready = [sync](int64_t begin, int64_t end) { sync->layers_ready(begin, end); };
+  ctx.defer_found_inf = true;
+  return PendingGradSync(sync);
+}
+
+// Shells for the backward stages (layers [0, fused_begin)) of a detached run, leased here: a
+// backward job that had to clone a layer would draw from the CPU generator in the background
+// (Note [Draws in the tail] in stage_jobs.cpp).
+void RoundPipe::Impl::prelease_backward_shells(detail::RunContext& ctx, int64_t fused_begin) {
+  ctx.preleased.resize(static_cast<size_t>(fused_begin));
+  for (int64_t l = 0; l < fused_begin; ++l) ctx.preleased[l].emplace(layer_set.shells, l);
+}
+
+// A forward or the fused job failed: the backward jobs fail with the same error; waits for them
+// (they reference ctx) in a tail, so the releases stay in run order, then reports the root cause.
+void RoundPipe::Impl::fail_run(const std::shared_ptr<detail::RunContext>& ctx,
+                               const std::shared_ptr<detail::RunJobs>& jobs, const std::exception_ptr& head_error) {
+  steps->post_tail([ctx, jobs] { detail::finish_backward(*ctx, *jobs); }, /*detached=*/false).wait();
+  std::rethrow_exception(head_error);
+}
+
+// After an attached run's tail: the number of found_inf flags its jobs posted to `scaler`. Note
+// [found_inf across ranks]: with data parallelism, the scaler's skip decision and its next scale
+// come from the found_inf flags of the run's backward jobs, computed on this rank's gradients
+// before the average. They are combined here (max over the ranks, one flag), so every rank skips
+// the same steps and keeps the same scale, exactly as one process with the whole batch would.
+int64_t RoundPipe::Impl::combine_found_inf(detail::RunContext& ctx, amp::GradScaler* scaler) {
+  if (grad_sync == nullptr || scaler == nullptr || !scaler->is_enabled()) return ctx.flags_posted.load();
+  at::Tensor found = ctx.found_inf_sum.defined() ? ctx.found_inf_sum.to(at::kFloat).reshape({1}).contiguous()
+                                                 : at::zeros({1}, at::kFloat);
+  grad_sync->group().all_reduce(found, comm::ReduceOp::kMax).wait();
+  amp::detail::GradScalerAccess::post_found_inf(*scaler, ctx.scaler_generation.load(), ctx.flag_batch,
+                                                found.reshape({}));
+  return 1;
 }
 
 torch::Tensor RoundPipe::forward(const std::vector<torch::Tensor>& inputs, const RunConfig& config) {
@@ -483,8 +568,8 @@ void RoundPipe::step(std::function<void()> step_fn, StepMode mode) {
   impl_->steps->step(std::move(step_fn), mode);
   if (impl_->planner->set_async_steps(mode == StepMode::kAsync)) {
     // The automatic plan follows the step mode (docs/schedule.md, "In RoundPipe").
-    ROUNDPIPE_LOG(*impl_->log, kInfo, "RoundPipe '", impl_->options.name(), "': automatic plan: ",
-                  impl_->planner->describe_auto_plan());
+    ROUNDPIPE_LOG(*impl_->log, kInfo, "RoundPipe '", impl_->options.name(),
+                  "': automatic plan: ", impl_->planner->describe_auto_plan());
   }
 }
 
