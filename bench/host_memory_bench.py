@@ -6,7 +6,8 @@
 
 Protocol (issue 31's): `roundpipe train configs/default.yaml` with a 194M-parameter Llama
 (hidden 1024, 10 blocks, vocab 32000, untied, float32), AdamW, `--steps` steps, a final checkpoint,
-on 2 CPU devices (and 1), sync and async steps. Peak RSS is the process's (getrusage in a parent of its own);
+on 2 CPU devices (and 1), sync and async steps; bf16 compute, 8-bit moments, and bf16 masters
+with Kahan compensation (the compute copies, sync steps), with and without 8-bit moments. Peak RSS is the process's (getrusage in a parent of its own);
 the same command on the default tiny model (0.9M parameters) is subtracted, so B/param counts what
 the model's size costs, not LibTorch's own ~0.5 GiB. Reported per run:
 
@@ -14,6 +15,8 @@ the model's size costs, not LibTorch's own ~0.5 GiB. Reported per run:
   steps     the highest RSS sampled (every 50 ms) before the final checkpoint starts, per parameter
   ckpt      the highest RSS sampled while the final checkpoint is written, minus the RSS when it
             started, per parameter (what writing a checkpoint adds)
+  plan      what `roundpipe plan` predicts for the same overrides (its "estimated host memory"
+            peak), per parameter
   cpu       user + system CPU seconds of the run (system in brackets): giving memory back to the
             OS costs page faults when it is touched again
 
@@ -37,10 +40,15 @@ BIG = ["model.config.hidden_size=1024", "model.config.intermediate_size=2816", "
 BIG_PARAMS = 194_008_064  # printed by `roundpipe train` as "trainable parameters"; checked below
 PRELOADS = {"jemalloc": "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2",
             "mimalloc": "/usr/lib/x86_64-linux-gnu/libmimalloc.so.2"}
+BF16_MASTERS = ["model.dtype=bfloat16", "model.master_dtype=bfloat16", "optimizer.kahan_sum=true", "run.step_mode=sync"]
 RUNS = {  # name -> overrides
     "sync, 2 devices": ["run.step_mode=sync"],
     "async, 2 devices": ["run.step_mode=async"],
     "sync, 1 device": ["run.step_mode=sync", "run.devices=1"],
+    "bf16 compute, async, 2 devices": ["model.dtype=bfloat16", "run.step_mode=async"],
+    "int8 states, sync, 2 devices": ["run.step_mode=sync", "optimizer.state_dtype=int8"],
+    "bf16 masters + Kahan, sync, 2 devices": BF16_MASTERS,
+    "bf16 masters + Kahan + int8, sync, 2 devices": BF16_MASTERS + ["optimizer.state_dtype=int8"],
 }
 
 
@@ -99,6 +107,19 @@ def run(roundpipe: str, out_dir: str, overrides: list, allocator: str, steps: in
             "cpu": user_s + sys_s, "sys": sys_s}
 
 
+def predicted_bytes(roundpipe: str, overrides: list) -> int:
+    """`roundpipe plan`'s predicted peak host bytes for the run ("estimated host memory: peak ... (N B)")."""
+    cmd = [roundpipe, "plan", str(ROOT / "configs" / "default.yaml"), "train.batch_size=2", "data.seq_len=32",
+           *overrides]
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    if out.returncode != 0:
+        sys.exit("roundpipe plan failed:\n" + out.stderr[-2000:])
+    for line in out.stdout.splitlines():
+        if line.startswith("estimated host memory: peak"):
+            return int(line.split("(")[1].split(" B)")[0])
+    sys.exit("roundpipe plan printed no host memory estimate:\n" + out.stdout[-2000:])
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--roundpipe", default=str(ROOT / "build" / "roundpipe" / "launcher" / "roundpipe"))
@@ -114,8 +135,8 @@ def main() -> int:
     B = 2**10
     print(f"host memory per parameter, roundpipe train, 194M-parameter Llama (float32, AdamW), {args.steps} steps "
           f"+ final checkpoint; B/param above the tiny model's run")
-    print(f"| run | allocator | peak B/param | steps B/param | checkpoint adds | peak GiB | cpu s (sys) |")
-    print("|---|---|---|---|---|---|---|")
+    print(f"| run | allocator | peak B/param | steps B/param | checkpoint adds | plan predicts | peak GiB | cpu s (sys) |")
+    print("|---|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
         for allocator in allocators:
             tiny = run(args.roundpipe, f"{tmp}/tiny-{allocator}", [], allocator, args.steps)
@@ -124,9 +145,10 @@ def main() -> int:
                 if r["params"] != BIG_PARAMS:
                     sys.exit(f"expected {BIG_PARAMS} parameters, roundpipe train reported {r['params']}")
                 per = lambda kib: (kib - tiny["peak_kib"]) * B / r["params"]
+                predicted = predicted_bytes(args.roundpipe, BIG + RUNS[name]) / r["params"]
                 print(f"| {name} | {allocator} | {per(r['peak_kib']):.1f} | {per(r['steps_kib']):.1f} | "
-                      f"{r['ckpt_kib'] * B / r['params']:.1f} | {r['peak_kib'] / 2**20:.2f} | {r['cpu']:.1f} ({r['sys']:.1f}) |",
-                      flush=True)
+                      f"{r['ckpt_kib'] * B / r['params']:.1f} | {predicted:.1f} | {r['peak_kib'] / 2**20:.2f} | "
+                      f"{r['cpu']:.1f} ({r['sys']:.1f}) |", flush=True)
     return 0
 
 

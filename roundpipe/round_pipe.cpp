@@ -284,7 +284,7 @@ RoundPipe::Impl::Impl(torch::nn::Sequential model_in, RoundPipeOptions options_i
   // Note [Optimizer thread budget] (step_pipeline.cpp): half the cores when driving GPUs.
   const int64_t optimizer_threads = drives_gpus() ? std::max<int64_t>(1, std::thread::hardware_concurrency() / 2) : 0;
   steps = std::make_unique<detail::StepPipeline>(&params, options.optim_dtype(), options.master_grad_dtype(),
-                                                 optimizer_threads);
+                                                 optimizer_threads, options.in_place_masters());
   for (const auto& device : devices) workers.push_back(std::make_unique<detail::DeviceWorker>(device));
   ROUNDPIPE_LOG(*log, kInfo, "RoundPipe '", options.name(), "': ", num_layers(), " layers on ", devices.size(),
                 " device(s)");
@@ -301,6 +301,13 @@ void RoundPipe::Impl::check_options() const {
                 "RoundPipeOptions::master_grad_dtype must be a floating-point dtype (e.g. torch::kBFloat16), got ",
                 *options.master_grad_dtype());
   }
+  TORCH_CHECK(!options.in_place_masters() || (!options.optim_dtype() && !options.master_grad_dtype()),
+              "RoundPipeOptions::in_place_masters: the masters are the parameters themselves, in their own dtype, "
+              "so optim_dtype and master_grad_dtype must be unset (got optim_dtype ",
+              options.optim_dtype() ? c10::toString(*options.optim_dtype()) : "unset", ", master_grad_dtype ",
+              options.master_grad_dtype() ? c10::toString(*options.master_grad_dtype()) : "unset",
+              "): cast the model to the master dtype you want instead (e.g. model->to(torch::kBFloat16) with "
+              "optim::AdamOptions::kahan_sum)");
   if (options.device_memory_budget_bytes()) {
     TORCH_CHECK(*options.device_memory_budget_bytes() > 0,
                 "RoundPipeOptions::device_memory_budget_bytes must be > 0, got ",

@@ -40,6 +40,14 @@ struct RoundPipeOptions {
   /// tested); other optimizers are untested with it, and GradScaler::unscale_ refuses fp16
   /// gradients (as torch's does).
   TORCH_ARG(std::optional<c10::ScalarType>, master_grad_dtype) = std::nullopt;
+  /// The optimizer updates the compute copies themselves: no separate master copies, which saves
+  /// one parameter-sized copy of host memory (4 B/param with fp32 parameters; with bf16 parameters
+  /// and roundpipe::optim::Adam's kahan_sum these are bf16 masters with Kahan compensation,
+  /// docs/optimizer.md). optim_parameters() then returns the compute copies. Steps must be
+  /// StepMode::kSync: an async step would write the parameters the next iteration reads (refused
+  /// at step()). optim_dtype and master_grad_dtype must be unset: the masters are the parameters,
+  /// in their own dtype, with their own gradients.
+  TORCH_ARG(bool, in_place_masters) = false;
   /// Devices of the pool; each entry is one worker thread (CPU entries may repeat). Default:
   /// every visible CUDA device, else one CPU device.
   TORCH_ARG(std::vector<c10::Device>, devices) = {};
@@ -160,7 +168,8 @@ class RoundPipe {
   /// the last step. Rethrows an error of a queued step.
   void synchronize();
 
-  /// Master copies (dtype optim_dtype, CPU) in layer order; created on first call. Parameters
+  /// Master copies (dtype optim_dtype, CPU) in layer order; created on first call (with
+  /// RoundPipeOptions::in_place_masters: the compute copies themselves). Parameters
   /// that do not require grad at that point (frozen, e.g. LoRA's base weights) get none and are
   /// not listed: they cost no master copy, gradient or optimizer state.
   std::vector<torch::Tensor> optim_parameters();

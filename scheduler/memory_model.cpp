@@ -420,10 +420,13 @@ int64_t factored_state_bytes(const TransformerShape& shape) {
 
 HostMemory host_memory(const ParameterCount& params, const HostMemoryOptions& o) {
   TORCH_CHECK(o.compute_bytes > 0 && o.master_bytes > 0, "host memory model: dtype bytes must be positive");
+  TORCH_CHECK(!o.in_place_masters || (o.master_bytes == o.compute_bytes && !o.async_step),
+              "host memory model: in-place masters are the compute copies (master_bytes == compute_bytes) and "
+              "need sync steps");
   const int64_t n = params.trainable, s = o.compute_bytes, m = o.master_bytes;
   HostMemory h;
   h.compute_copies = params.total * s;
-  h.masters = n * m;
+  h.masters = o.in_place_masters ? 0 : n * m;
   h.grads = n * s + (s != m ? n * m : 0) + (o.async_step ? n * s : 0);
   switch (o.optimizer) {
     case OptimizerStateKind::kNone:
@@ -432,7 +435,7 @@ HostMemory host_memory(const ParameterCount& params, const HostMemoryOptions& o)
       h.optimizer_state = n * m;
       break;
     case OptimizerStateKind::kAdamFloat32:
-      h.optimizer_state = 2 * n * m;
+      h.optimizer_state = 2 * n * 4;  // float32 moments whatever the master dtype (optim::Adam)
       break;
     case OptimizerStateKind::kAdamInt8:
       h.optimizer_state = 2 * (n + 4 * ((n + 255) / 256));
@@ -441,6 +444,7 @@ HostMemory host_memory(const ParameterCount& params, const HostMemoryOptions& o)
       h.optimizer_state = o.factored_state_bytes;
       break;
   }
+  if (o.kahan_sum) h.optimizer_state += n * m;
   h.cpu_devices = o.cpu_device_bytes;
   return h;
 }

@@ -131,7 +131,7 @@ int64_t max_seq_len(const TransformerShape& shape, DeviceMemoryOptions options, 
 enum class OptimizerStateKind {
   kNone,            ///< SGD without momentum
   kOneMasterSized,  ///< Lion's momentum, SGD's momentum buffer
-  kAdamFloat32,     ///< Adam/AdamW exp_avg + exp_avg_sq in the master dtype
+  kAdamFloat32,     ///< Adam/AdamW exp_avg + exp_avg_sq in float32 (also with bf16 masters)
   kAdamInt8,        ///< block-wise 8-bit moments: 1 B each + an fp32 scale per 256 values
   kFactored,        ///< Adafactor: HostMemoryOptions::factored_state_bytes (factored_state_bytes())
 };
@@ -146,6 +146,12 @@ struct HostMemoryOptions {
   int64_t master_bytes = 4;   ///< model.master_dtype
   OptimizerStateKind optimizer = OptimizerStateKind::kAdamFloat32;
   bool async_step = true;  ///< run.step_mode: async (a second gradient set in flight)
+  /// RoundPipeOptions::in_place_masters: the compute copy is the master (master_bytes must equal
+  /// compute_bytes; sync steps only).
+  bool in_place_masters = false;
+  /// optim::AdamOptions::kahan_sum: a compensation buffer in the master dtype per trainable
+  /// parameter (bf16 masters).
+  bool kahan_sum = false;
   /// Host bytes the CPU devices' stage jobs hold at their peak (their "device" memory is host
   /// memory): 0 with GPUs.
   int64_t cpu_device_bytes = 0;
@@ -157,7 +163,7 @@ struct HostMemory {
   int64_t compute_copies = 0;
   int64_t masters = 0;
   int64_t grads = 0;
-  int64_t optimizer_state = 0;
+  int64_t optimizer_state = 0;  ///< moments, factored statistics, Kahan compensation
   int64_t cpu_devices = 0;
   int64_t total() const { return compute_copies + masters + grads + optimizer_state + cpu_devices; }
 };

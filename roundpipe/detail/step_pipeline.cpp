@@ -41,6 +41,16 @@ namespace roundpipe::detail {
 // As with PyTorch's zero_grad(false), a master .grad tensor kept by the caller across steps may
 // be overwritten by a later step.
 
+// Note [In-place masters]:
+// With RoundPipeOptions::in_place_masters the master of a trainable parameter is its compute copy
+// itself (the same tensor): the step function's optimizer updates the parameters the next
+// iteration computes with, and the gradients the tails add to the compute copies' .grad are
+// already the master gradients. So publish and consume do nothing, and the model holds one copy
+// of each parameter instead of two. This is safe only when no run reads the compute copies while
+// a step function runs: sync steps (which wait for every tail first) and the caller's own calls
+// between runs. Async steps are refused at step(): the next iteration reads the compute copies
+// while an async step would write them (the staleness-one protocol needs two copies).
+
 // Note [Run tails]:
 // A forward_backward returns once its forward and fused jobs have finished (the losses are
 // known); its backward jobs may still run. What is left of the run, its tail, runs on the tail
@@ -64,10 +74,12 @@ namespace roundpipe::detail {
 
 StepPipeline::StepPipeline(const std::vector<std::vector<at::Tensor>>* params,
                            std::optional<c10::ScalarType> optim_dtype,
-                           std::optional<c10::ScalarType> master_grad_dtype, int64_t optimizer_threads)
+                           std::optional<c10::ScalarType> master_grad_dtype, int64_t optimizer_threads,
+                           bool in_place_masters)
     : params_(params),
       optim_dtype_(optim_dtype),
       master_grad_dtype_(master_grad_dtype),
+      in_place_(in_place_masters),
       optimizer_threads_(optimizer_threads),
       published_(params->size(), 0),
       consumed_(params->size(), 0),
@@ -169,6 +181,7 @@ void StepPipeline::wait_published(int64_t l, int64_t step) { wait_counter(publis
 
 // Writes master values into the compute copies of layer l (caller holds no lock).
 void StepPipeline::publish_layer(size_t l) {
+  if (in_place_) return;  // the masters are the compute copies (Note [In-place masters])
   at::NoGradGuard no_grad;
   const auto& params = (*params_)[l];
   for (size_t k = 0; k < params.size(); ++k) {
@@ -188,6 +201,7 @@ c10::ScalarType StepPipeline::master_grad_dtype(const at::Tensor& compute, const
 // hand-over]): accumulated in place if the master has one, taken over if dtypes match, else cast
 // into the master's persistent gradient buffer. Optimizer thread (or the caller after drain()).
 void StepPipeline::consume_grads_layer(size_t l) {
+  if (in_place_) return;  // the compute copies' .grad are the master gradients (Note [In-place masters])
   at::NoGradGuard no_grad;
   const auto& params = (*params_)[l];
   for (size_t k = 0; k < params.size(); ++k) {
@@ -222,6 +236,11 @@ const std::vector<std::vector<at::Tensor>>& StepPipeline::masters() {
         // Frozen (e.g. LoRA's base weights): no master, no gradient buffer, no optimizer state;
         // the compute copy is the only copy (Note [Frozen parameters] in step_pipeline.h).
         masters_[l].emplace_back();
+        master_grad_buffers_[l].emplace_back();
+        continue;
+      }
+      if (in_place_) {  // Note [In-place masters]
+        masters_[l].push_back(p);
         master_grad_buffers_[l].emplace_back();
         continue;
       }
@@ -314,6 +333,10 @@ void StepPipeline::run_marshalled(amp::GradScaler& scaler, const std::function<v
 }
 
 void StepPipeline::step(std::function<void()> step_fn, StepMode mode) {
+  TORCH_CHECK(!in_place_ || mode == StepMode::kSync, "RoundPipe::step(..., StepMode::kAsync) with "
+              "RoundPipeOptions::in_place_masters: the optimizer would update the parameters while the next "
+              "iteration computes with them. Call step(fn, StepMode::kSync), or keep separate master copies "
+              "(in_place_masters(false)) for async steps");
   rethrow_async_error();
   masters();
   const int64_t k = ++steps_;

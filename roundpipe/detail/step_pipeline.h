@@ -45,9 +45,11 @@ class StepPipeline {
  public:
   /// `params[l]`: layer l's parameters (the compute copies), owned by the caller and alive as long
   /// as this object. `optimizer_threads`: the optimizer thread's base::thread_budget (0: none;
-  /// Note [Optimizer thread budget]).
+  /// Note [Optimizer thread budget]). `in_place_masters`: the compute copies are the masters
+  /// (RoundPipeOptions::in_place_masters; Note [In-place masters]); needs both dtypes unset.
   StepPipeline(const std::vector<std::vector<at::Tensor>>* params, std::optional<c10::ScalarType> optim_dtype,
-               std::optional<c10::ScalarType> master_grad_dtype, int64_t optimizer_threads = 0);
+               std::optional<c10::ScalarType> master_grad_dtype, int64_t optimizer_threads = 0,
+               bool in_place_masters = false);
   ~StepPipeline();
   StepPipeline(const StepPipeline&) = delete;
   StepPipeline& operator=(const StepPipeline&) = delete;
@@ -112,6 +114,7 @@ class StepPipeline {
   const std::vector<std::vector<at::Tensor>>* params_;
   const std::optional<c10::ScalarType> optim_dtype_;
   const std::optional<c10::ScalarType> master_grad_dtype_;
+  const bool in_place_;  // masters_ hold the compute copies themselves (Note [In-place masters])
   std::vector<std::vector<at::Tensor>> masters_;  // lazy
   // Per master: the gradient buffer (in master_grad_dtype()) reused by every step whose compute
   // copy grads have another dtype (Note [Gradient hand-over]); lazy.

@@ -80,6 +80,7 @@ struct OptimizerSection {
   double weight_decay{};
   double momentum{};                  ///< sgd only
   OptimizerStateDtype state_dtype{};  ///< adam / adamw only
+  bool kahan_sum{};                   ///< adam / adamw with model.master_dtype bfloat16 only
 };
 
 struct ScheduleSection {

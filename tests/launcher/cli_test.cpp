@@ -129,6 +129,34 @@ TEST(CliTest, Adafactor_TrainsAndResumesBitwise) {
   for (const TrainRecord& record : log.train) EXPECT_TRUE(std::isfinite(record.loss)) << record.step;
 }
 
+// model.master_dtype: bfloat16 with optimizer.kahan_sum (the bf16 compute copies are the masters,
+// sync steps): trains as close to fp32 masters as bf16 compute allows, the checkpointed weights
+// are bf16, the compensation round-trips through the checkpoint (resume == straight, bitwise),
+// and `roundpipe plan` counts no master copy.
+TEST(CliTest, Bf16MastersWithKahan_TrainAndResumeBitwise) {
+  ScratchDir dir;
+  const std::string bf16 = " model.dtype=bfloat16 run.step_mode=sync optimizer.lr=3.0e-3";
+  const std::string masters = " model.master_dtype=bfloat16 optimizer.kahan_sum=true";
+  const std::string common = " train.steps=6 checkpoint.every=3 checkpoint.keep=5 eval.every=0";
+  dir.write("run.yaml", tiny_config("straight"));
+  CliResult fp32 = run_cli(dir, "train run.yaml out_dir=fp32" + bf16 + common);
+  ASSERT_EQ(fp32.code, 0) << fp32.err;
+  CliResult straight = run_cli(dir, "train run.yaml" + bf16 + masters + common);
+  ASSERT_EQ(straight.code, 0) << straight.err;
+  CliResult resumed = run_cli(
+      dir, "train run.yaml out_dir=resumed" + bf16 + masters + common + " --resume straight/checkpoints/step-000003");
+  ASSERT_EQ(resumed.code, 0) << resumed.err;
+  expect_same_weights(dir.file("straight/checkpoints/step-000006"), dir.file("resumed/checkpoints/step-000006"));
+  auto weights = models::CheckpointReader::open(dir.file("straight/checkpoints/step-000006"));
+  EXPECT_EQ(weights.get("model.layers.0.mlp.up_proj.weight").scalar_type(), torch::kBFloat16);
+  const double lb = read_metrics(dir.file("straight/metrics.jsonl")).train.back().loss;
+  const double lf = read_metrics(dir.file("fp32/metrics.jsonl")).train.back().loss;
+  EXPECT_NEAR(lb, lf, 0.05 * lf);
+  CliResult plan = run_cli(dir, "plan run.yaml" + bf16 + masters);
+  ASSERT_EQ(plan.code, 0) << plan.err;
+  EXPECT_NE(plan.out.find("masters 0 (the compute copies)"), std::string::npos) << plan.out;
+}
+
 // optimizer.state_dtype: int8 (block-wise 8-bit Adam moments): the option reaches the optimizer
 // (the weights differ from float32 states' after a few steps, but the loss stays close), and the
 // 8-bit states round-trip through the checkpoint (resume == straight, bitwise).

@@ -184,6 +184,32 @@ TEST(ConfigTest, IncompatibleCombination_NamesTheKeys) {
   EXPECT_NO_THROW(parse_with("amp: {scaler: true}\n", {"model.dtype=bfloat16"}));
 }
 
+// model.master_dtype: bfloat16 needs all four of its conditions, each error naming the fix.
+TEST(ConfigTest, Bf16Masters_NeedKahanAdamBf16ComputeAndSyncSteps) {
+  const std::vector<std::string> ok = {"model.dtype=bfloat16", "model.master_dtype=bfloat16",
+                                       "optimizer.kahan_sum=true", "run.step_mode=sync"};
+  EXPECT_NO_THROW(parse_with("", ok));
+  auto without = [&](const std::string& key, const std::string& replacement) {
+    std::vector<std::string> out;
+    for (const auto& o : ok) {
+      if (o.rfind(key + "=", 0) != 0) out.push_back(o);
+    }
+    if (!replacement.empty()) out.push_back(replacement);
+    return out;
+  };
+  EXPECT_CONFIG_ERROR(parse_with("", without("optimizer.kahan_sum", "")), "model.master_dtype = bfloat16",
+                      "add optimizer.kahan_sum: true");
+  EXPECT_CONFIG_ERROR(parse_with("", without("model.dtype", "")), "model.master_dtype = bfloat16",
+                      "model.dtype must be bfloat16 too (it is float32)");
+  EXPECT_CONFIG_ERROR(parse_with("", without("run.step_mode", "")), "model.master_dtype = bfloat16",
+                      "set run.step_mode: sync");
+  std::vector<std::string> sgd = ok;
+  sgd.push_back("optimizer.name=sgd");
+  EXPECT_CONFIG_ERROR(parse_with("", sgd), "model.master_dtype = bfloat16", "use adamw");
+  EXPECT_CONFIG_ERROR(parse_with("", {"optimizer.kahan_sum=true"}), "optimizer.kahan_sum = true",
+                      "set master_dtype: bfloat16");
+}
+
 TEST(ConfigTest, Overrides_SetNestedListAndFreeMapKeys) {
   LauncherConfig c = parse_with("optimizer: {lr: 0.1}\n",
                                 {"optimizer.lr=1e-3", "optimizer.betas=[0.9,0.99]", "train.steps=7",

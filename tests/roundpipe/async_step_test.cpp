@@ -209,6 +209,63 @@ TEST(AsyncStepTest, MasterGradDtype_OtherComputeDtypesKeepMasterDtypeGrads) {
   }, StepMode::kSync);
 }
 
+// Note [In-place masters]: the compute copies are the masters. A plain loop (one model, the
+// optimizer on its parameters, whole-batch loss) is the reference: with one microbatch the layers
+// compute the same operations, so sync steps give bitwise the same parameters, and
+// optim_parameters() are the module's own tensors, with no second copy anywhere.
+TEST(AsyncStepTest, InPlaceMasters_SyncStepsEqualPlainLoop) {
+  for (auto dtype : {torch::kFloat, torch::kBFloat16}) {
+    SCOPED_TRACE(::testing::Message() << "dtype=" << dtype);
+    auto model = testing::make_mlp(61);
+    model->to(dtype);
+    auto plain = deep_copy(model);
+    // bf16 masters need compensation (optim::AdamOptions::kahan_sum); fp32 ones are unaffected by it.
+    const auto options = optim::AdamOptions(1e-2).kahan_sum(dtype == torch::kBFloat16);
+    optim::Adam plain_opt(plain->parameters(), options);
+    RunConfig one_microbatch;
+    one_microbatch.num_microbatch = 1;
+    RoundPipe rp(model,
+                 RoundPipeOptions().devices({c10::kCPU, c10::kCPU}).run_config(one_microbatch).in_place_masters(true));
+    const auto masters = rp.optim_parameters();
+    const auto params = rp.module()->parameters();
+    ASSERT_EQ(masters.size(), params.size());
+    for (size_t i = 0; i < masters.size(); ++i) {
+      EXPECT_TRUE(masters[i].is_same(params[i])) << "param " << i << " has a separate master copy";
+    }
+    optim::Adam opt(masters, options);
+    for (int it = 0; it < 8; ++it) {
+      torch::manual_seed(700 + it);
+      auto x = torch::randn({9, 8}).to(dtype), y = torch::randn({9, 4}).to(dtype);
+      auto loss = rp.forward_backward({x}, y, mse_over(y.numel()));
+      rp.step([&] {
+        opt.step();
+        opt.zero_grad();
+      }, StepMode::kSync);
+      auto plain_loss = mse_over(y.numel())(plain->forward(x), y);
+      plain_loss.backward();
+      plain_opt.step();
+      plain_opt.zero_grad();
+      ASSERT_TRUE(testing::tensors_close(loss.to(torch::kFloat), plain_loss.detach().to(torch::kFloat)))
+          << "iteration " << it;
+    }
+    rp.synchronize();
+    const auto got = rp.module()->parameters(), want = plain->parameters();
+    for (size_t i = 0; i < got.size(); ++i) EXPECT_TENSOR_EQ(got[i], want[i]) << "param " << i;
+    for (size_t i = 0; i < masters.size(); ++i) EXPECT_TRUE(masters[i].is_same(rp.module()->parameters()[i]));
+  }
+}
+
+TEST(AsyncStepTest, InPlaceMasters_AsyncStepAndMasterDtypesRefused) {
+  RoundPipe rp(testing::make_mlp(62), RoundPipeOptions().devices({c10::kCPU}).in_place_masters(true));
+  auto x = torch::randn({6, 8}), y = torch::randn({6, 4});
+  rp.forward_backward({x}, y, mse_over(y.numel()));
+  EXPECT_THROW_WITH(rp.step([] {}, StepMode::kAsync), "StepMode::kSync");
+  EXPECT_NO_THROW(rp.step([] {}, StepMode::kSync));
+  EXPECT_THROW_WITH(RoundPipe(testing::make_mlp(63),
+                             RoundPipeOptions().devices({c10::kCPU}).in_place_masters(true).optim_dtype(torch::kFloat)),
+                   "optim_dtype and master_grad_dtype must be unset");
+}
+
 TEST(AsyncStepTest, MasterGradDtype_MustBeFloating) {
   try {
     RoundPipe rp(testing::make_mlp(1), RoundPipeOptions().devices({c10::kCPU}).master_grad_dtype(torch::kInt));

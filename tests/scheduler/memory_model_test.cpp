@@ -2,6 +2,7 @@
 // vocab 64, hidden 32, intermediate 64, 2 decoder layers, 4 heads / 2 kv heads of 8, fp32.
 #include "scheduler/memory_model.h"
 
+#include <c10/util/Exception.h>
 #include <gtest/gtest.h>
 
 namespace roundpipe::scheduler {
@@ -269,6 +270,39 @@ TEST(MemoryModelTest, HostMemory_TermsPerOptimizer) {
   EXPECT_EQ(h.masters + h.grads + h.optimizer_state, (4 + 8 + 8) * 448);
   o.cpu_device_bytes = 12345;
   EXPECT_EQ(host_memory(lora, o).total(), h.total() + 12345);
+}
+
+// bf16 masters with Kahan compensation as the compute copies (RoundPipeOptions::in_place_masters,
+// sync steps): 2 (parameter) + 2 (gradient) + 2 (compensation) + moments; issue 31's 8.5 B/param
+// row with 8-bit moments.
+TEST(MemoryModelTest, HostMemory_InPlaceBf16MastersWithKahan) {
+  const ParameterCount n{kParams, kParams};
+  HostMemoryOptions o;
+  o.compute_bytes = 2;
+  o.master_bytes = 2;
+  o.async_step = false;
+  o.in_place_masters = true;
+  o.kahan_sum = true;
+  HostMemory h = host_memory(n, o);
+  EXPECT_EQ(h.compute_copies, 2 * kParams);
+  EXPECT_EQ(h.masters, 0);
+  EXPECT_EQ(h.grads, 2 * kParams);
+  EXPECT_EQ(h.optimizer_state, (8 + 2) * kParams);  // float32 moments + the bf16 compensation
+  o.optimizer = OptimizerStateKind::kAdamInt8;
+  h = host_memory(n, o);
+  EXPECT_EQ(h.optimizer_state, 2 * (kParams + 4 * 89) + 2 * kParams);
+  EXPECT_LE(static_cast<double>(h.total()) / kParams, 8.5);
+  // fp32 in place: the master copy's 4 B/param go.
+  o.compute_bytes = o.master_bytes = 4;
+  o.kahan_sum = false;
+  o.optimizer = OptimizerStateKind::kAdamFloat32;
+  EXPECT_EQ(host_memory(n, o).total(), (4 + 4 + 8) * kParams);
+  // In place needs equal dtypes and sync steps.
+  o.master_bytes = 2;
+  EXPECT_THROW(host_memory(n, o), c10::Error);
+  o.master_bytes = 4;
+  o.async_step = true;
+  EXPECT_THROW(host_memory(n, o), c10::Error);
 }
 
 }  // namespace

@@ -128,6 +128,8 @@ scheduler::HostMemory host_of(const LauncherConfig& config, const MemoryPlan& me
     o.factored_state_bytes = scheduler::factored_state_bytes(memory.shape);
   }
   o.async_step = config.run.step_mode == StepMode::kAsync;
+  o.in_place_masters = in_place_masters(config);
+  o.kahan_sum = config.optimizer.kahan_sum;
   if (memory.cpu_devices) {
     o.cpu_device_bytes =
         scheduler::cpu_device_bytes(memory.plan, memory.shape, memory.device_options, memory.num_devices);
@@ -228,7 +230,8 @@ void print_memory_plan(const LauncherConfig& config, const MemoryPlan& memory, s
   const scheduler::HostMemory& h = memory.host;
   out << "estimated host memory: peak " << exact(h.total()) << " = " << per_param(h.total(), memory.params.total)
       << " x " << memory.params.total << " parameters: compute copies " << gib(h.compute_copies) << " + masters "
-      << gib(h.masters) << " + gradients " << gib(h.grads) << " + optimizer state " << gib(h.optimizer_state);
+      << (in_place_masters(config) ? std::string("0 (the compute copies)") : gib(h.masters)) << " + gradients "
+      << gib(h.grads) << " + optimizer state " << gib(h.optimizer_state);
   if (h.cpu_devices > 0) out << " + CPU devices' stages " << gib(h.cpu_devices);
   if (const auto available = available_host_bytes()) out << " (MemAvailable " << gib(*available) << ")";
   out << "\n";
@@ -246,48 +249,52 @@ std::optional<int64_t> available_host_bytes() {
   return std::nullopt;
 }
 
-void check_memory_fits(const LauncherConfig& config) {
-  const MemoryPlan memory = plan_memory(config);
-  if (memory.device_bytes) {
-    size_t at = 0;
-    const int64_t peak = largest_total(memory.stages, &at);
-    const int64_t limit = *memory.device_bytes - memory.reserved_bytes;
-    if (peak > limit) {
-      const scheduler::DeviceMemoryOptions& o = memory.device_options;
-      std::ostringstream why;
-      why << (config.run.device_memory_gib ? "run.device_memory_gib: " : "device memory: ")
-          << stage_name(memory.stages[at], static_cast<int64_t>(at)) << " is predicted to need " << exact(peak) << " ("
-          << terms(memory.stages[at]) << ") at data.seq_len " << o.seq_len << " with " << o.microbatch_rows
-          << " row(s) a microbatch, more than the device's " << gib(limit)
-          << (memory.reserved_bytes > 0 ? " (its memory less " + gib(memory.reserved_bytes) + " reserved for CUDA)"
-                                        : "")
-          << ". What fits:";
-      const int64_t seq =
-          scheduler::max_seq_len(memory.shape, o, memory.num_devices, limit, true, 1, memory.memory_budget_bytes);
-      if (seq > 0) {
-        why << " data.seq_len <= " << seq;
-      } else {
-        why << " no data.seq_len with this plan (weights and gradients alone: "
-            << gib(memory.stages[at].weights + memory.stages[at].grads) << "); more devices (run.devices) split it";
-      }
-      if (o.microbatch_rows > 1) {
-        scheduler::DeviceMemoryOptions one = o;
-        one.microbatch_rows = 1;
-        const auto stages = scheduler::stage_memory(memory.plan, memory.shape, one);
-        why << "; or one row a microbatch (run.num_microbatch = train.batch_size = " << config.train.batch_size
-            << ": peak " << gib(largest_total(stages)) << (fits(stages, limit) ? ", fits" : "") << ")";
-      }
-      if (!o.layer_recompute) {
-        scheduler::DeviceMemoryOptions layer = o;
-        layer.layer_recompute = true;
-        const auto stages = scheduler::stage_memory(memory.plan, memory.shape, layer);
-        why << "; or run.recompute: layer (peak " << gib(largest_total(stages)) << (fits(stages, limit) ? ", fits" : "")
-            << ")";
-      }
-      why << " (docs/user-guide.md, \"Planning memory\")";
-      throw ConfigError(why.str());
-    }
+namespace {
+
+// Throws ConfigError naming what fits when a stage's predicted device memory exceeds the device's.
+void check_device_memory(const LauncherConfig& config, const MemoryPlan& memory) {
+  if (!memory.device_bytes) return;
+  size_t at = 0;
+  const int64_t peak = largest_total(memory.stages, &at);
+  const int64_t limit = *memory.device_bytes - memory.reserved_bytes;
+  if (peak <= limit) return;
+  const scheduler::DeviceMemoryOptions& o = memory.device_options;
+  std::ostringstream why;
+  why << (config.run.device_memory_gib ? "run.device_memory_gib: " : "device memory: ")
+      << stage_name(memory.stages[at], static_cast<int64_t>(at)) << " is predicted to need " << exact(peak) << " ("
+      << terms(memory.stages[at]) << ") at data.seq_len " << o.seq_len << " with " << o.microbatch_rows
+      << " row(s) a microbatch, more than the device's " << gib(limit)
+      << (memory.reserved_bytes > 0 ? " (its memory less " + gib(memory.reserved_bytes) + " reserved for CUDA)" : "")
+      << ". What fits:";
+  const int64_t seq =
+      scheduler::max_seq_len(memory.shape, o, memory.num_devices, limit, true, 1, memory.memory_budget_bytes);
+  if (seq > 0) {
+    why << " data.seq_len <= " << seq;
+  } else {
+    why << " no data.seq_len with this plan (weights and gradients alone: "
+        << gib(memory.stages[at].weights + memory.stages[at].grads) << "); more devices (run.devices) split it";
   }
+  if (o.microbatch_rows > 1) {
+    scheduler::DeviceMemoryOptions one = o;
+    one.microbatch_rows = 1;
+    const auto stages = scheduler::stage_memory(memory.plan, memory.shape, one);
+    why << "; or one row a microbatch (run.num_microbatch = train.batch_size = " << config.train.batch_size << ": peak "
+        << gib(largest_total(stages)) << (fits(stages, limit) ? ", fits" : "") << ")";
+  }
+  if (!o.layer_recompute) {
+    scheduler::DeviceMemoryOptions layer = o;
+    layer.layer_recompute = true;
+    const auto stages = scheduler::stage_memory(memory.plan, memory.shape, layer);
+    why << "; or run.recompute: layer (peak " << gib(largest_total(stages)) << (fits(stages, limit) ? ", fits" : "")
+        << ")";
+  }
+  why << " (docs/user-guide.md, \"Planning memory\")";
+  throw ConfigError(why.str());
+}
+
+// Throws ConfigError naming the options that would fit when the predicted host peak exceeds
+// MemAvailable.
+void check_host_memory(const LauncherConfig& config, const MemoryPlan& memory) {
   const std::optional<int64_t> available = available_host_bytes();
   if (!available || memory.host.total() <= *available) return;
   std::ostringstream why;
@@ -328,10 +335,26 @@ void check_memory_fits(const LauncherConfig& config) {
     sync.run.step_mode = StepMode::kSync;
     consider("run.step_mode: sync", sync);
   }
-  why << " Predicted with:" << options
-      << "\n  (model.master_dtype: bfloat16 is not supported yet; a smaller model or a "
-      << "machine with more memory also fits)";
+  const bool adam = config.optimizer.name == OptimizerName::kAdam || config.optimizer.name == OptimizerName::kAdamW;
+  if (adam && config.model.master_dtype != c10::kBFloat16) {
+    LauncherConfig bf16 = config;
+    bf16.model.dtype = c10::kBFloat16;
+    bf16.model.master_dtype = c10::kBFloat16;
+    bf16.optimizer.kahan_sum = true;
+    bf16.run.step_mode = StepMode::kSync;
+    consider("model.dtype: bfloat16, model.master_dtype: bfloat16, optimizer.kahan_sum: true, run.step_mode: sync",
+             bf16);
+  }
+  why << " Predicted with:" << options << "\n  (a smaller model or a machine with more memory also fits)";
   throw ConfigError(why.str());
+}
+
+}  // namespace
+
+void check_memory_fits(const LauncherConfig& config) {
+  const MemoryPlan memory = plan_memory(config);
+  check_device_memory(config, memory);
+  check_host_memory(config, memory);
 }
 
 }  // namespace roundpipe::launcher

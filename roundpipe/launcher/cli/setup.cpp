@@ -261,13 +261,21 @@ std::shared_ptr<comm::ProcessGroup> make_process_group(const LauncherConfig& con
   return comm::ProcessGroup::create(env, options);
 }
 
+bool in_place_masters(const LauncherConfig& config) {
+  return config.model.master_dtype == config.model.dtype && config.run.step_mode == StepMode::kSync;
+}
+
 RoundPipeOptions round_pipe_options(const LauncherConfig& config) {
   RunConfig run;
   run.num_microbatch = config.run.num_microbatch;
   run.recompute_grain = config.run.recompute;
+  // Masters in the compute dtype with sync steps: the compute copies are the masters (no second
+  // copy; RoundPipeOptions::in_place_masters). bf16 masters are only allowed this way (config rules).
+  const bool in_place = in_place_masters(config);
   return RoundPipeOptions()
       .devices(devices_of_rank(config))
-      .optim_dtype(config.model.master_dtype)
+      .optim_dtype(in_place ? std::nullopt : std::optional<c10::ScalarType>(config.model.master_dtype))
+      .in_place_masters(in_place)
       .run_config(run)
       .seed(config.train.seed)
       .label_to_last_layer(true)    // the LmHead computes the loss, chunked (models::linear_cross_entropy)

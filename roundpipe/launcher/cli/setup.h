@@ -62,10 +62,13 @@ std::string describe_parameter_counts(const ParameterCounts& counts);
 std::string lora_base_model_path(const LauncherConfig& config);
 
 /// RoundPipe options of the config: devices (run.devices, else default_devices(); under a
-/// multi-rank launch on one node, the GPUs are dealt out to the local ranks), master dtype,
-/// microbatches, recompute, seed = train.seed, and a size-based (deterministic) plan; see
-/// Note [Deterministic plans].
+/// multi-rank launch on one node, the GPUs are dealt out to the local ranks), master dtype (or
+/// in-place masters), microbatches, recompute, seed = train.seed, and a size-based
+/// (deterministic) plan; see Note [Deterministic plans].
 RoundPipeOptions round_pipe_options(const LauncherConfig& config);
+/// Whether the config's masters are its compute copies (RoundPipeOptions::in_place_masters):
+/// model.master_dtype == model.dtype with run.step_mode sync.
+bool in_place_masters(const LauncherConfig& config);
 
 /// The data-parallel group of a job started by `roundpipe launch` or torchrun (RANK and
 /// WORLD_SIZE set, WORLD_SIZE > 1), with the config's distributed.backend and timeout; null for a

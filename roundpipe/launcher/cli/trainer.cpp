@@ -61,7 +61,8 @@ std::unique_ptr<torch::optim::Optimizer> make_optimizer(RoundPipe& model, const 
                                                                .decoupled_weight_decay(o.name == OptimizerName::kAdamW)
                                                                .state_dtype(o.state_dtype == OptimizerStateDtype::kInt8
                                                                                 ? optim::AdamStateDtype::kInt8
-                                                                                : optim::AdamStateDtype::kFloat32));
+                                                                                : optim::AdamStateDtype::kFloat32)
+                                                               .kahan_sum(o.kahan_sum));
 }
 
 std::string plot_title(const LauncherConfig& config) { return "roundpipe train: " + config.out_dir; }

@@ -87,14 +87,48 @@ std::vector<Rule> build_rules() {
          }
        }});
   r.push_back(
-      {"`model.master_dtype` is float32: low-precision master weights lose small updates "
-       "(float16 / bfloat16 masters are refused; `model.dtype` sets the compute precision).",
+      {"`model.master_dtype` is float32, or bfloat16 with Kahan compensation: `model.dtype: bfloat16`, "
+       "`optimizer.name: adam`/`adamw` with `optimizer.kahan_sum: true`, and `run.step_mode: sync` "
+       "(the bf16 compute copies are the masters). Plain low-precision masters lose small updates.",
        [](const C& c) {
-         if (c.model.master_dtype != c10::kFloat) {
-           config_fail("model.master_dtype", models::dtype_name(c.model.master_dtype),
-                       "master weights must be float32 (updates smaller than the "
-                       "precision would vanish); keep master_dtype: float32 and set "
+         const std::string given = models::dtype_name(c.model.master_dtype);
+         if (c.model.master_dtype == c10::kFloat) return;
+         if (c.model.master_dtype != c10::kBFloat16) {
+           config_fail("model.master_dtype", given,
+                       "master weights must be float32, or bfloat16 with optimizer.kahan_sum (updates "
+                       "smaller than float16's precision vanish); keep master_dtype: float32 and set "
                        "model.dtype for lower-precision compute");
+         }
+         const bool adam = c.optimizer.name == OptimizerName::kAdam || c.optimizer.name == OptimizerName::kAdamW;
+         if (!adam) {
+           config_fail("model.master_dtype", given,
+                       std::string("bf16 masters are compensated by adam / adamw only (optimizer.name is ") +
+                           optimizer_name(c.optimizer.name) + "): use adamw, or master_dtype: float32");
+         }
+         if (!c.optimizer.kahan_sum) {
+           config_fail("model.master_dtype", given,
+                       "bf16 master weights without compensation lose every update smaller than "
+                       "1/256 of the weight, so training stalls: add optimizer.kahan_sum: true");
+         }
+         if (c.model.dtype != c10::kBFloat16) {
+           config_fail("model.master_dtype", given,
+                       "bf16 masters are the compute copies themselves, so model.dtype must be bfloat16 "
+                       "too (it is " +
+                           models::dtype_name(c.model.dtype) + ")");
+         }
+         if (c.run.step_mode != StepMode::kSync) {
+           config_fail("model.master_dtype", given,
+                       "bf16 masters are the compute copies themselves, which an async step would update "
+                       "while the next iteration computes with them: set run.step_mode: sync");
+         }
+       }});
+  r.push_back(
+      {"`optimizer.kahan_sum` compensates bf16 masters: it needs `model.master_dtype: bfloat16`.", [](const C& c) {
+         if (c.optimizer.kahan_sum && c.model.master_dtype != c10::kBFloat16) {
+           config_fail("optimizer.kahan_sum", "true",
+                       "Kahan compensation applies to bfloat16 master weights, model.master_dtype is " +
+                           models::dtype_name(c.model.master_dtype) +
+                           ": remove kahan_sum, or set master_dtype: bfloat16");
          }
        }});
   r.push_back(

@@ -186,7 +186,11 @@ std::vector<KeySpec> build_schema() {
                   .one_of(kDtypes)
                   .enum_field([](C& c) -> c10::ScalarType& { return c.model.dtype; }, kDtypeValues));
   t.push_back(Key("model.master_dtype", KeyKind::kChoice, "float32",
-                  "dtype of the optimizer's master weights and state (float32 only, see the rules).")
+                  "dtype of the weights the optimizer updates: `float32`, or `bfloat16` with "
+                  "model.dtype bfloat16, optimizer.kahan_sum and run.step_mode sync (the compute "
+                  "copies are then the masters; docs/optimizer.md, \"bf16 masters with Kahan "
+                  "summation\"). Equal to model.dtype with sync steps, the masters are the compute "
+                  "copies (no second copy).")
                   .one_of(kDtypes)
                   .enum_field([](C& c) -> c10::ScalarType& { return c.model.master_dtype; }, kDtypeValues));
   t.push_back(Key("model.lora", KeyKind::kSection, "null",
@@ -326,6 +330,12 @@ std::vector<KeySpec> build_schema() {
           .one_of({"float32", "int8"})
           .enum_field([](C& c) -> OptimizerStateDtype& { return c.optimizer.state_dtype; },
                       std::vector<OptimizerStateDtype>{OptimizerStateDtype::kFloat32, OptimizerStateDtype::kInt8}));
+  t.push_back(Key("optimizer.kahan_sum", KeyKind::kBool, "false",
+                  "adam / adamw with model.master_dtype bfloat16 (required there): each update is "
+                  "added with Kahan compensation, a bf16 buffer per parameter (2 B/param) that "
+                  "carries what rounding to bf16 drops, so small updates accumulate as with fp32 "
+                  "masters.")
+                  .field([](C& c) -> bool& { return c.optimizer.kahan_sum; }));
 
   // ---- schedule ----
   t.push_back(Key("schedule", KeyKind::kSection, "{}",
