@@ -305,25 +305,44 @@ std::vector<StageMemory> stage_memory(const ExecutePlan& plan, const Transformer
   return out;
 }
 
-int64_t cpu_device_bytes(const ExecutePlan& plan, const TransformerShape& shape, const DeviceMemoryOptions& options,
-                         int64_t num_devices) {
+// Note [CPU devices' host memory]:
+// On a CPU device a stage job copies its layers into its shells (DeviceIo::upload_layer clones
+// them) and frees the copies when it ends (Note [Layer shells]); a device runs one job at a time.
+// So at any moment each device holds at most one stage's layer copies, and the peak is the sum
+// over devices of the largest stage each one runs, taken separately for the two moments of an
+// iteration: the forward stages (the iteration's gradients do not exist yet) and the backward
+// and fused stages (they are being produced). host_memory() adds whichever moment is larger with
+// the gradients it finds there. An earlier model counted every layer a device ever copies at once
+// (as if the copies were cached): 21.8 B/param predicted for 17.7 measured (194M parameters,
+// fp32, sync, 2 devices; docs/benchmarks.md, "Host memory per parameter").
+CpuDeviceBytes cpu_device_bytes(const ExecutePlan& plan, const TransformerShape& shape,
+                                const DeviceMemoryOptions& options, int64_t num_devices) {
   TORCH_CHECK(num_devices > 0, "cpu_device_bytes: num_devices must be positive, got ", num_devices);
   const std::vector<LayerMemory> layers = layer_memory(shape, options);
   std::vector<LayerRange> ranges = plan.forward_stages();
+  const size_t forward_stages = ranges.size();
   ranges.insert(ranges.end(), plan.backward_stages().begin(), plan.backward_stages().end());
-  int64_t total = 0;
-  for (int64_t d = 0; d < num_devices; ++d) {
-    std::vector<bool> cloned(layers.size(), false);
-    for (size_t i = static_cast<size_t>(d); i < ranges.size(); i += static_cast<size_t>(num_devices)) {
-      for (int64_t l = ranges[i].begin; l < ranges[i].end; ++l) cloned[static_cast<size_t>(l)] = true;
-    }
-    for (size_t l = 0; l < layers.size(); ++l) total += cloned[l] ? layers[l].param_bytes : 0;
+  std::vector<int64_t> largest_forward(static_cast<size_t>(num_devices), 0);
+  std::vector<int64_t> largest_backward(static_cast<size_t>(num_devices), 0);
+  for (size_t i = 0; i < ranges.size(); ++i) {
+    int64_t bytes = 0;
+    for (int64_t l = ranges[i].begin; l < ranges[i].end; ++l) bytes += layers[static_cast<size_t>(l)].param_bytes;
+    auto& largest = i < forward_stages ? largest_forward : largest_backward;
+    int64_t& slot = largest[i % static_cast<size_t>(num_devices)];
+    slot = std::max(slot, bytes);
   }
   int64_t activations = 0;
   for (const StageMemory& m : stage_memory(plan, shape, options)) {
     activations = std::max(activations, m.saved_activations + m.recompute + m.head + m.boundary);
   }
-  return total + activations;
+  CpuDeviceBytes out;
+  for (int64_t d = 0; d < num_devices; ++d) {
+    out.forward += largest_forward[static_cast<size_t>(d)];
+    out.backward += largest_backward[static_cast<size_t>(d)];
+  }
+  out.forward += activations;
+  out.backward += activations;
+  return out;
 }
 
 ExecutePlan runtime_plan(const TransformerShape& shape, const DeviceMemoryOptions& options, int64_t num_devices,
@@ -445,7 +464,9 @@ HostMemory host_memory(const ParameterCount& params, const HostMemoryOptions& o)
       break;
   }
   if (o.kahan_sum) h.optimizer_state += n * m;
-  h.cpu_devices = o.cpu_device_bytes;
+  // Note [CPU devices' host memory]: during the forward stages the iteration's own gradients
+  // (n * s) are not there yet.
+  h.cpu_devices = std::max<int64_t>({0, o.cpu_device_bytes.backward, o.cpu_device_bytes.forward - n * s});
   return h;
 }
 

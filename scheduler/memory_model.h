@@ -98,10 +98,18 @@ struct StageMemory {
   int64_t total() const { return weights + grads + saved_activations + recompute + head + boundary; }
 };
 
-/// Host bytes of CPU devices running `plan` (formulas in memory_model.cpp): per device the weights of the
-/// layers of its stages (dealt round-robin in plan order), plus the largest stage's activations.
-int64_t cpu_device_bytes(const ExecutePlan& plan, const TransformerShape& shape, const DeviceMemoryOptions& options,
-                         int64_t num_devices);
+/// Host bytes CPU devices hold while `plan` runs, at the two moments of an iteration (stages are
+/// dealt to the devices round-robin in plan order; a device runs one stage at a time, holding the
+/// copies of that stage's layers until it ends): Note [CPU devices' host memory] in memory_model.cpp.
+struct CpuDeviceBytes {
+  /// While the forward stages run: per device the layer copies of its largest forward stage,
+  /// summed, plus the largest stage's activations.
+  int64_t forward = 0;
+  /// While the backward and fused stages run: the same over those stages.
+  int64_t backward = 0;
+};
+CpuDeviceBytes cpu_device_bytes(const ExecutePlan& plan, const TransformerShape& shape,
+                                const DeviceMemoryOptions& options, int64_t num_devices);
 
 /// The peak of every stage of `plan` (forward stages, then backward stages as in ExecutePlan),
 /// training (RunType::kFused plans).
@@ -152,9 +160,9 @@ struct HostMemoryOptions {
   /// optim::AdamOptions::kahan_sum: a compensation buffer in the master dtype per trainable
   /// parameter (bf16 masters).
   bool kahan_sum = false;
-  /// Host bytes the CPU devices' stage jobs hold at their peak (their "device" memory is host
-  /// memory): 0 with GPUs.
-  int64_t cpu_device_bytes = 0;
+  /// Host bytes the CPU devices' stage jobs hold (their "device" memory is host memory):
+  /// cpu_device_bytes(); zero with GPUs.
+  CpuDeviceBytes cpu_device_bytes;
   int64_t factored_state_bytes = 0;  ///< kFactored's optimizer state: factored_state_bytes(shape)
 };
 
@@ -164,6 +172,8 @@ struct HostMemory {
   int64_t masters = 0;
   int64_t grads = 0;
   int64_t optimizer_state = 0;  ///< moments, factored statistics, Kahan compensation
+  /// What the CPU devices add at the peak: the backward stages' bytes (the gradients are all
+  /// counted), or the forward stages' less the iteration's gradients, which do not exist yet.
   int64_t cpu_devices = 0;
   int64_t total() const { return compute_copies + masters + grads + optimizer_state + cpu_devices; }
 };

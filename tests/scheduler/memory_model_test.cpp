@@ -196,17 +196,35 @@ TEST(MemoryModelTest, MemoryAwarePlan_CutsStagesToFit) {
   EXPECT_GT(max_seq_len(tiny(), o, 1, budget, false, 64), max_seq_len(tiny(), o, 1, budget, true, 64));
 }
 
-TEST(MemoryModelTest, CpuDeviceBytes_ClonedLayersPerDevicePlusOneStagesActivations) {
-  // fwd [0, 2) | fused [2, 4) | bwd [0, 2): one device clones every layer once; with two, device
-  // 0 runs stages 0 and 2 (layers 0-1), device 1 stage 1 (layers 2-3).
+// Note [CPU devices' host memory]: each device holds one stage's layer copies at a time.
+TEST(MemoryModelTest, CpuDeviceBytes_LargestStagePerDevicePerMomentPlusOneStagesActivations) {
+  // fwd [0, 2) | fused [2, 4) | bwd [0, 2), dealt round-robin in that order. Layers 0-1 are the
+  // embeddings and decoder 0 (a), layers 2-3 decoder 1 and the final norm + LM head (b = a + 32).
   const ExecutePlan plan({{0, 2}}, {{2, 4}, {0, 2}});
-  const int64_t all = kParams * 4;
+  const int64_t a = (64 * 32 + kDecoderParams) * 4, b = (kDecoderParams + 32 + 64 * 32) * 4;
+  ASSERT_EQ(a + b, kParams * 4);
   const int64_t t = 32, fused_activations = (kDecoderSaved + 256) * t + kDecoderSaved * t +
                                             (4 * 64 * 4 + 64 * 32 * 4 + t * 32 * 4 + 13 * t) + 2 * 2 * t * 32 * 4;
-  EXPECT_EQ(cpu_device_bytes(plan, tiny(), fp32(16, 2), 1), all + fused_activations);
-  EXPECT_EQ(cpu_device_bytes(plan, tiny(), fp32(16, 2), 2), all + fused_activations);
-  EXPECT_EQ(cpu_device_bytes(plan, tiny(), fp32(16, 2), 3),
-            all + (64 * 32 + kDecoderParams) * 4 + fused_activations);  // device 2 clones layers 0-1 again
+  // One device runs everything: the forward stage, then the larger backward stage at a time.
+  CpuDeviceBytes one = cpu_device_bytes(plan, tiny(), fp32(16, 2), 1);
+  EXPECT_EQ(one.forward, a + fused_activations);
+  EXPECT_EQ(one.backward, b + fused_activations);
+  // Two: device 0 runs the forward stage and bwd [0, 2), device 1 the fused stage.
+  CpuDeviceBytes two = cpu_device_bytes(plan, tiny(), fp32(16, 2), 2);
+  EXPECT_EQ(two.forward, a + fused_activations);
+  EXPECT_EQ(two.backward, a + b + fused_activations);
+  CpuDeviceBytes three = cpu_device_bytes(plan, tiny(), fp32(16, 2), 3);
+  EXPECT_EQ(three.forward, a + fused_activations);
+  EXPECT_EQ(three.backward, b + a + fused_activations);
+  // host_memory adds the larger moment: the forward stages' copies less the iteration's
+  // gradients (not there yet), or the backward stages'.
+  HostMemoryOptions o;
+  o.compute_bytes = o.master_bytes = 4;
+  o.async_step = false;
+  o.cpu_device_bytes = {kParams * 4 + 100, 10};
+  EXPECT_EQ(host_memory(ParameterCount{kParams, kParams}, o).cpu_devices, 100);
+  o.cpu_device_bytes = {10, 20};
+  EXPECT_EQ(host_memory(ParameterCount{kParams, kParams}, o).cpu_devices, 20);
 }
 
 // Adafactor's state (optim::Adafactor, torch.optim.Adafactor): rows + cols floats per matrix
@@ -268,7 +286,7 @@ TEST(MemoryModelTest, HostMemory_TermsPerOptimizer) {
   h = host_memory(lora, o);
   EXPECT_EQ(h.compute_copies, 2 * (kParams + 448));
   EXPECT_EQ(h.masters + h.grads + h.optimizer_state, (4 + 8 + 8) * 448);
-  o.cpu_device_bytes = 12345;
+  o.cpu_device_bytes = {0, 12345};
   EXPECT_EQ(host_memory(lora, o).total(), h.total() + 12345);
 }
 
