@@ -35,10 +35,10 @@ struct RoundPipeOptions {
   /// dtype (e.g. kBFloat16 with bf16 compute copies and fp32 masters) to hand the compute
   /// gradients over as they are: no cast pass and no fp32 gradient buffer (4 B/param of host
   /// memory), and the masters get set_grad_dtype(). It applies to the parameters whose compute
-  /// copies have this dtype; the others (e.g. fp32 norm weights) keep master-dtype gradients. The step function's optimizer must accept
-  /// such gradients: roundpipe::optim::Adam reads them in its fused pass (bitwise the same result,
-  /// tested); other optimizers are untested with it, and GradScaler::unscale_ refuses fp16
-  /// gradients (as torch's does).
+  /// copies have this dtype; the others (e.g. fp32 norm weights) keep master-dtype gradients. The step function's
+  /// optimizer must accept such gradients: roundpipe::optim::Adam reads them in its fused pass (bitwise the same
+  /// result, tested); other optimizers are untested with it, and GradScaler::unscale_ refuses fp16 gradients (as
+  /// torch's does).
   TORCH_ARG(std::optional<c10::ScalarType>, master_grad_dtype) = std::nullopt;
   /// The optimizer updates the compute copies themselves: no separate master copies, which saves
   /// one parameter-sized copy of host memory (4 B/param with fp32 parameters; with bf16 parameters
@@ -55,8 +55,8 @@ struct RoundPipeOptions {
   TORCH_ARG(RunConfig, run_config) = {};
   /// Name used in log lines and error messages.
   TORCH_ARG(std::string, name) = "model";
-  /// Base seed of the per-layer RNG scheme (docs/user-guide.md, "Dropout and reproducibility"); default: drawn from torch's default
-  /// CPU generator at construction, so torch::manual_seed controls it.
+  /// Base seed of the per-layer RNG scheme (docs/user-guide.md, "Dropout and reproducibility"); default: drawn from
+  /// torch's default CPU generator at construction, so torch::manual_seed controls it.
   TORCH_ARG(std::optional<uint64_t>, seed) = std::nullopt;
   /// Automatic plans start from size-based cost estimates; with this on, the first
   /// forward_backward that uses the automatic plan also times every layer's forward and every
@@ -114,12 +114,11 @@ struct DataParallelStats {
 /// Thread-safety: one RoundPipe is driven by one caller thread at a time (forward_backward,
 /// forward, step, synchronize); a second thread calling in while one is inside, or a callback
 /// (loss_fn, a layer, a step function) calling back into its model, gets a c10::Error (Note [One
-/// caller thread]); the model may change threads between calls. Internally, one worker thread per device runs stage jobs; a run's
-/// channels (futures) are the only state shared between workers; buffers are applied to the
-/// model by the caller thread once the forward and fused jobs have finished, gradients by the
-/// run's tail (the tail thread, or the caller) after every job of the call has finished.
-/// Layers must be Cloneable modules (all torch::nn modules are; custom ones derive from
-/// torch::nn::Cloneable): every stage job runs on its own copy of its layers on its device.
+/// caller thread]); the model may change threads between calls. Internally, one worker thread per device runs stage
+/// jobs; a run's channels (futures) are the only state shared between workers; buffers are applied to the model by the
+/// caller thread once the forward and fused jobs have finished, gradients by the run's tail (the tail thread, or the
+/// caller) after every job of the call has finished. Layers must be Cloneable modules (all torch::nn modules are;
+/// custom ones derive from torch::nn::Cloneable): every stage job runs on its own copy of its layers on its device.
 ///
 /// Example:
 ///   RoundPipe model(net, RoundPipeOptions().devices({torch::kCPU, torch::kCPU}));
@@ -158,10 +157,10 @@ class RoundPipe {
 
   /// Moves this iteration's gradients into the master copies (cast to master_grad_dtype, by
   /// default optim_dtype, added to their .grad; docs/architecture.md, "step"), runs `step_fn`
-  /// (optimizer step, zero_grad, ...), then writes the master values back into the compute copies. kSync: before returning. kAsync: on the optimizer thread
-  /// (docs/user-guide.md, "Async vs sync step": staleness one). A non-empty `step_fn` that leaves
-  /// every master and master gradient untouched in 8 consecutive steps with gradients pending
-  /// (an optimizer built on the compute copies) fails the step (docs/errors.md).
+  /// (optimizer step, zero_grad, ...), then writes the master values back into the compute copies. kSync: before
+  /// returning. kAsync: on the optimizer thread (docs/user-guide.md, "Async vs sync step": staleness one). A non-empty
+  /// `step_fn` that leaves every master and master gradient untouched in 8 consecutive steps with gradients pending (an
+  /// optimizer built on the compute copies) fails the step (docs/errors.md).
   void step(std::function<void()> step_fn, StepMode mode = StepMode::kAsync);
 
   /// Waits for queued optimizer steps; afterwards master and compute copies hold the values after

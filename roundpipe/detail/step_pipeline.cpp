@@ -73,9 +73,8 @@ namespace roundpipe::detail {
 // it skips its step function, and the error is rethrown at the next entry point.
 
 StepPipeline::StepPipeline(const std::vector<std::vector<at::Tensor>>* params,
-                           std::optional<c10::ScalarType> optim_dtype,
-                           std::optional<c10::ScalarType> master_grad_dtype, int64_t optimizer_threads,
-                           bool in_place_masters)
+                           std::optional<c10::ScalarType> optim_dtype, std::optional<c10::ScalarType> master_grad_dtype,
+                           int64_t optimizer_threads, bool in_place_masters)
     : params_(params),
       optim_dtype_(optim_dtype),
       master_grad_dtype_(master_grad_dtype),
@@ -194,7 +193,7 @@ void StepPipeline::publish_layer(size_t l) {
 // e.g. fp32 norm weights in a bf16 model keep fp32 gradients).
 c10::ScalarType StepPipeline::master_grad_dtype(const at::Tensor& compute, const at::Tensor& master) const {
   return master_grad_dtype_ && compute.scalar_type() == *master_grad_dtype_ ? *master_grad_dtype_
-                                                                             : master.scalar_type();
+                                                                            : master.scalar_type();
 }
 
 // Moves layer l's gradients from the compute copies into the master .grad (Note [Gradient
@@ -333,7 +332,8 @@ void StepPipeline::run_marshalled(amp::GradScaler& scaler, const std::function<v
 }
 
 void StepPipeline::step(std::function<void()> step_fn, StepMode mode) {
-  TORCH_CHECK(!in_place_ || mode == StepMode::kSync, "RoundPipe::step(..., StepMode::kAsync) with "
+  TORCH_CHECK(!in_place_ || mode == StepMode::kSync,
+              "RoundPipe::step(..., StepMode::kAsync) with "
               "RoundPipeOptions::in_place_masters: the optimizer would update the parameters while the next "
               "iteration computes with them. Call step(fn, StepMode::kSync), or keep separate master copies "
               "(in_place_masters(false)) for async steps");

@@ -124,11 +124,11 @@ class StepPipeline {
   const int64_t optimizer_threads_;
   std::unique_ptr<DeviceWorker> optimizer_thread_;
   std::vector<std::future<void>> pending_steps_;  // caller thread only
-  int64_t steps_ = 0;                              // caller thread only
-  std::unique_ptr<DeviceWorker> tail_thread_;      // lazy; created and posted to by the caller only
-  std::vector<std::future<void>> pending_tails_;   // caller thread only (pruned as they finish)
-  int64_t runs_ = 0;                               // caller thread only
-  int64_t runs_at_last_step_ = 0;                  // caller thread only
+  int64_t steps_ = 0;                             // caller thread only
+  std::unique_ptr<DeviceWorker> tail_thread_;     // lazy; created and posted to by the caller only
+  std::vector<std::future<void>> pending_tails_;  // caller thread only (pruned as they finish)
+  int64_t runs_ = 0;                              // caller thread only
+  int64_t runs_at_last_step_ = 0;                 // caller thread only
   std::mutex mutex_;
   std::condition_variable cv_;
   std::vector<int64_t> published_;  // guarded by mutex_

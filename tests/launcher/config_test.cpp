@@ -112,8 +112,8 @@ TEST(ConfigTest, Enums_ParseFromAndPrintAsTheirYamlNames) {
 }
 
 TEST(ConfigTest, UnknownKey_NamesPathAndSuggestsClosest) {
-  EXPECT_CONFIG_ERROR(parse_with("optimizer: {lrr: 0.1}\n"), "optimizer.lrr",
-                      "did you mean 'optimizer.lr'?", "test.yaml:7:");
+  EXPECT_CONFIG_ERROR(parse_with("optimizer: {lrr: 0.1}\n"), "optimizer.lrr", "did you mean 'optimizer.lr'?",
+                      "test.yaml:7:");
   EXPECT_CONFIG_ERROR(parse_with("optimiser: {lr: 0.1}\n"), "optimiser", "did you mean 'optimizer'?");
   // A key in the wrong section.
   EXPECT_CONFIG_ERROR(parse_with("train: {lr: 0.1}\n"), "train.lr", "did you mean 'optimizer.lr'?");
@@ -125,23 +125,20 @@ TEST(ConfigTest, UnknownKey_NamesPathAndSuggestsClosest) {
 }
 
 TEST(ConfigTest, WrongType_NamesPathAndValue) {
-  EXPECT_CONFIG_ERROR(parse_with("optimizer: {lr: fast}\n"), "optimizer.lr = fast", "wrong type",
-                      "expected float");
+  EXPECT_CONFIG_ERROR(parse_with("optimizer: {lr: fast}\n"), "optimizer.lr = fast", "wrong type", "expected float");
   EXPECT_CONFIG_ERROR(parse_with("train: {steps: 1.5}\n"), "train.steps = 1.5", "expected int");
-  EXPECT_CONFIG_ERROR(parse_with("optimizer: {betas: 0.9}\n"), "optimizer.betas = 0.9",
-                      "expected list of 2 floats");
+  EXPECT_CONFIG_ERROR(parse_with("optimizer: {betas: 0.9}\n"), "optimizer.betas = 0.9", "expected list of 2 floats");
   EXPECT_CONFIG_ERROR(parse_with("amp: {scaler: yes}\n"), "amp.scaler = yes", "expected bool");
   EXPECT_CONFIG_ERROR(parse_with("train: 5\n"), "train = 5", "expected map");
-  EXPECT_CONFIG_ERROR(parse_with("schedule: {decay: cosin}\n"), "schedule.decay = cosin",
-                      "did you mean 'cosine'?");
+  EXPECT_CONFIG_ERROR(parse_with("schedule: {decay: cosin}\n"), "schedule.decay = cosin", "did you mean 'cosine'?");
   EXPECT_CONFIG_ERROR(parse_with("train: {steps: '5'}\n"), "train.steps = '5'", "got a string");
 }
 
 TEST(ConfigTest, OutOfRange_NamesPathValueAndBound) {
   EXPECT_CONFIG_ERROR(parse_with("optimizer: {lr: -1}\n"), "optimizer.lr = -1", "must be > 0");
   EXPECT_CONFIG_ERROR(parse_with("optimizer: {lr: 0}\n"), "optimizer.lr = 0", "must be > 0");
-  EXPECT_CONFIG_ERROR(parse_with("optimizer: {betas: [0.9, 1.0]}\n"), "optimizer.betas = [0.9, 1.0]",
-                      "element 1", "in [0, 1)");
+  EXPECT_CONFIG_ERROR(parse_with("optimizer: {betas: [0.9, 1.0]}\n"), "optimizer.betas = [0.9, 1.0]", "element 1",
+                      "in [0, 1)");
   EXPECT_CONFIG_ERROR(parse_with("train: {steps: 0}\n"), "train.steps = 0", ">= 1");
   EXPECT_CONFIG_ERROR(parse_with("checkpoint: {keep: 0}\n"), "checkpoint.keep = 0", ">= 1");
   EXPECT_CONFIG_ERROR(parse_with("data2: 1\n", {"data.seq_len=0"}), "data2");  // unknown first
@@ -155,30 +152,26 @@ TEST(ConfigTest, MissingFile_NamesPathAndFile) {
   EXPECT_CONFIG_ERROR(parse_config("model: {preset: llama}\ndata: {train: " + absent + "}\n"),
                       "data.train = '" + absent + "'", "file not found", "prepare_data.py");
   std::string train = dir.write("train.bin", "x");
-  EXPECT_CONFIG_ERROR(
-      parse_config("model: {preset: llama}\ndata: {train: " + train + ", valid: " + absent + "}\n"),
-      "data.valid = '" + absent + "'", "file not found");
+  EXPECT_CONFIG_ERROR(parse_config("model: {preset: llama}\ndata: {train: " + train + ", valid: " + absent + "}\n"),
+                      "data.valid = '" + absent + "'", "file not found");
   EXPECT_CONFIG_ERROR(parse_config("model: {preset: llama}\n"), "data.train = null", "set data.train");
   dir.write("empty_ckpt/weights.bin", "");
-  EXPECT_CONFIG_ERROR(parse_config("model: {pretrained: " + dir.file("empty_ckpt") +
-                                   "}\ndata: {format: synthetic, vocab_size: 8}\n"),
-                      "model.pretrained = '" + dir.file("empty_ckpt") + "'", "no config.json");
+  EXPECT_CONFIG_ERROR(
+      parse_config("model: {pretrained: " + dir.file("empty_ckpt") + "}\ndata: {format: synthetic, vocab_size: 8}\n"),
+      "model.pretrained = '" + dir.file("empty_ckpt") + "'", "no config.json");
   EXPECT_CONFIG_ERROR(load_config(dir.file("nope.yaml")), dir.file("nope.yaml"), "not found");
 }
 
 TEST(ConfigTest, IncompatibleCombination_NamesTheKeys) {
   EXPECT_CONFIG_ERROR(parse_with("", {"model.lora.rank=4"}), "model.lora", "model.pretrained");
-  EXPECT_CONFIG_ERROR(parse_with("", {"model.master_dtype=float16"}), "model.master_dtype = float16",
-                      "float32");
-  EXPECT_CONFIG_ERROR(parse_config("data: {format: synthetic, vocab_size: 8}\n"), "model = ",
-                      "model.preset");
-  EXPECT_CONFIG_ERROR(parse_config("model: {preset: llama}\ndata: {format: synthetic}\n"),
-                      "data.vocab_size = null", "model.config.vocab_size");
-  EXPECT_CONFIG_ERROR(parse_with("", {"data.vocab_size=100"}), "data.vocab_size = 100",
-                      "model's vocab_size is 64");
+  EXPECT_CONFIG_ERROR(parse_with("", {"model.master_dtype=float16"}), "model.master_dtype = float16", "float32");
+  EXPECT_CONFIG_ERROR(parse_config("data: {format: synthetic, vocab_size: 8}\n"), "model = ", "model.preset");
+  EXPECT_CONFIG_ERROR(parse_config("model: {preset: llama}\ndata: {format: synthetic}\n"), "data.vocab_size = null",
+                      "model.config.vocab_size");
+  EXPECT_CONFIG_ERROR(parse_with("", {"data.vocab_size=100"}), "data.vocab_size = 100", "model's vocab_size is 64");
   EXPECT_CONFIG_ERROR(parse_with("", {"optimizer.momentum=0.9"}), "optimizer.momentum = 0.9", "sgd");
-  EXPECT_CONFIG_ERROR(parse_with("", {"optimizer.lr=0.1", "schedule.min_lr=0.2"}),
-                      "schedule.min_lr = 0.2", "optimizer.lr = 0.1");
+  EXPECT_CONFIG_ERROR(parse_with("", {"optimizer.lr=0.1", "schedule.min_lr=0.2"}), "schedule.min_lr = 0.2",
+                      "optimizer.lr = 0.1");
   EXPECT_CONFIG_ERROR(parse_with("", {"data.train=x.bin"}), "data.train = 'x.bin'", "synthetic");
   // Allowed: a scaler with a dtype other than float16.
   EXPECT_NO_THROW(parse_with("amp: {scaler: true}\n", {"model.dtype=bfloat16"}));
@@ -211,10 +204,10 @@ TEST(ConfigTest, Bf16Masters_NeedKahanAdamBf16ComputeAndSyncSteps) {
 }
 
 TEST(ConfigTest, Overrides_SetNestedListAndFreeMapKeys) {
-  LauncherConfig c = parse_with("optimizer: {lr: 0.1}\n",
-                                {"optimizer.lr=1e-3", "optimizer.betas=[0.9,0.99]", "train.steps=7",
-                                 "model.config.hidden_size=256", "model.config.rope_scaling={type: linear}",
-                                 "run.devices=[cpu, cpu]", "run.devices=3", "data.seq_len=16"});
+  LauncherConfig c =
+      parse_with("optimizer: {lr: 0.1}\n", {"optimizer.lr=1e-3", "optimizer.betas=[0.9,0.99]", "train.steps=7",
+                                            "model.config.hidden_size=256", "model.config.rope_scaling={type: linear}",
+                                            "run.devices=[cpu, cpu]", "run.devices=3", "data.seq_len=16"});
   EXPECT_DOUBLE_EQ(c.optimizer.lr, 1e-3);
   EXPECT_DOUBLE_EQ(c.optimizer.betas[1], 0.99);
   EXPECT_EQ(c.train.steps, 7);
@@ -228,8 +221,7 @@ TEST(ConfigTest, Overrides_SetNestedListAndFreeMapKeys) {
 }
 
 TEST(ConfigTest, Overrides_ErrorsNameTheOverride) {
-  EXPECT_CONFIG_ERROR(parse_with("", {"optimizer.lr=-1"}), "override 'optimizer.lr=-1'",
-                      "optimizer.lr = -1", "> 0");
+  EXPECT_CONFIG_ERROR(parse_with("", {"optimizer.lr=-1"}), "override 'optimizer.lr=-1'", "optimizer.lr = -1", "> 0");
   EXPECT_CONFIG_ERROR(parse_with("", {"optimizer.weight_decy=1"}), "override 'optimizer.weight_decy=1'",
                       "did you mean 'optimizer.weight_decay'?");
   EXPECT_CONFIG_ERROR(parse_with("", {"optimizer.lr"}), "override 'optimizer.lr'", "key=value");

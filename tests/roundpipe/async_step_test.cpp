@@ -201,12 +201,14 @@ TEST(AsyncStepTest, MasterGradDtype_OtherComputeDtypesKeepMasterDtypeGrads) {
   const auto masters = rp.optim_parameters();
   std::vector<torch::Tensor> expected;
   for (const auto& p : rp.module()->parameters()) expected.push_back(p.grad().clone());
-  rp.step([&] {
-    for (size_t i = 0; i < masters.size(); ++i) {
-      EXPECT_EQ(masters[i].grad().scalar_type(), torch::kFloat);
-      EXPECT_TENSOR_EQ(masters[i].grad(), expected[i]);
-    }
-  }, StepMode::kSync);
+  rp.step(
+      [&] {
+        for (size_t i = 0; i < masters.size(); ++i) {
+          EXPECT_EQ(masters[i].grad().scalar_type(), torch::kFloat);
+          EXPECT_TENSOR_EQ(masters[i].grad(), expected[i]);
+        }
+      },
+      StepMode::kSync);
 }
 
 // Note [In-place masters]: the compute copies are the masters. A plain loop (one model, the
@@ -237,10 +239,12 @@ TEST(AsyncStepTest, InPlaceMasters_SyncStepsEqualPlainLoop) {
       torch::manual_seed(700 + it);
       auto x = torch::randn({9, 8}).to(dtype), y = torch::randn({9, 4}).to(dtype);
       auto loss = rp.forward_backward({x}, y, mse_over(y.numel()));
-      rp.step([&] {
-        opt.step();
-        opt.zero_grad();
-      }, StepMode::kSync);
+      rp.step(
+          [&] {
+            opt.step();
+            opt.zero_grad();
+          },
+          StepMode::kSync);
       auto plain_loss = mse_over(y.numel())(plain->forward(x), y);
       plain_loss.backward();
       plain_opt.step();
@@ -261,9 +265,10 @@ TEST(AsyncStepTest, InPlaceMasters_AsyncStepAndMasterDtypesRefused) {
   rp.forward_backward({x}, y, mse_over(y.numel()));
   EXPECT_THROW_WITH(rp.step([] {}, StepMode::kAsync), "StepMode::kSync");
   EXPECT_NO_THROW(rp.step([] {}, StepMode::kSync));
-  EXPECT_THROW_WITH(RoundPipe(testing::make_mlp(63),
-                             RoundPipeOptions().devices({c10::kCPU}).in_place_masters(true).optim_dtype(torch::kFloat)),
-                   "optim_dtype and master_grad_dtype must be unset");
+  EXPECT_THROW_WITH(
+      RoundPipe(testing::make_mlp(63),
+                RoundPipeOptions().devices({c10::kCPU}).in_place_masters(true).optim_dtype(torch::kFloat)),
+      "optim_dtype and master_grad_dtype must be unset");
 }
 
 TEST(AsyncStepTest, MasterGradDtype_MustBeFloating) {
@@ -285,7 +290,8 @@ TEST(AsyncStepTest, Stress_RandomLayers200Iterations) {
     OptimizerCtx ctx;
     return make_opt(0, rp.parameters());
   }();
-  const int iterations = std::getenv("ROUNDPIPE_STRESS_ITERATIONS") ? std::atoi(std::getenv("ROUNDPIPE_STRESS_ITERATIONS")) : 200;
+  const int iterations =
+      std::getenv("ROUNDPIPE_STRESS_ITERATIONS") ? std::atoi(std::getenv("ROUNDPIPE_STRESS_ITERATIONS")) : 200;
   for (int it = 0; it < iterations; ++it) {
     torch::manual_seed(it);
     auto x = torch::randn({7, 6}), y = torch::randn({7, 3});
