@@ -314,7 +314,7 @@ std::vector<StageMemory> stage_memory(const ExecutePlan& plan, const Transformer
 // and fused stages (they are being produced). host_memory() adds whichever moment is larger with
 // the gradients it finds there. An earlier model counted every layer a device ever copies at once
 // (as if the copies were cached): 21.8 B/param predicted for 17.7 measured (194M parameters,
-// fp32, sync, 2 devices; docs/benchmarks.md, "Host memory per parameter").
+// fp32, sync, 2 devices; docs/benchmarks.md, "Host memory per parameter and the allocator").
 CpuDeviceBytes cpu_device_bytes(const ExecutePlan& plan, const TransformerShape& shape,
                                 const DeviceMemoryOptions& options, int64_t num_devices) {
   TORCH_CHECK(num_devices > 0, "cpu_device_bytes: num_devices must be positive, got ", num_devices);

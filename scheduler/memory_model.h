@@ -100,7 +100,7 @@ struct StageMemory {
 
 /// Host bytes CPU devices hold while `plan` runs, at the two moments of an iteration (stages are
 /// dealt to the devices round-robin in plan order; a device runs one stage at a time, holding the
-/// copies of that stage's layers until it ends): Note [CPU devices' host memory] in memory_model.cpp.
+/// copies of that stage's layers until it ends; docs/benchmarks.md, "Host memory per parameter and the allocator").
 struct CpuDeviceBytes {
   /// While the forward stages run: per device the layer copies of its largest forward stage,
   /// summed, plus the largest stage's activations.
