@@ -158,6 +158,44 @@ void bind_param(AdamParamState& state, const torch::Tensor& p, detail::AdamTenso
   job.compensation = static_cast<uint16_t*>(c.data_ptr());
 }
 
+// Bias corrections in double, like _single_tensor_adam's Python floats; the kernel gets them
+// rounded to float exactly where ATen rounds its Scalar arguments.
+detail::AdamScalars adam_scalars(const AdamOptions& options, const int64_t step_count) {
+  const double lr = options.lr();
+  const double beta1 = std::get<0>(options.betas());
+  const double beta2 = std::get<1>(options.betas());
+  const double weight_decay = options.weight_decay();
+  const auto step = static_cast<double>(step_count);
+  const double bias_correction1 = 1 - std::pow(beta1, step);
+  const double bias_correction2 = 1 - std::pow(beta2, step);
+  detail::AdamScalars s;
+  s.lerp_weight = static_cast<float>(1 - beta1);
+  s.beta2 = static_cast<float>(beta2);
+  s.one_minus_beta2 = static_cast<float>(1 - beta2);
+  s.neg_step_size = static_cast<float>(-(lr / bias_correction1));
+  s.bias_correction2_sqrt = static_cast<float>(std::sqrt(bias_correction2));
+  s.eps = static_cast<float>(options.eps());
+  s.weight_decay = static_cast<float>(weight_decay);
+  s.decay_factor = static_cast<float>(1 - lr * weight_decay);
+  s.has_weight_decay = weight_decay != 0;
+  s.decoupled = options.decoupled_weight_decay();
+  s.amsgrad = options.amsgrad();
+  s.maximize = options.maximize();
+  return s;
+}
+
+// The kernel also writes the updated value into the registered compute copy, if any.
+void bind_compute_copy(const torch::Tensor& copy, const torch::Tensor& p, detail::AdamTensor& job) {
+  TORCH_CHECK(copy.sizes() == p.sizes() && copy.is_contiguous(),
+              "roundpipe::optim::Adam: the "
+              "compute copy of a parameter of shape ",
+              p.sizes(), " changed shape or layout to ", copy.sizes(), "; register it again with set_compute_copy");
+  job.copy = copy.data_ptr();
+  job.copy_dtype = copy.scalar_type() == torch::kFloat  ? detail::CopyDtype::kFloat
+                   : copy.scalar_type() == torch::kHalf ? detail::CopyDtype::kHalf
+                                                        : detail::CopyDtype::kBFloat16;
+}
+
 }  // namespace
 
 // ---- AdamOptions ---------------------------------------------------------------------------------
@@ -333,10 +371,6 @@ torch::Tensor Adam::step(LossClosure closure) {
     auto& group = param_groups_[g];
     const auto& options = static_cast<const AdamOptions&>(group.options());
     check_options(options, "param group " + std::to_string(g));
-    const double lr = options.lr();
-    const double beta1 = std::get<0>(options.betas());
-    const double beta2 = std::get<1>(options.betas());
-    const double weight_decay = options.weight_decay();
     for (auto& p : group.params()) {
       if (!p.grad().defined()) {
         continue;
@@ -354,39 +388,13 @@ torch::Tensor Adam::step(LossClosure closure) {
       bind_param(state, p, job);
       state.step(state.step() + 1);
 
-      // Bias corrections in double, like _single_tensor_adam's Python floats; the kernel gets
-      // them rounded to float exactly where ATen rounds its Scalar arguments.
-      const double step = static_cast<double>(state.step());
-      const double bias_correction1 = 1 - std::pow(beta1, step);
-      const double bias_correction2 = 1 - std::pow(beta2, step);
       job.grad = grad.const_data_ptr();
       job.grad_dtype = detail::grad_dtype_of(grad);
       job.numel = p.numel();
       job.streaming_stores = streaming_stores_ && job.numel >= kStreamingMinElements;
-      auto& s = job.scalars;
-      s.lerp_weight = static_cast<float>(1 - beta1);
-      s.beta2 = static_cast<float>(beta2);
-      s.one_minus_beta2 = static_cast<float>(1 - beta2);
-      s.neg_step_size = static_cast<float>(-(lr / bias_correction1));
-      s.bias_correction2_sqrt = static_cast<float>(std::sqrt(bias_correction2));
-      s.eps = static_cast<float>(options.eps());
-      s.weight_decay = static_cast<float>(weight_decay);
-      s.decay_factor = static_cast<float>(1 - lr * weight_decay);
-      s.has_weight_decay = weight_decay != 0;
-      s.decoupled = options.decoupled_weight_decay();
-      s.amsgrad = options.amsgrad();
-      s.maximize = options.maximize();
-      auto copy = compute_copies_.find(p.unsafeGetTensorImpl());
-      if (copy != compute_copies_.end()) {
-        const torch::Tensor& c = copy->second;
-        TORCH_CHECK(c.sizes() == p.sizes() && c.is_contiguous(),
-                    "roundpipe::optim::Adam: the "
-                    "compute copy of a parameter of shape ",
-                    p.sizes(), " changed shape or layout to ", c.sizes(), "; register it again with set_compute_copy");
-        job.copy = c.data_ptr();
-        job.copy_dtype = c.scalar_type() == torch::kFloat  ? detail::CopyDtype::kFloat
-                         : c.scalar_type() == torch::kHalf ? detail::CopyDtype::kHalf
-                                                           : detail::CopyDtype::kBFloat16;
+      job.scalars = adam_scalars(options, state.step());
+      if (auto copy = compute_copies_.find(p.unsafeGetTensorImpl()); copy != compute_copies_.end()) {
+        bind_compute_copy(copy->second, p, job);
       }
       if (job.numel > 0) {
         jobs.push_back(job);

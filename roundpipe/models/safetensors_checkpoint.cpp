@@ -14,6 +14,7 @@
 #include <cerrno>
 #include <algorithm>
 #include <cstdio>
+#include <numeric>
 #include <set>
 
 namespace roundpipe::models {
@@ -92,6 +93,48 @@ std::string shard_name(const std::string& prefix, size_t index, size_t count) {
 void remove_if_exists(const std::string& path) {
   TORCH_CHECK(::unlink(path.c_str()) == 0 || errno == ENOENT, "cannot remove stale checkpoint file '", path,
               "': ", detail::errno_text(errno));
+}
+
+// Note [Sharding]'s split: indices into the tensor list, one vector per shard (at least one).
+std::vector<std::vector<size_t>> split_into_shards(const std::vector<uint64_t>& sizes, const int64_t max_shard_bytes) {
+  const auto limit = static_cast<uint64_t>(max_shard_bytes);
+  std::vector<std::vector<size_t>> shards;
+  std::vector<size_t> current;
+  uint64_t current_bytes = 0;
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    if (sizes[i] > limit) {
+      shards.push_back({i});
+      continue;
+    }
+    if (current_bytes + sizes[i] > limit) {
+      shards.push_back(std::move(current));
+      current.clear();
+      current_bytes = 0;
+    }
+    current.push_back(i);
+    current_bytes += sizes[i];
+  }
+  if (!current.empty() || shards.empty()) {
+    shards.push_back(std::move(current));
+  }
+  return shards;
+}
+
+// Removes the shards of an earlier save that this one did not overwrite.
+void remove_stale_shards(const std::string& dir, const std::string& prefix, const std::set<std::string>& written) {
+  DIR* listing = ::opendir(dir.c_str());
+  TORCH_CHECK(listing != nullptr, "cannot list checkpoint directory '", dir, "': ", detail::errno_text(errno));
+  std::vector<std::string> stale;
+  while (const dirent* entry = ::readdir(listing)) {
+    const std::string name = entry->d_name;
+    if (is_shard_name(name, prefix) && written.count(name) == 0) {
+      stale.push_back(name);
+    }
+  }
+  ::closedir(listing);
+  for (const auto& name : stale) {
+    remove_if_exists(detail::join_path(dir, name));
+  }
 }
 
 }  // namespace
@@ -192,28 +235,8 @@ void save_checkpoint(const std::string& dir, const std::vector<std::pair<std::st
                 "cannot create checkpoint directory '", dir, "': ", detail::errno_text(err));
   }
 
-  const auto limit = static_cast<uint64_t>(options.max_shard_bytes);
-  std::vector<std::vector<size_t>> shards;
-  std::vector<size_t> current;
-  uint64_t current_bytes = 0;
-  uint64_t total_bytes = 0;
-  for (size_t i = 0; i < tensors.size(); ++i) {
-    total_bytes += sizes[i];
-    if (sizes[i] > limit) {
-      shards.push_back({i});
-      continue;
-    }
-    if (current_bytes + sizes[i] > limit) {
-      shards.push_back(std::move(current));
-      current.clear();
-      current_bytes = 0;
-    }
-    current.push_back(i);
-    current_bytes += sizes[i];
-  }
-  if (!current.empty() || shards.empty()) {
-    shards.push_back(std::move(current));
-  }
+  const std::vector<std::vector<size_t>> shards = split_into_shards(sizes, options.max_shard_bytes);
+  const uint64_t total_bytes = std::accumulate(sizes.begin(), sizes.end(), uint64_t{0});
 
   const std::map<std::string, std::string> shard_metadata = {{"format", "pt"}};
   const std::string single = options.prefix + ".safetensors";
@@ -246,20 +269,7 @@ void save_checkpoint(const std::string& dir, const std::vector<std::pair<std::st
     });
   }
 
-  // Shards of an earlier save that this one did not overwrite.
-  DIR* listing = ::opendir(dir.c_str());
-  TORCH_CHECK(listing != nullptr, "cannot list checkpoint directory '", dir, "': ", detail::errno_text(errno));
-  std::vector<std::string> stale;
-  while (const dirent* entry = ::readdir(listing)) {
-    const std::string name = entry->d_name;
-    if (is_shard_name(name, options.prefix) && written.count(name) == 0) {
-      stale.push_back(name);
-    }
-  }
-  ::closedir(listing);
-  for (const auto& name : stale) {
-    remove_if_exists(detail::join_path(dir, name));
-  }
+  remove_stale_shards(dir, options.prefix, written);
 }
 
 }  // namespace roundpipe::models
