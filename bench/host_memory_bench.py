@@ -2,7 +2,7 @@
 """Host bytes per parameter of `roundpipe train`, measured from the process (issue 31).
 
     bench/host_memory_bench.py [--roundpipe build/roundpipe/launcher/roundpipe] [--steps 3]
-                               [--only NAME,...] [--allocators glibc,jemalloc,...]
+                               [--only 'NAME;...'] [--allocators glibc,jemalloc,...]
 
 Protocol (issue 31's): `roundpipe train configs/default.yaml` with a 194M-parameter Llama
 (hidden 1024, 10 blocks, vocab 32000, untied, float32), AdamW, `--steps` steps, a final checkpoint,
@@ -124,14 +124,14 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--roundpipe", default=str(ROOT / "build" / "roundpipe" / "launcher" / "roundpipe"))
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--only", default="", help="comma-separated run names (default: all)")
+    parser.add_argument("--only", default="", help="run names separated by ';' (they contain commas; default: all)")
     parser.add_argument("--allocators", default="glibc,glibc-retain,jemalloc")
     args = parser.parse_args()
     allocators = [a for a in args.allocators.split(",") if a]
     for a in allocators:
         if a in PRELOADS and not os.path.exists(PRELOADS[a]):
             sys.exit(f"{a}: {PRELOADS[a]} not found (apt-get install lib{a}2 / libmimalloc2.0), or drop it from --allocators")
-    names = [n for n in RUNS if not args.only or n in args.only.split(",")]
+    names = [n for n in RUNS if not args.only or n in [o.strip() for o in args.only.split(";")]]
     B = 2**10
     print(f"host memory per parameter, roundpipe train, 194M-parameter Llama (float32, AdamW), {args.steps} steps "
           f"+ final checkpoint; B/param above the tiny model's run")

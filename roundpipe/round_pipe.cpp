@@ -252,6 +252,8 @@ struct RoundPipe::Impl {
     ctx.autocast = amp::AutocastState::capture();
     ctx.inputs = detail::split_batch(inputs, M, "inputs", options.name());
     ctx.label_to_last_layer = options.label_to_last_layer();
+    ctx.cpu_parameters = options.in_place_masters() ? detail::ParameterSource::kHostTensors  // sync steps only
+                                                    : detail::ParameterSource::kCopies;
     TORCH_CHECK(!ctx.label_to_last_layer || label.defined() || !ctx.training, "RoundPipe '", options.name(),
                 "': ", entry, " needs a label: RoundPipeOptions::label_to_last_layer passes it to the last layer");
     if (ctx.training || label.defined()) ctx.labels = detail::split_label(label, rows, M, options.name());

@@ -46,7 +46,8 @@ struct RoundPipeOptions {
   /// docs/optimizer.md). optim_parameters() then returns the compute copies. Steps must be
   /// StepMode::kSync: an async step would write the parameters the next iteration reads (refused
   /// at step()). optim_dtype and master_grad_dtype must be unset: the masters are the parameters,
-  /// in their own dtype, with their own gradients.
+  /// in their own dtype, with their own gradients. CPU devices then also compute on the parameters
+  /// themselves instead of a copy of each stage's layers per job (another 1-2 B/param at the peak).
   TORCH_ARG(bool, in_place_masters) = false;
   /// Devices of the pool; each entry is one worker thread (CPU entries may repeat). Default:
   /// every visible CUDA device, else one CPU device.

@@ -3,6 +3,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <array>
 #include <limits>
 #include <string>
 
@@ -112,6 +113,24 @@ bool is_sparse(const TransformerShape& shape, int64_t decoder_index) {
   return shape.sparse_layers.empty() || shape.sparse_layers.at(static_cast<size_t>(decoder_index));
 }
 
+// The seven dense projections of a decoder layer, with their in/out widths (LoRA targets by name).
+struct Projection {
+  const char* name;
+  int64_t in, out;
+  bool mlp;
+};
+
+std::array<Projection, 7> dense_projections(const TransformerShape& shape) {
+  const int64_t h = shape.hidden, q = shape.q_dim(), kv = shape.kv_dim(), I = shape.intermediate;
+  return {{{"q_proj", h, q, false},
+           {"k_proj", h, kv, false},
+           {"v_proj", h, kv, false},
+           {"o_proj", q, h, false},
+           {"gate_proj", h, I, true},
+           {"up_proj", h, I, true},
+           {"down_proj", I, h, true}}};
+}
+
 struct DecoderParams {
   int64_t base = 0;
   int64_t adapters = 0;
@@ -135,16 +154,8 @@ DecoderParams decoder_params(const TransformerShape& shape, int64_t index) {
     if (shape.mlp_bias) p.base += 2 * shape.intermediate + h;
   }
   if (shape.lora_rank > 0) {
-    const int64_t r = shape.lora_rank, I = shape.intermediate;
-    struct Projection {
-      const char* name;
-      int64_t in, out;
-      bool mlp;
-    };
-    const Projection projections[] = {{"q_proj", h, q, false},  {"k_proj", h, kv, false},  {"v_proj", h, kv, false},
-                                      {"o_proj", q, h, false},  {"gate_proj", h, I, true}, {"up_proj", h, I, true},
-                                      {"down_proj", I, h, true}};
-    for (const Projection& pr : projections) {
+    const int64_t r = shape.lora_rank;
+    for (const Projection& pr : dense_projections(shape)) {
       if (!adapted(shape, pr.name) || (pr.mlp && sparse)) continue;  // experts are not adapted
       p.adapters += r * (pr.in + pr.out);
       ++p.adapted_projections;
@@ -190,15 +201,7 @@ int64_t decoder_factored_floats(const TransformerShape& shape, int64_t index) {
   int64_t floats = 0;
   if (shape.lora_rank > 0) {  // the adapters only: A [r, in], B [out, r]
     const int64_t r = shape.lora_rank, er = e * r;
-    struct Projection {
-      const char* name;
-      int64_t in, out;
-      bool mlp;
-    };
-    const Projection projections[] = {{"q_proj", h, q, false},  {"k_proj", h, kv, false},  {"v_proj", h, kv, false},
-                                      {"o_proj", q, h, false},  {"gate_proj", h, I, true}, {"up_proj", h, I, true},
-                                      {"down_proj", I, h, true}};
-    for (const Projection& pr : projections) {
+    for (const Projection& pr : dense_projections(shape)) {
       if (adapted(shape, pr.name) && !(pr.mlp && sparse)) floats += 2 * r + pr.in + pr.out;
     }
     if (sparse) {  // A [E r, in], B [out, E r]
@@ -315,8 +318,10 @@ std::vector<StageMemory> stage_memory(const ExecutePlan& plan, const Transformer
 // the gradients it finds there. An earlier model counted every layer a device ever copies at once
 // (as if the copies were cached): 21.8 B/param predicted for 17.7 measured (194M parameters,
 // fp32, sync, 2 devices; docs/benchmarks.md, "Host memory per parameter and the allocator").
+// With CpuDeviceLayers::kShared the jobs compute on the host parameters (Note [Shared host
+// parameters] in roundpipe/detail/device_io.cpp): only the activations remain.
 CpuDeviceBytes cpu_device_bytes(const ExecutePlan& plan, const TransformerShape& shape,
-                                const DeviceMemoryOptions& options, int64_t num_devices) {
+                                const DeviceMemoryOptions& options, int64_t num_devices, CpuDeviceLayers layer_source) {
   TORCH_CHECK(num_devices > 0, "cpu_device_bytes: num_devices must be positive, got ", num_devices);
   const std::vector<LayerMemory> layers = layer_memory(shape, options);
   std::vector<LayerRange> ranges = plan.forward_stages();
@@ -336,7 +341,7 @@ CpuDeviceBytes cpu_device_bytes(const ExecutePlan& plan, const TransformerShape&
     activations = std::max(activations, m.saved_activations + m.recompute + m.head + m.boundary);
   }
   CpuDeviceBytes out;
-  for (int64_t d = 0; d < num_devices; ++d) {
+  for (int64_t d = 0; d < num_devices && layer_source == CpuDeviceLayers::kCopied; ++d) {
     out.forward += largest_forward[static_cast<size_t>(d)];
     out.backward += largest_backward[static_cast<size_t>(d)];
   }

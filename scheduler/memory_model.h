@@ -108,8 +108,13 @@ struct CpuDeviceBytes {
   /// While the backward and fused stages run: the same over those stages.
   int64_t backward = 0;
 };
+/// Whether CPU devices' stage jobs copy their stages' parameters (the default) or compute on the
+/// host parameters themselves (RoundPipeOptions::in_place_masters; docs/benchmarks.md, "Host
+/// memory per parameter and the allocator").
+enum class CpuDeviceLayers { kCopied, kShared };
 CpuDeviceBytes cpu_device_bytes(const ExecutePlan& plan, const TransformerShape& shape,
-                                const DeviceMemoryOptions& options, int64_t num_devices);
+                                const DeviceMemoryOptions& options, int64_t num_devices,
+                                CpuDeviceLayers layer_source = CpuDeviceLayers::kCopied);
 
 /// The peak of every stage of `plan` (forward stages, then backward stages as in ExecutePlan),
 /// training (RunType::kFused plans).

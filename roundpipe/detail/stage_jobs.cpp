@@ -265,7 +265,7 @@ class LayerLeases {
       } else {
         shells_.emplace_back(ctx_.model->shells, l);
       }
-      io_.upload_layer(*shells_.back().module().ptr(), *ctx_.model->layers[l].ptr(), buffers);
+      io_.upload_layer(*shells_.back().module().ptr(), *ctx_.model->layers[l].ptr(), buffers, ctx_.cpu_parameters);
     }
     pos_.layer = layer;
   }

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "amp/autocast_guard.h"
+#include "roundpipe/detail/device_io.h"
 #include "roundpipe/detail/layer_call.h"
 #include "roundpipe/detail/layer_shells.h"
 #include "roundpipe/loss_fn.h"
@@ -102,6 +103,9 @@ struct RunContext {
   const LossFn* loss_fn = nullptr;
   /// RoundPipeOptions::label_to_last_layer: the last layer is called with labels[mb] appended.
   bool label_to_last_layer = false;
+  /// Where CPU devices' layer shells take the parameters from: the layer's own tensors with
+  /// RoundPipeOptions::in_place_masters (Note [Shared host parameters] in device_io.cpp).
+  ParameterSource cpu_parameters = ParameterSource::kCopies;
   c10::Device output_device = c10::kCPU;
   /// The caller's autocast state (CPU and CUDA), applied on the worker threads for every job.
   amp::AutocastState autocast;

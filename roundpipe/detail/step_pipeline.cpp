@@ -49,7 +49,9 @@ namespace roundpipe::detail {
 // of each parameter instead of two. This is safe only when no run reads the compute copies while
 // a step function runs: sync steps (which wait for every tail first) and the caller's own calls
 // between runs. Async steps are refused at step(): the next iteration reads the compute copies
-// while an async step would write them (the staleness-one protocol needs two copies).
+// while an async step would write them (the staleness-one protocol needs two copies). For the
+// same reason CPU devices compute on the parameters themselves instead of per-job copies (Note
+// [Shared host parameters] in device_io.cpp).
 
 // Note [Run tails]:
 // A forward_backward returns once its forward and fused jobs have finished (the losses are

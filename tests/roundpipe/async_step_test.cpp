@@ -8,6 +8,8 @@
 #include <chrono>
 #include <future>
 #include <memory>
+#include <mutex>
+#include <set>
 #include <stdexcept>
 #include <thread>
 
@@ -256,6 +258,63 @@ TEST(AsyncStepTest, InPlaceMasters_SyncStepsEqualPlainLoop) {
     const auto got = rp.module()->parameters(), want = plain->parameters();
     for (size_t i = 0; i < got.size(); ++i) EXPECT_TENSOR_EQ(got[i], want[i]) << "param " << i;
     for (size_t i = 0; i < masters.size(); ++i) EXPECT_TRUE(masters[i].is_same(rp.module()->parameters()[i]));
+  }
+}
+
+// The data addresses a layer's weight had in its passes (forward and recompute), from any thread.
+struct AddressLog {
+  void add(const void* address) {
+    std::lock_guard<std::mutex> lock(mutex);
+    seen.insert(address);
+  }
+  std::set<const void*> addresses() {
+    std::lock_guard<std::mutex> lock(mutex);
+    return seen;
+  }
+  std::mutex mutex;
+  std::set<const void*> seen;
+};
+
+struct AddressProbeImpl : torch::nn::Cloneable<AddressProbeImpl> {
+  explicit AddressProbeImpl(std::shared_ptr<AddressLog> log) : log(std::move(log)) { reset(); }
+  void reset() override { linear = register_module("linear", torch::nn::Linear(8, 8)); }
+  torch::Tensor forward(const torch::Tensor& x) {
+    log->add(linear->weight.const_data_ptr());
+    return torch::tanh(linear(x));
+  }
+  std::shared_ptr<AddressLog> log;
+  torch::nn::Linear linear{nullptr};
+};
+TORCH_MODULE(AddressProbe);
+
+// Note [Shared host parameters]: with in-place masters the CPU devices' stage jobs compute on the
+// model's parameter tensors themselves; otherwise every job works on copies of its own.
+TEST(AsyncStepTest, InPlaceMasters_CpuDevicesComputeOnTheParameters) {
+  for (const bool in_place : {false, true}) {
+    SCOPED_TRACE(::testing::Message() << "in_place_masters=" << in_place);
+    auto log = std::make_shared<AddressLog>();
+    torch::manual_seed(64);
+    auto model =
+        torch::nn::Sequential(AddressProbe(log), AddressProbe(log), AddressProbe(log), torch::nn::Linear(8, 4));
+    RunConfig two_microbatches;
+    two_microbatches.num_microbatch = 2;
+    RoundPipe rp(
+        model,
+        RoundPipeOptions().devices({c10::kCPU, c10::kCPU}).run_config(two_microbatches).in_place_masters(in_place));
+    std::set<const void*> weights;
+    for (const auto& p : rp.module()->parameters()) weights.insert(p.const_data_ptr());
+    auto x = torch::randn({6, 8}), y = torch::randn({6, 4});
+    for (int it = 0; it < 2; ++it) {
+      rp.forward_backward({x}, y, mse_over(y.numel()));
+      rp.step([] {}, StepMode::kSync);
+    }
+    rp.forward({x});
+    const std::set<const void*> seen = log->addresses();
+    ASSERT_FALSE(seen.empty());
+    for (const void* address : seen) {
+      EXPECT_EQ(weights.count(address), in_place ? 1u : 0u) << "a pass read the weight at " << address;
+    }
+    if (in_place) EXPECT_EQ(seen.size(), 3u);  // one address per probe layer
   }
 }
 

@@ -216,6 +216,10 @@ TEST(MemoryModelTest, CpuDeviceBytes_LargestStagePerDevicePerMomentPlusOneStages
   CpuDeviceBytes three = cpu_device_bytes(plan, tiny(), fp32(16, 2), 3);
   EXPECT_EQ(three.forward, a + fused_activations);
   EXPECT_EQ(three.backward, b + a + fused_activations);
+  // Jobs computing on the host parameters (in-place masters) hold only the activations.
+  CpuDeviceBytes shared = cpu_device_bytes(plan, tiny(), fp32(16, 2), 2, CpuDeviceLayers::kShared);
+  EXPECT_EQ(shared.forward, fused_activations);
+  EXPECT_EQ(shared.backward, fused_activations);
   // host_memory adds the larger moment: the forward stages' copies less the iteration's
   // gradients (not there yet), or the backward stages'.
   HostMemoryOptions o;

@@ -131,8 +131,9 @@ scheduler::HostMemory host_of(const LauncherConfig& config, const MemoryPlan& me
   o.in_place_masters = in_place_masters(config);
   o.kahan_sum = config.optimizer.kahan_sum;
   if (memory.cpu_devices) {
-    o.cpu_device_bytes =
-        scheduler::cpu_device_bytes(memory.plan, memory.shape, memory.device_options, memory.num_devices);
+    o.cpu_device_bytes = scheduler::cpu_device_bytes(
+        memory.plan, memory.shape, memory.device_options, memory.num_devices,
+        o.in_place_masters ? scheduler::CpuDeviceLayers::kShared : scheduler::CpuDeviceLayers::kCopied);
   }
   return scheduler::host_memory(memory.params, o);
 }
