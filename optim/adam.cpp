@@ -440,20 +440,21 @@ void Adam::load(torch::serialize::InputArchive& archive) {
     throw;
   }
   for (const auto g : c10::irange(param_groups_.size())) {
+    // Read before any restore(): it replaces (frees) the loaded options object.
     const auto& loaded_options = static_cast<const AdamOptions&>(param_groups_[g].options());
     const auto& wanted_options = static_cast<const AdamOptions&>(*options_before[g]);
-    if (loaded_options.kahan_sum() != wanted_options.kahan_sum()) {
+    const bool loaded_kahan = loaded_options.kahan_sum(), wanted_kahan = wanted_options.kahan_sum();
+    const auto loaded = loaded_options.state_dtype();
+    const auto wanted = wanted_options.state_dtype();
+    if (loaded_kahan != wanted_kahan) {
       restore();
       TORCH_CHECK(false, "roundpipe::optim::Adam::load: param group ", g, " of the archive has kahan_sum ",
-                  loaded_options.kahan_sum() ? "true" : "false", " but this optimizer's group ", g, " has kahan_sum ",
-                  wanted_options.kahan_sum() ? "true" : "false",
-                  "; construct the optimizer with AdamOptions().kahan_sum(",
-                  loaded_options.kahan_sum() ? "true" : "false",
+                  loaded_kahan ? "true" : "false", " but this optimizer's group ", g, " has kahan_sum ",
+                  wanted_kahan ? "true" : "false", "; construct the optimizer with AdamOptions().kahan_sum(",
+                  loaded_kahan ? "true" : "false",
                   ") (and parameters of the dtype it was saved with) to resume from this archive (the optimizer was "
                   "left unchanged)");
     }
-    const auto loaded = loaded_options.state_dtype();
-    const auto wanted = wanted_options.state_dtype();
     if (loaded != wanted) {
       restore();
       TORCH_CHECK(false, "roundpipe::optim::Adam::load: param group ", g, " of the archive has state_dtype ",
