@@ -1,21 +1,20 @@
 // CheckpointReader and save_checkpoint: transformers-style checkpoint directories (one
 // model.safetensors, or shards plus model.safetensors.index.json).
-#include "roundpipe/models/detail/safetensors_format.h"
-#include "roundpipe/models/safetensors.h"
-
 #include <c10/util/Exception.h>
-#include <nlohmann/json.hpp>
-
 #include <dirent.h>
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include <cerrno>
 #include <algorithm>
+#include <cerrno>
 #include <cstdio>
+#include <nlohmann/json.hpp>
 #include <numeric>
 #include <set>
+
+#include "roundpipe/models/detail/safetensors_format.h"
+#include "roundpipe/models/safetensors.h"
 
 namespace roundpipe::models {
 namespace {
@@ -152,8 +151,8 @@ CheckpointReader CheckpointReader::open(const std::string& dir) {
     }
     return reader;
   }
-  TORCH_CHECK(detail::is_regular_file(index_path), "checkpoint directory '", dir, "' has neither '", single,
-              "' nor '", index_path, "' (is it a Hugging Face checkpoint with safetensors weights?)");
+  TORCH_CHECK(detail::is_regular_file(index_path), "checkpoint directory '", dir, "' has neither '", single, "' nor '",
+              index_path, "' (is it a Hugging Face checkpoint with safetensors weights?)");
 
   json index;
   try {
@@ -168,8 +167,8 @@ CheckpointReader CheckpointReader::open(const std::string& dir) {
     TORCH_CHECK(file.is_string(), "checkpoint index '", index_path, "': weight_map['", name,
                 "'] must be a file name string, got ", file.type_name());
     const std::string& file_name = file.get_ref<const std::string&>();
-    TORCH_CHECK(is_safe_relative_path(file_name), "checkpoint index '", index_path, "': weight_map['", name,
-                "'] = '", file_name, "' is not a relative path inside the checkpoint directory");
+    TORCH_CHECK(is_safe_relative_path(file_name), "checkpoint index '", index_path, "': weight_map['", name, "'] = '",
+                file_name, "' is not a relative path inside the checkpoint directory");
     by_file[file_name].push_back(name);
   }
   for (const auto& [file_name, tensor_names] : by_file) {
@@ -177,8 +176,8 @@ CheckpointReader CheckpointReader::open(const std::string& dir) {
     auto shard = SafetensorsFile::open(detail::join_path(dir, file_name));
     const std::set<std::string> wanted(tensor_names.begin(), tensor_names.end());
     for (const auto& name : tensor_names) {
-      TORCH_CHECK(shard->contains(name), "checkpoint index '", index_path, "' maps tensor '", name, "' to '",
-                  file_name, "', but that file has no such tensor");
+      TORCH_CHECK(shard->contains(name), "checkpoint index '", index_path, "' maps tensor '", name, "' to '", file_name,
+                  "', but that file has no such tensor");
       reader.where_.emplace(name, slot);
     }
     for (const auto& name : shard->names()) {
@@ -191,9 +190,7 @@ CheckpointReader CheckpointReader::open(const std::string& dir) {
   return reader;
 }
 
-std::vector<std::string> CheckpointReader::names() const {
-  return names_;
-}
+std::vector<std::string> CheckpointReader::names() const { return names_; }
 
 const SafetensorsFile& CheckpointReader::file_of(const std::string& name) const {
   const auto it = where_.find(name);
@@ -202,13 +199,9 @@ const SafetensorsFile& CheckpointReader::file_of(const std::string& name) const 
   return *files_[it->second];
 }
 
-const TensorInfo& CheckpointReader::info(const std::string& name) const {
-  return file_of(name).info(name);
-}
+const TensorInfo& CheckpointReader::info(const std::string& name) const { return file_of(name).info(name); }
 
-at::Tensor CheckpointReader::get(const std::string& name) const {
-  return file_of(name).get(name);
-}
+at::Tensor CheckpointReader::get(const std::string& name) const { return file_of(name).get(name); }
 
 at::Tensor CheckpointReader::get(const std::string& name, c10::ScalarType dtype) const {
   return file_of(name).get(name, dtype);
@@ -222,8 +215,7 @@ void CheckpointReader::release_pages(const std::string& name) const { file_of(na
 // limit. One shard is written as <prefix>.safetensors without an index.
 void save_checkpoint(const std::string& dir, const std::vector<std::pair<std::string, at::Tensor>>& tensors,
                      const ShardOptions& options) {
-  TORCH_CHECK(options.max_shard_bytes > 0, "ShardOptions::max_shard_bytes must be > 0, got ",
-              options.max_shard_bytes);
+  TORCH_CHECK(options.max_shard_bytes > 0, "ShardOptions::max_shard_bytes must be > 0, got ", options.max_shard_bytes);
   TORCH_CHECK(!options.prefix.empty() && options.prefix.find('/') == std::string::npos,
               "ShardOptions::prefix must be a non-empty file name without '/', got '", options.prefix, "'");
   const std::vector<uint64_t> sizes = detail::check_saveable(dir, tensors);
