@@ -47,7 +47,8 @@ struct RoundPipeOptions {
   /// StepMode::kSync: an async step would write the parameters the next iteration reads (refused
   /// at step()). optim_dtype and master_grad_dtype must be unset: the masters are the parameters,
   /// in their own dtype, with their own gradients. CPU devices then also compute on the parameters
-  /// themselves instead of a copy of each stage's layers per job (another 1-2 B/param at the peak).
+  /// themselves instead of a copy of each stage's layers per job (at the peak, one copy of each
+  /// device's largest stage less: 1.3 B/param measured with 2 devices, 3.9 with 1; docs/benchmarks.md).
   TORCH_ARG(bool, in_place_masters) = false;
   /// Devices of the pool; each entry is one worker thread (CPU entries may repeat). Default:
   /// every visible CUDA device, else one CPU device.
