@@ -7,11 +7,16 @@
 Protocol (issue 31's): `roundpipe train configs/default.yaml` with a 194M-parameter Llama
 (hidden 1024, 10 blocks, vocab 32000, untied, float32), AdamW, `--steps` steps, a final checkpoint,
 on 2 CPU devices (and 1), sync and async steps; bf16 compute, 8-bit moments, and bf16 masters
-with Kahan compensation (the compute copies, sync steps), with and without 8-bit moments. Peak RSS is the process's (getrusage in a parent of its own);
-the same command on the default tiny model (0.9M parameters) is subtracted, so B/param counts what
-the model's size costs, not LibTorch's own ~0.5 GiB. Reported per run:
+with Kahan compensation (the compute copies, sync steps), with and without 8-bit moments; LoRA
+(rank 8 on every linear projection) over a frozen bf16 base: the same Llama with random weights,
+saved by transformers as a pretrained directory (`model.pretrained`). Peak RSS is the process's
+(getrusage in a parent of its own); the same command on the default tiny model (0.9M parameters)
+is subtracted (for LoRA rows: the same LoRA command on a tiny bf16 base of the default model's
+shape), so B/param counts what the model's size costs, not LibTorch's own ~0.5 GiB. B/param is per
+parameter of the model (LoRA: the frozen base and the adapters). Reported per run:
 
-  peak      peak RSS (VmHWM) minus the tiny run's, per parameter
+  peak      peak RSS (ru_maxrss, as `roundpipe train` prints it after its final checkpoint) minus
+            the tiny run's, per parameter
   steps     the highest RSS sampled (every 50 ms) before the final checkpoint starts, per parameter
   ckpt      the highest RSS sampled while the final checkpoint is written, minus the RSS when it
             started, per parameter (what writing a checkpoint adds)
@@ -27,6 +32,7 @@ Debian's libjemalloc2 / libmimalloc2.0, when installed). Nothing here is timed a
 import argparse
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -37,9 +43,12 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 BIG = ["model.config.hidden_size=1024", "model.config.intermediate_size=2816", "model.config.num_hidden_layers=10",
        "model.config.vocab_size=32000", "model.config.num_attention_heads=8", "model.config.num_key_value_heads=8"]
-BIG_PARAMS = 194_008_064  # printed by `roundpipe train` as "trainable parameters"; checked below
+BIG_PARAMS = 194_008_064  # printed by `roundpipe train` ("trainable parameters: N of N"); checked below
 PRELOADS = {"jemalloc": "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2",
             "mimalloc": "/usr/lib/x86_64-linux-gnu/libmimalloc.so.2"}
+LORA_BASE = "{lora_base}"  # replaced by the directory make_lora_base() writes
+LORA = ["model.preset=null", "model.config={}", f"model.pretrained={LORA_BASE}", "model.dtype=bfloat16",
+        "model.lora={rank: 8, alpha: 16.0, targets: [all-linear]}"]
 BF16_MASTERS = ["model.dtype=bfloat16", "model.master_dtype=bfloat16", "optimizer.kahan_sum=true", "run.step_mode=sync"]
 RUNS = {  # name -> overrides
     "sync, 2 devices": ["run.step_mode=sync"],
@@ -49,7 +58,31 @@ RUNS = {  # name -> overrides
     "int8 states, sync, 2 devices": ["run.step_mode=sync", "optimizer.state_dtype=int8"],
     "bf16 masters + Kahan, sync, 2 devices": BF16_MASTERS,
     "bf16 masters + Kahan + int8, sync, 2 devices": BF16_MASTERS + ["optimizer.state_dtype=int8"],
+    "LoRA r8 all-linear, bf16 base, async, 2 devices": LORA + ["run.step_mode=async"],
+    "LoRA r8 all-linear, bf16 base, sync, 2 devices": LORA + ["run.step_mode=sync"],
 }
+
+
+def make_lora_base(out_dir: str, big: bool) -> None:
+    """The 194M Llama of BIG (else the tiny default one) with random weights, in bfloat16, as a
+    transformers pretrained directory."""
+    shape = ("vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=10, "
+             "num_attention_heads=8, num_key_value_heads=8" if big else
+             "vocab_size=256, hidden_size=128, intermediate_size=352, num_hidden_layers=4, "
+             "num_attention_heads=4, num_key_value_heads=4")
+    script = f"""
+import torch, transformers
+torch.manual_seed(0)
+config = transformers.LlamaConfig({shape}, max_position_embeddings=256, rms_norm_eps=1e-5, rope_theta=10000.0,
+                                  tie_word_embeddings=False)
+transformers.LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained({out_dir!r}, safe_serialization=True)
+"""
+    python = ROOT / ".venv" / "bin" / "python"
+    subprocess.run([str(python) if python.exists() else sys.executable, "-c", script], check=True)
+
+
+def resolve(overrides: list, lora_base: str) -> list:
+    return [o.replace(LORA_BASE, lora_base) for o in overrides]
 
 
 def run(roundpipe: str, out_dir: str, overrides: list, allocator: str, steps: int):
@@ -94,17 +127,26 @@ def run(roundpipe: str, out_dir: str, overrides: list, allocator: str, steps: in
     if proc.returncode != 0:
         sys.exit("roundpipe train failed:\n" + "\n".join(l for _, l in lines[-20:]))
     shutil.rmtree(out_dir, ignore_errors=True)  # a 194M-parameter checkpoint is 2.3 GB
-    peak_kib, user_s, sys_s = rusage_file.read_text().split()
-    peak_kib, user_s, sys_s = int(peak_kib), float(user_s), float(sys_s)
+    exit_peak_kib, user_s, sys_s = rusage_file.read_text().split()
+    user_s, sys_s = float(user_s), float(sys_s)
+    # The peak roundpipe reports itself after its final checkpoint: the parent's ru_maxrss also
+    # covers the process's teardown, which pages in ~0.1 GiB (static destructors) after the model
+    # is freed, raising the tiny run's peak but not a large one's (a bias of -0.5 B/param before).
+    reported = [re.search(r"peak host memory: .* \((\d+) KiB\)", l) for _, l in lines]
+    peak_kib = next((int(m.group(1)) for m in reported if m), None)
+    if peak_kib is None:
+        sys.exit("roundpipe train printed no 'peak host memory' line:\n" + "\n".join(l for _, l in lines[-20:]))
     # The progress line ends in '\r' while it is redrawn: look for the text anywhere.
     ckpt_start = next((t for t, l in lines if f"step {steps}/{steps} " in l), lines[-1][0])
     steps_kib = max([s for t, s in samples if t <= ckpt_start] or [0])
     during = [s for t, s in samples if t > ckpt_start]
     at_start = ([s for t, s in samples if t <= ckpt_start] or [0])[-1]
     ckpt_kib = max(during or [at_start]) - at_start
-    params = next((int(l.split()[2].replace(",", "")) for _, l in lines if l.startswith("trainable parameters:")), 0)
-    return {"peak_kib": peak_kib, "steps_kib": steps_kib, "ckpt_kib": ckpt_kib, "params": params,
-            "cpu": user_s + sys_s, "sys": sys_s}
+    # "[LoRA rank 8 on ...; ]trainable parameters: 1,234 of 5,678 (21.7%)": B/param is over all of them.
+    counts = [re.search(r"trainable parameters: [\d,]+ of ([\d,]+)", l) for _, l in lines]
+    params = next((int(m.group(1).replace(",", "")) for m in counts if m), 0)
+    return {"peak_kib": peak_kib, "exit_peak_kib": int(exit_peak_kib), "steps_kib": steps_kib, "ckpt_kib": ckpt_kib,
+            "params": params, "cpu": user_s + sys_s, "sys": sys_s}
 
 
 def predicted_bytes(roundpipe: str, overrides: list) -> int:
@@ -138,14 +180,27 @@ def main() -> int:
     print(f"| run | allocator | peak B/param | steps B/param | checkpoint adds | plan predicts | peak GiB | cpu s (sys) |")
     print("|---|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
+        lora_base, tiny_lora_base = f"{tmp}/lora-base", f"{tmp}/tiny-lora-base"
+        if any(LORA_BASE in o for n in names for o in RUNS[n]):
+            make_lora_base(lora_base, big=True)
+            make_lora_base(tiny_lora_base, big=False)
         for allocator in allocators:
-            tiny = run(args.roundpipe, f"{tmp}/tiny-{allocator}", [], allocator, args.steps)
+            tiny_runs = {}  # LoRA rows subtract the same LoRA command on the tiny base (bf16 runs
+            # start smaller than the fp32 tiny run: its fp32 GEMMs' scratch)
             for name in names:
-                r = run(args.roundpipe, f"{tmp}/{allocator}-{len(name)}", BIG + RUNS[name], allocator, args.steps)
-                if r["params"] != BIG_PARAMS:
-                    sys.exit(f"expected {BIG_PARAMS} parameters, roundpipe train reported {r['params']}")
+                lora = any(o.startswith("model.lora=") for o in RUNS[name])  # its shape is the base's
+                if lora not in tiny_runs:
+                    tiny_overrides = resolve(RUNS[name], tiny_lora_base) if lora else []
+                    tiny_runs[lora] = run(args.roundpipe, f"{tmp}/tiny-{allocator}-{lora}", tiny_overrides, allocator,
+                                          args.steps)
+                tiny = tiny_runs[lora]
+                overrides = resolve(([] if lora else BIG) + RUNS[name], lora_base)
+                r = run(args.roundpipe, f"{tmp}/{allocator}-{len(name)}", overrides, allocator, args.steps)
+                if (r["params"] > BIG_PARAMS) != lora or (not lora and r["params"] != BIG_PARAMS):
+                    sys.exit(f"expected {BIG_PARAMS} parameters (more with LoRA's adapters), roundpipe train "
+                             f"reported {r['params']}")
                 per = lambda kib: (kib - tiny["peak_kib"]) * B / r["params"]
-                predicted = predicted_bytes(args.roundpipe, BIG + RUNS[name]) / r["params"]
+                predicted = predicted_bytes(args.roundpipe, overrides) / r["params"]
                 print(f"| {name} | {allocator} | {per(r['peak_kib']):.1f} | {per(r['steps_kib']):.1f} | "
                       f"{r['ckpt_kib'] * B / r['params']:.1f} | {predicted:.1f} | {r['peak_kib'] / 2**20:.2f} | "
                       f"{r['cpu']:.1f} ({r['sys']:.1f}) |", flush=True)

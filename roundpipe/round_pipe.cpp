@@ -218,6 +218,24 @@ struct RoundPipe::Impl {
     steps->wait_tails();
   }
 
+  // [layer][position in the layer's parameters()]: the parameters CPU devices' stage jobs compute
+  // on without a copy (Note [Shared host parameters] in detail/device_io.cpp), per owner (Note
+  // [Shared parameters]: a tied parameter is shared where its owner is). Empty when every device
+  // is a GPU (they always copy).
+  std::vector<std::vector<bool>> cpu_shared_parameters() {
+    std::vector<std::vector<bool>> out;
+    if (std::all_of(devices.begin(), devices.end(), [](const c10::Device& d) { return d.is_cuda(); })) return out;
+    const std::vector<std::vector<bool>> shareable = steps->shareable_parameters();
+    out.resize(static_cast<size_t>(num_layers()));
+    for (size_t l = 0; l < out.size(); ++l) {
+      for (const int64_t u : layer_set.use_of_position[l]) {
+        const detail::ParamRef& owner = layer_set.uses[l][static_cast<size_t>(u)];
+        out[l].push_back(shareable[static_cast<size_t>(owner.layer)][static_cast<size_t>(owner.index)]);
+      }
+    }
+    return out;
+  }
+
   // The run path shared by forward and forward_backward, up to the dispatch: resolves the call's
   // settings, splits the batch and fills `ctx` (with the entry point's own fields: loss_fn, flag
   // batch). Returns the resolved settings and the plan to run.
@@ -252,8 +270,7 @@ struct RoundPipe::Impl {
     ctx.autocast = amp::AutocastState::capture();
     ctx.inputs = detail::split_batch(inputs, M, "inputs", options.name());
     ctx.label_to_last_layer = options.label_to_last_layer();
-    ctx.cpu_parameters = options.in_place_masters() ? detail::ParameterSource::kHostTensors  // sync steps only
-                                                    : detail::ParameterSource::kCopies;
+    ctx.cpu_shared_parameters = cpu_shared_parameters();
     TORCH_CHECK(!ctx.label_to_last_layer || label.defined() || !ctx.training, "RoundPipe '", options.name(),
                 "': ", entry, " needs a label: RoundPipeOptions::label_to_last_layer passes it to the last layer");
     if (ctx.training || label.defined()) ctx.labels = detail::split_label(label, rows, M, options.name());

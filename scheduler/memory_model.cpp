@@ -48,7 +48,8 @@ namespace roundpipe::scheduler {
 //  - head (the stage with the LM head, training): models::linear_cross_entropy's working set:
 //    one chunk of logits buffers, min(C, t) V p with p = 4 B/logit for an fp32 model and 8 for
 //    bf16/fp16 and C = max(1, loss_chunk_bytes / (V p)) tokens; the fp32 accumulator of the
-//    weight's gradient V h 4; the hidden states' gradient t h s; targets and masks 13 t.
+//    weight's gradient V h 4 (none with LoRA: the head is frozen); the hidden states' gradient
+//    t h s; targets and masks 13 t.
 //  - boundary: the stage's input and output hidden states (2 t h s) for each in-flight
 //    microbatch (2: the running one and the one whose results are still being downloaded).
 // The runtime's partitioner (size-based, launcher: deterministic) does not see activations; that
@@ -252,24 +253,25 @@ std::vector<LayerMemory> layer_memory(const TransformerShape& shape, const Devic
   std::vector<LayerMemory> layers;
   LayerMemory embedding;
   embedding.param_bytes = V * h * s;
-  embedding.grad_bytes = full ? embedding.param_bytes : 0;
+  embedding.grad_bytes = embedding.trainable_bytes = full ? embedding.param_bytes : 0;
   embedding.saved_per_token = 8;
   layers.push_back(embedding);
   for (int64_t i = 0; i < shape.num_layers; ++i) {
     const DecoderParams p = decoder_params(shape, i);
     LayerMemory layer;
     layer.param_bytes = (p.base + p.adapters) * s;
-    layer.grad_bytes = (full ? p.base + p.adapters : p.adapters) * s;
+    layer.grad_bytes = layer.trainable_bytes = (full ? p.base + p.adapters : p.adapters) * s;
     layer.saved_per_token = decoder_saved_per_token(shape, i, o, p.adapted_projections);
     layers.push_back(layer);
   }
   LayerMemory head;
   head.param_bytes = (h + V * h) * s;
-  head.grad_bytes = full ? head.param_bytes : 0;
+  head.grad_bytes = head.trainable_bytes = full ? head.param_bytes : 0;
   head.saved_per_token = 2 * h * s;
   const int64_t per_logit = s >= 4 ? 4 : 8;  // models::loss_chunk_tokens
   const int64_t chunk = std::max<int64_t>(1, o.loss_chunk_bytes / (V * per_logit));
-  head.head_bytes = std::min(chunk, t) * V * per_logit + V * h * 4 + t * h * s + 13 * t;
+  const int64_t weight_grad = full ? V * h * 4 : 0;  // a frozen head has no gradient accumulator
+  head.head_bytes = std::min(chunk, t) * V * per_logit + weight_grad + t * h * s + 13 * t;
   layers.push_back(head);
   return layers;
 }
@@ -309,8 +311,10 @@ std::vector<StageMemory> stage_memory(const ExecutePlan& plan, const Transformer
 }
 
 // Note [CPU devices' host memory]:
-// On a CPU device a stage job copies its layers into its shells (DeviceIo::upload_layer clones
-// them) and frees the copies when it ends (Note [Layer shells]); a device runs one job at a time.
+// On a CPU device a stage job copies its layers' trainable parameters into its shells
+// (DeviceIo::upload_layer clones them; frozen ones such as LoRA's base are shared, Note [Shared
+// host parameters] in roundpipe/detail/device_io.cpp) and frees the copies when it ends (Note
+// [Layer shells]); a device runs one job at a time.
 // So at any moment each device holds at most one stage's layer copies, and the peak is the sum
 // over devices of the largest stage each one runs, taken separately for the two moments of an
 // iteration: the forward stages (the iteration's gradients do not exist yet) and the backward
@@ -318,8 +322,8 @@ std::vector<StageMemory> stage_memory(const ExecutePlan& plan, const Transformer
 // the gradients it finds there. An earlier model counted every layer a device ever copies at once
 // (as if the copies were cached): 21.8 B/param predicted for 17.7 measured (194M parameters,
 // fp32, sync, 2 devices; docs/benchmarks.md, "Host memory per parameter and the allocator").
-// With CpuDeviceLayers::kShared the jobs compute on the host parameters (Note [Shared host
-// parameters] in roundpipe/detail/device_io.cpp): only the activations remain.
+// With CpuDeviceLayers::kShared (in-place masters) the jobs compute on every host parameter:
+// only the activations remain.
 CpuDeviceBytes cpu_device_bytes(const ExecutePlan& plan, const TransformerShape& shape,
                                 const DeviceMemoryOptions& options, int64_t num_devices, CpuDeviceLayers layer_source) {
   TORCH_CHECK(num_devices > 0, "cpu_device_bytes: num_devices must be positive, got ", num_devices);
@@ -331,7 +335,7 @@ CpuDeviceBytes cpu_device_bytes(const ExecutePlan& plan, const TransformerShape&
   std::vector<int64_t> largest_backward(static_cast<size_t>(num_devices), 0);
   for (size_t i = 0; i < ranges.size(); ++i) {
     int64_t bytes = 0;
-    for (int64_t l = ranges[i].begin; l < ranges[i].end; ++l) bytes += layers[static_cast<size_t>(l)].param_bytes;
+    for (int64_t l = ranges[i].begin; l < ranges[i].end; ++l) bytes += layers[static_cast<size_t>(l)].trainable_bytes;
     auto& largest = i < forward_stages ? largest_forward : largest_backward;
     int64_t& slot = largest[i % static_cast<size_t>(num_devices)];
     slot = std::max(slot, bytes);
@@ -341,7 +345,7 @@ CpuDeviceBytes cpu_device_bytes(const ExecutePlan& plan, const TransformerShape&
     activations = std::max(activations, m.saved_activations + m.recompute + m.head + m.boundary);
   }
   CpuDeviceBytes out;
-  for (int64_t d = 0; d < num_devices && layer_source == CpuDeviceLayers::kCopied; ++d) {
+  for (int64_t d = 0; d < num_devices && layer_source == CpuDeviceLayers::kTrainableCopied; ++d) {
     out.forward += largest_forward[static_cast<size_t>(d)];
     out.backward += largest_backward[static_cast<size_t>(d)];
   }

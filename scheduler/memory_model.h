@@ -76,6 +76,7 @@ struct DeviceMemoryOptions {
 struct LayerMemory {
   int64_t param_bytes = 0;      ///< compute copy on the device
   int64_t grad_bytes = 0;       ///< gradients of its trainable parameters (backward stages)
+  int64_t trainable_bytes = 0;  ///< the trainable parameters' part of param_bytes
   int64_t saved_per_token = 0;  ///< bytes autograd keeps per token between forward and backward
   int64_t head_bytes = 0;       ///< the LM head/loss working set (last layer only; see the Note)
 };
@@ -102,19 +103,20 @@ struct StageMemory {
 /// dealt to the devices round-robin in plan order; a device runs one stage at a time, holding the
 /// copies of that stage's layers until it ends; docs/benchmarks.md, "Host memory per parameter and the allocator").
 struct CpuDeviceBytes {
-  /// While the forward stages run: per device the layer copies of its largest forward stage,
-  /// summed, plus the largest stage's activations.
+  /// While the forward stages run: per device the layer copies (trainable parameters) of its
+  /// largest forward stage, summed, plus the largest stage's activations.
   int64_t forward = 0;
   /// While the backward and fused stages run: the same over those stages.
   int64_t backward = 0;
 };
-/// Whether CPU devices' stage jobs copy their stages' parameters (the default) or compute on the
-/// host parameters themselves (RoundPipeOptions::in_place_masters; docs/benchmarks.md, "Host
-/// memory per parameter and the allocator").
-enum class CpuDeviceLayers { kCopied, kShared };
+/// Which parameters CPU devices' stage jobs copy, computing on the host parameters themselves for
+/// the rest: the trainable ones (the default; frozen parameters such as LoRA's base are shared in
+/// any step mode) or none (RoundPipeOptions::in_place_masters). docs/benchmarks.md, "Host memory
+/// per parameter and the allocator".
+enum class CpuDeviceLayers { kTrainableCopied, kShared };
 CpuDeviceBytes cpu_device_bytes(const ExecutePlan& plan, const TransformerShape& shape,
                                 const DeviceMemoryOptions& options, int64_t num_devices,
-                                CpuDeviceLayers layer_source = CpuDeviceLayers::kCopied);
+                                CpuDeviceLayers layer_source = CpuDeviceLayers::kTrainableCopied);
 
 /// The peak of every stage of `plan` (forward stages, then backward stages as in ExecutePlan),
 /// training (RunType::kFused plans).

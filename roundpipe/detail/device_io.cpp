@@ -26,14 +26,15 @@ namespace {
 enum class TensorRole { kParameter, kBuffer };
 
 // Pairs `shell`'s tensors with `layer`'s (both recursive, same registration order: the shell is
-// a clone of the layer) and calls fn(shell tensor, layer tensor, role).
+// a clone of the layer) and calls fn(shell tensor, layer tensor, role, index within its role).
+// fn(shell tensor, layer tensor, role, index among the parameters or buffers).
 template <typename Fn>
 void for_each_tensor_pair(torch::nn::Module& shell, torch::nn::Module& layer, const std::vector<at::Tensor>* buffers,
                           Fn&& fn) {
   auto sp = shell.parameters(), lp = layer.parameters();
   TORCH_INTERNAL_ASSERT(sp.size() == lp.size(), "layer shell has ", sp.size(), " parameters, the layer ", lp.size());
   for (size_t k = 0; k < sp.size(); ++k) {
-    fn(sp[k], lp[k], TensorRole::kParameter);
+    fn(sp[k], lp[k], TensorRole::kParameter, k);
     // A frozen parameter (requires_grad false: LoRA's base weights) stays frozen in the shell, so
     // backward computes, downloads and hands over no gradient for it.
     if (sp[k].requires_grad() != lp[k].requires_grad()) sp[k].requires_grad_(lp[k].requires_grad());
@@ -41,7 +42,7 @@ void for_each_tensor_pair(torch::nn::Module& shell, torch::nn::Module& layer, co
   auto sb = shell.buffers();
   const auto lb = buffers != nullptr ? *buffers : layer.buffers();
   TORCH_INTERNAL_ASSERT(sb.size() == lb.size(), "layer shell has ", sb.size(), " buffers, the layer ", lb.size());
-  for (size_t k = 0; k < sb.size(); ++k) fn(sb[k], lb[k], TensorRole::kBuffer);
+  for (size_t k = 0; k < sb.size(); ++k) fn(sb[k], lb[k], TensorRole::kBuffer, k);
 }
 
 }  // namespace
@@ -209,21 +210,28 @@ DeviceIo::~DeviceIo() {
 // at the peak, each device's largest stage once more (Note [CPU devices' host memory] in
 // scheduler/memory_model.cpp; up to a whole model copy with one device), which buys only
 // isolation from writers of the host copy while the job runs (an async step publishing the next
-// values, Note [Run tails]; RoundPipe::module() and parameters() wait for the tails). Where no such writer can
-// exist, the shell shares the layer's parameter tensors instead (set_data(src.detach()): same
-// storage, the shell's own Variable, so gradients still accumulate in the shell): with
-// RoundPipeOptions::in_place_masters, whose steps are sync only (Note [In-place masters]), the
-// parameters change only between runs. Results are bitwise those of the copies. Buffers are always
-// copied: a forward may update them in place (batch norm's running statistics) while another
-// job reads the same layer.
+// values, Note [Run tails]; RoundPipe::module() and parameters() wait for the tails). Where no such
+// writer can exist, the shell shares the layer's parameter tensor instead (set_data(src.detach()):
+// same storage, the shell's own Variable, so gradients still accumulate in the shell). The caller
+// decides per parameter (StepPipeline::shareable_parameters, RunContext::cpu_shared_parameters):
+//  - with RoundPipeOptions::in_place_masters every parameter: steps are sync only (Note [In-place
+//    masters]), so the parameters change only between runs;
+//  - otherwise, in any step mode, the frozen parameters without a master (LoRA's base weights,
+//    Note [Frozen parameters]): no step ever publishes into them. One that was shared while it was
+//    frozen and is trainable when the masters are created (at the first step) gets a master that
+//    steps will write, so the masters' creation first waits for every run's tail.
+// Results are bitwise those of the copies. Buffers are always copied: a forward may update them in
+// place (batch norm's running statistics) while another job reads the same layer.
 void DeviceIo::upload_layer(torch::nn::Module& shell, torch::nn::Module& layer, const std::vector<at::Tensor>* buffers,
-                            ParameterSource parameters) {
+                            const std::vector<bool>* shared) {
   at::NoGradGuard no_grad;
   int64_t bytes = 0;
   if (!cuda_) {
+    TORCH_INTERNAL_ASSERT(shared == nullptr || shared->size() == layer.parameters().size(),
+                          "upload_layer: the shared-parameter mask does not match the layer");
     if (trace_ && !trace_->uploading) trace_->span.upload_begin_ms = trace_host_ms();
-    for_each_tensor_pair(shell, layer, buffers, [&](at::Tensor& dst, const at::Tensor& src, TensorRole role) {
-      if (role == TensorRole::kParameter && parameters == ParameterSource::kHostTensors) {
+    for_each_tensor_pair(shell, layer, buffers, [&](at::Tensor& dst, const at::Tensor& src, TensorRole role, size_t k) {
+      if (role == TensorRole::kParameter && shared != nullptr && (*shared)[k]) {
         dst.set_data(src.detach());
         return;
       }
@@ -245,7 +253,7 @@ void DeviceIo::upload_layer(torch::nn::Module& shell, torch::nn::Module& layer, 
   }
   {
     c10::cuda::CUDAStreamGuard guard(s.param_upload);
-    for_each_tensor_pair(shell, layer, buffers, [&](at::Tensor& dst, const at::Tensor& src, TensorRole) {
+    for_each_tensor_pair(shell, layer, buffers, [&](at::Tensor& dst, const at::Tensor& src, TensorRole, size_t) {
       bytes += src.nbytes();
       at::Tensor copy = src.detach().to(device_, /*non_blocking=*/true, /*copy=*/true);
       copy.record_stream(s.compute);

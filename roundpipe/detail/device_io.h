@@ -14,13 +14,6 @@ namespace roundpipe::detail {
 
 class HostBufferPool;
 
-/// Where a CPU device's layer shell takes its parameters from (Note [Shared host parameters] in
-/// device_io.cpp).
-enum class ParameterSource {
-  kCopies,      // a copy of each parameter per job (the host copy may change while the job runs)
-  kHostTensors  // the layer's own tensors, shared: nobody writes them while a run is in flight
-};
-
 // Note [Stage streams]:
 // On a CUDA device a stage job uses four streams of its worker (CudaStreamSet): parameter upload,
 // activation upload, compute and download, ordered only by CUDA events, never by host syncs
@@ -61,13 +54,12 @@ class DeviceIo {
   /// Points `shell`'s parameters and buffers (recursively, in registration order) at copies of
   /// `layer`'s current values on the device; with `buffers`, the buffers are copies of those host
   /// tensors instead (a backward stage's snapshot: it never reads the model's buffers, which the
-  /// caller may write meanwhile, Note [Run tails]). With ParameterSource::kHostTensors a CPU
-  /// device's shell shares the layer's parameters instead of copying them (Note [Shared host
-  /// parameters]); CUDA devices always copy. CUDA: asynchronous; call `before_compute(shell)`
-  /// before the shell's first use.
+  /// caller may write meanwhile, Note [Run tails]). On a CPU device, where `shared[k]` is true the
+  /// shell shares the layer's parameter k (in layer.parameters() order) instead of copying it
+  /// (Note [Shared host parameters]); CUDA devices always copy. CUDA: asynchronous; call
+  /// `before_compute(shell)` before the shell's first use.
   void upload_layer(torch::nn::Module& shell, torch::nn::Module& layer,
-                    const std::vector<at::Tensor>* buffers = nullptr,
-                    ParameterSource parameters = ParameterSource::kCopies);
+                    const std::vector<at::Tensor>* buffers = nullptr, const std::vector<bool>* shared = nullptr);
   /// Makes compute wait for `shell`'s upload (once; later calls are free). CPU: no-op.
   void before_compute(const torch::nn::Module& shell);
 

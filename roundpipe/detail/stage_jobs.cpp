@@ -265,7 +265,9 @@ class LayerLeases {
       } else {
         shells_.emplace_back(ctx_.model->shells, l);
       }
-      io_.upload_layer(*shells_.back().module().ptr(), *ctx_.model->layers[l].ptr(), buffers, ctx_.cpu_parameters);
+      const auto& shared = ctx_.cpu_shared_parameters;
+      io_.upload_layer(*shells_.back().module().ptr(), *ctx_.model->layers[l].ptr(), buffers,
+                       static_cast<size_t>(l) < shared.size() ? &shared[static_cast<size_t>(l)] : nullptr);
     }
     pos_.layer = layer;
   }

@@ -103,9 +103,10 @@ struct RunContext {
   const LossFn* loss_fn = nullptr;
   /// RoundPipeOptions::label_to_last_layer: the last layer is called with labels[mb] appended.
   bool label_to_last_layer = false;
-  /// Where CPU devices' layer shells take the parameters from: the layer's own tensors with
-  /// RoundPipeOptions::in_place_masters (Note [Shared host parameters] in device_io.cpp).
-  ParameterSource cpu_parameters = ParameterSource::kCopies;
+  /// [layer][position in layers[l]->parameters()]: the parameters CPU devices' layer shells share
+  /// with the layer instead of copying them (Note [Shared host parameters] in device_io.cpp);
+  /// empty: copy every parameter. Written by the caller before the jobs are posted, then read-only.
+  std::vector<std::vector<bool>> cpu_shared_parameters;
   c10::Device output_device = c10::kCPU;
   /// The caller's autocast state (CPU and CUDA), applied on the worker threads for every job.
   amp::AutocastState autocast;

@@ -228,6 +228,8 @@ void StepPipeline::consume_grads_layer(size_t l) {
 const std::vector<std::vector<at::Tensor>>& StepPipeline::masters() {
   if (!masters_.empty() || params_->empty()) return masters_;
   if (!optim_dtype_) check_parameter_master_dtypes(*params_);  // before any master exists
+  if (runs_may_share_new_masters()) wait_tails();              // steps will write them: Note [Shared host parameters]
+  shared_before_masters_.clear();
   at::NoGradGuard no_grad;
   masters_.resize(params_->size());
   master_grad_buffers_.resize(params_->size());
@@ -255,6 +257,36 @@ const std::vector<std::vector<at::Tensor>>& StepPipeline::masters() {
     }
   }
   return masters_;
+}
+
+bool StepPipeline::runs_may_share_new_masters() const {
+  for (size_t l = 0; l < shared_before_masters_.size(); ++l) {
+    for (size_t k = 0; k < shared_before_masters_[l].size(); ++k) {
+      if (shared_before_masters_[l][k] && (*params_)[l][k].requires_grad()) return true;
+    }
+  }
+  return false;
+}
+
+std::vector<std::vector<bool>> StepPipeline::shareable_parameters() {
+  std::vector<std::vector<bool>> out(params_->size());
+  const bool before_masters = masters_.empty();
+  if (before_masters && !in_place_) shared_before_masters_.resize(params_->size());
+  for (size_t l = 0; l < params_->size(); ++l) {
+    const auto& layer = (*params_)[l];
+    out[l].assign(layer.size(), in_place_);  // in place: nothing writes them during a run
+    if (in_place_) continue;
+    for (size_t k = 0; k < layer.size(); ++k) {
+      // Frozen without a master: no step publishes into it (publish_layer skips it).
+      out[l][k] = !layer[k].requires_grad() && (before_masters || !masters_[l][k].defined());
+    }
+    if (before_masters) {
+      auto& shared = shared_before_masters_[l];
+      shared.resize(layer.size(), false);
+      for (size_t k = 0; k < layer.size(); ++k) shared[k] = shared[k] || out[l][k];
+    }
+  }
+  return out;
 }
 
 void StepPipeline::accept_grads(const LayerSet& layers, std::vector<std::vector<at::Tensor>>& grads,

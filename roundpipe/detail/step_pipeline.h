@@ -87,6 +87,12 @@ class StepPipeline {
   // gradient is computed, downloaded or handed over for it. Freeze parameters before the first
   // step (or optim_parameters() call): the set of masters is fixed when they are created.
   const std::vector<std::vector<at::Tensor>>& masters();
+  /// Caller: [layer][param] whether no step can write the compute copy while a run is in flight,
+  /// so a CPU device's stage job may compute on it instead of a copy (Note [Shared host
+  /// parameters] in device_io.cpp): every parameter with in-place masters (sync steps only), else
+  /// the frozen parameters without a master. A frozen parameter shared before the masters exist
+  /// that has become trainable when they are created makes masters() wait for the runs' tails.
+  std::vector<std::vector<bool>> shareable_parameters();
 
   /// Any thread: blocks until layer l's compute copy holds the values after step `step` - 1
   /// (for a run that started after `step` steps were queued: staleness one).
@@ -110,6 +116,7 @@ class StepPipeline {
   c10::ScalarType master_grad_dtype(const at::Tensor& compute, const at::Tensor& master) const;
   DeviceWorker& optimizer_thread();
   void run_marshalled(amp::GradScaler& scaler, const std::function<void()>& call);
+  bool runs_may_share_new_masters() const;
 
   const std::vector<std::vector<at::Tensor>>* params_;
   const std::optional<c10::ScalarType> optim_dtype_;
@@ -120,6 +127,9 @@ class StepPipeline {
   // copy grads have another dtype (Note [Gradient hand-over]); lazy.
   std::vector<std::vector<at::Tensor>> master_grad_buffers_;
   MasterWatch watch_{&masters_};  // wraps every step function (Note [Untouched masters])
+  // [layer][param]: frozen parameters shareable_parameters() let runs share before the masters
+  // existed (caller thread; cleared when the masters are created).
+  std::vector<std::vector<bool>> shared_before_masters_;
 
   const int64_t optimizer_threads_;
   std::unique_ptr<DeviceWorker> optimizer_thread_;

@@ -58,9 +58,12 @@ class LinearCrossEntropyFunction : public torch::autograd::Function<LinearCrossE
                             const at::Tensor& targets, int64_t chunk, int64_t ignore_index) {
     const int64_t n = x.size(0);
     const bool low_precision = weight.scalar_type() != at::kFloat;
+    // A frozen head (LoRA, a frozen embedding tied to it) needs no weight gradient: neither its
+    // fp32 V x h accumulator nor a third of the head's products.
+    const bool weight_grad = ctx->needs_input_grad(1);
     at::Tensor loss = at::zeros({}, x.options().dtype(at::kFloat));
     at::Tensor grad_x = at::empty_like(x, at::MemoryFormat::Contiguous);
-    at::Tensor grad_w = at::zeros(weight.sizes(), weight.options().dtype(at::kFloat));
+    at::Tensor grad_w = weight_grad ? at::zeros(weight.sizes(), weight.options().dtype(at::kFloat)) : at::Tensor();
     for (int64_t begin = 0; begin < n; begin += chunk) {
       const int64_t rows = std::min(chunk, n - begin);
       const at::Tensor xc = x.narrow(0, begin, rows);
@@ -74,6 +77,7 @@ class LinearCrossEntropyFunction : public torch::autograd::Function<LinearCrossE
       if (low_precision) g.reset();  // the fp32 buffer is not needed for the products
       at::Tensor grad_rows = grad_x.narrow(0, begin, rows);
       at::mm_out(grad_rows, g_lp, weight);
+      if (!weight_grad) continue;
       if (low_precision) {
         grad_w.add_(at::mm(g_lp.t(), xc));  // the product in the model's dtype, summed in fp32
       } else {
@@ -81,7 +85,7 @@ class LinearCrossEntropyFunction : public torch::autograd::Function<LinearCrossE
       }
     }
     ctx->saved_data["grad_x"] = grad_x;
-    ctx->saved_data["grad_w"] = low_precision ? grad_w.to(weight.scalar_type()) : grad_w;
+    if (weight_grad) ctx->saved_data["grad_w"] = low_precision ? grad_w.to(weight.scalar_type()) : grad_w;
     return loss;
   }
 
@@ -91,13 +95,14 @@ class LinearCrossEntropyFunction : public torch::autograd::Function<LinearCrossE
                 "linear_cross_entropy: backward ran twice through the same loss; its gradients are computed in the "
                 "forward and consumed by the first backward (no retain_graph / double backward)");
     at::Tensor grad_x = ctx->saved_data["grad_x"].toTensor();
-    at::Tensor grad_w = ctx->saved_data["grad_w"].toTensor();
+    const auto w = ctx->saved_data.find("grad_w");
+    at::Tensor grad_w = w != ctx->saved_data.end() ? w->second.toTensor() : at::Tensor();  // none: frozen
     ctx->saved_data.erase("grad_x");
     ctx->saved_data.erase("grad_w");
     const at::Tensor& scale = grad_outputs.at(0);
     if (scale.defined()) {
       grad_x.mul_(scale);
-      grad_w.mul_(scale);
+      if (grad_w.defined()) grad_w.mul_(scale);
     }
     return {grad_x, grad_w, at::Tensor(), at::Tensor(), at::Tensor()};
   }

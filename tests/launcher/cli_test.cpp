@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdio>
 #include <regex>
 #include <string>
 #include <vector>
@@ -57,6 +58,15 @@ TEST(CliTest, Train_WritesMetricsCheckpointsAndPlot) {
   }
   EXPECT_NE(r.out.find("loss plot:"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("step-000006"), std::string::npos) << r.out;
+  // The process's own peak resident set: LibTorch alone is a few hundred MiB; GiB and KiB agree.
+  double gib = 0;
+  long kib = 0;
+  const size_t at = r.out.find("peak host memory: ");
+  ASSERT_NE(at, std::string::npos) << r.out;
+  ASSERT_EQ(std::sscanf(r.out.c_str() + at, "peak host memory: %lf GiB resident (%ld KiB)", &gib, &kib), 2) << r.out;
+  EXPECT_GT(kib, 100L << 10);
+  EXPECT_LT(kib, 8L << 20);
+  EXPECT_NEAR(gib, static_cast<double>(kib) / (1 << 20), 0.006);
 }
 
 // Note [Resume test]: 20 straight steps vs 10 + a resume from the straight run's step-10

@@ -96,6 +96,24 @@ TEST(LinearCrossEntropyTest, Fp32_MatchesFullLogitsForDividingAndNonDividingChun
   }
 }
 
+// A frozen weight (LoRA's head) gets no gradient, and skipping it changes nothing else: loss and
+// hidden gradient are bitwise those of the trainable case, fp32 and bf16.
+TEST(LinearCrossEntropyTest, FrozenWeight_NoWeightGradientSameHiddenGradient) {
+  for (const auto dtype : {at::kFloat, at::kBFloat16}) {
+    SCOPED_TRACE(c10::toString(dtype));
+    const Problem p = make_problem(dtype);
+    const auto options = chunk_of(3, dtype);
+    const Result trainable = run(p, [&](auto& h, auto& w, auto& t) { return linear_cross_entropy(h, w, t, options); });
+    const at::Tensor hidden = p.hidden.detach().clone().requires_grad_(true);
+    const at::Tensor frozen = p.weight.detach().clone();
+    const at::Tensor loss = linear_cross_entropy(hidden, frozen, p.targets, options);
+    (loss * 1.0).backward();
+    EXPECT_FALSE(frozen.grad().defined());
+    EXPECT_TENSOR_EQ(loss.detach(), trainable.loss);
+    EXPECT_TENSOR_EQ(hidden.grad(), trainable.grad_hidden);
+  }
+}
+
 TEST(LinearCrossEntropyTest, Bf16_WithinBf16ToleranceOfTheFp32Reference) {
   const Problem p = make_problem(at::kBFloat16);
   Problem p32{p.hidden.detach().to(at::kFloat), p.weight.detach().to(at::kFloat), p.targets};

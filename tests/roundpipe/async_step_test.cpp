@@ -271,6 +271,10 @@ struct AddressLog {
     std::lock_guard<std::mutex> lock(mutex);
     return seen;
   }
+  void clear() {
+    std::lock_guard<std::mutex> lock(mutex);
+    seen.clear();
+  }
   std::mutex mutex;
   std::set<const void*> seen;
 };
@@ -314,7 +318,74 @@ TEST(AsyncStepTest, InPlaceMasters_CpuDevicesComputeOnTheParameters) {
     for (const void* address : seen) {
       EXPECT_EQ(weights.count(address), in_place ? 1u : 0u) << "a pass read the weight at " << address;
     }
-    if (in_place) EXPECT_EQ(seen.size(), 3u);  // one address per probe layer
+    if (in_place) {
+      EXPECT_EQ(seen.size(), 3u);  // one address per probe layer
+    }
+  }
+}
+
+// Note [Shared host parameters]: in every step mode, CPU devices' stage jobs compute on frozen
+// parameters without a master (LoRA's base weights) and copy the others, including a parameter
+// frozen after its master exists (steps still publish into it). Losses match the staleness-one
+// reference (async) or a plain loop (sync).
+TEST(AsyncStepTest, FrozenParameters_CpuDevicesComputeOnThemInEveryStepMode) {
+  for (const StepMode mode : {StepMode::kSync, StepMode::kAsync}) {
+    const bool async = mode == StepMode::kAsync;
+    SCOPED_TRACE(::testing::Message() << (async ? "async" : "sync"));
+    std::vector<std::shared_ptr<AddressLog>> logs;
+    for (int i = 0; i < 3; ++i) logs.push_back(std::make_shared<AddressLog>());
+    torch::manual_seed(65);
+    auto model = torch::nn::Sequential(AddressProbe(logs[0]), AddressProbe(logs[1]), AddressProbe(logs[2]),
+                                       torch::nn::Linear(8, 4));
+    for (int i = 0; i < 2; ++i) model[i]->as<AddressProbe>()->linear->weight.requires_grad_(false);  // probe 2 trains
+    StaleReference stale(model, [](std::vector<torch::Tensor> p) { return make_opt(0, std::move(p)); });
+    auto plain = deep_copy(model);
+    auto plain_opt = make_opt(0, plain->parameters());
+    for (int i = 0; i < 3; ++i) {  // the references' probes log elsewhere
+      plain[i]->as<AddressProbe>()->log = std::make_shared<AddressLog>();
+      stale.compute[i]->as<AddressProbe>()->log = std::make_shared<AddressLog>();
+    }
+    RunConfig two_microbatches;
+    two_microbatches.num_microbatch = 2;
+    RoundPipe rp(model, RoundPipeOptions().devices({c10::kCPU, c10::kCPU}).run_config(two_microbatches));
+    auto opt = make_opt(0, rp.optim_parameters());
+    std::vector<const void*> weights;  // the module's own probe weights
+    for (int i = 0; i < 3; ++i) weights.push_back(model[i]->as<AddressProbe>()->linear->weight.const_data_ptr());
+    auto train = [&](int iterations, int seed) {
+      for (int it = 0; it < iterations; ++it) {
+        torch::manual_seed(seed + it);
+        auto x = torch::randn({6, 8}), y = torch::randn({6, 4});
+        auto loss = rp.forward_backward({x}, y, mse_over(y.numel()));
+        rp.step(
+            [&] {
+              opt->step();
+              opt->zero_grad();
+            },
+            mode);
+        torch::Tensor want;
+        if (async) {
+          want = stale.iterate(x, y, mse_over(y.numel()));
+        } else {
+          want = mse_over(y.numel())(plain->forward(x), y);
+          want.backward();
+          plain_opt->step();
+          plain_opt->zero_grad();
+        }
+        ASSERT_TRUE(testing::tensors_close(loss, want.detach(), 1e-6)) << "iteration " << it;
+      }
+      rp.forward({torch::randn({6, 8})});
+    };
+    train(4, 900);
+    for (int i = 0; i < 2; ++i) EXPECT_EQ(logs[i]->addresses(), std::set<const void*>{weights[i]}) << "probe " << i;
+    EXPECT_EQ(logs[2]->addresses().count(weights[2]), 0u) << "the trainable weight was not copied";
+    // Frozen now, but it has a master: async steps publish into it, so jobs still copy it.
+    rp.module()[2]->as<AddressProbe>()->linear->weight.requires_grad_(false);
+    plain[2]->as<AddressProbe>()->linear->weight.requires_grad_(false);
+    stale.compute[2]->as<AddressProbe>()->linear->weight.requires_grad_(false);
+    logs[2]->clear();
+    train(3, 950);
+    EXPECT_FALSE(logs[2]->addresses().empty());
+    EXPECT_EQ(logs[2]->addresses().count(weights[2]), 0u) << "a weight with a master was shared";
   }
 }
 

@@ -79,7 +79,11 @@ inline torch::nn::Sequential make_transformer(int64_t seed, double dropout) {
 }
 
 inline torch::nn::Sequential deep_copy(const torch::nn::Sequential& model) {
-  return torch::nn::Sequential(std::dynamic_pointer_cast<torch::nn::SequentialImpl>(model->clone()));
+  torch::nn::Sequential copy(std::dynamic_pointer_cast<torch::nn::SequentialImpl>(model->clone()));
+  // Cloneable::clone() leaves every parameter trainable (reset() makes them, set_data keeps it).
+  auto from = model->parameters(), to = copy->parameters();
+  for (size_t k = 0; k < from.size(); ++k) to[k].requires_grad_(from[k].requires_grad());
+  return copy;
 }
 
 /// `layers` Linear layers from `in` to `out` features with random hidden widths in
@@ -118,6 +122,7 @@ struct StaleReference {
     auto mp = master->parameters();
     for (size_t k = 0; k < cp.size(); ++k) {
       cp[k].copy_(mp[k]);
+      if (!cp[k].grad().defined()) continue;  // frozen
       mp[k].mutable_grad() = cp[k].grad().clone();
       cp[k].mutable_grad().reset();
     }

@@ -220,6 +220,21 @@ TEST(MemoryModelTest, CpuDeviceBytes_LargestStagePerDevicePerMomentPlusOneStages
   CpuDeviceBytes shared = cpu_device_bytes(plan, tiny(), fp32(16, 2), 2, CpuDeviceLayers::kShared);
   EXPECT_EQ(shared.forward, fused_activations);
   EXPECT_EQ(shared.backward, fused_activations);
+  // LoRA: the frozen base is shared in any step mode, so only the adapters are copied (rank 2 on
+  // q and v: 2 (32 + 32) + 2 (32 + 16) per decoder layer, one in each of a and b); the adapters
+  // add 2 x 2 tokens' worth of rank-2 activations per adapted projection to each decoder's saved.
+  TransformerShape lora = tiny();
+  lora.lora_rank = 2;
+  lora.lora_targets = {"q_proj", "v_proj"};
+  const int64_t adapter_bytes = (2 * 64 + 2 * 48) * 4;
+  const std::vector<LayerMemory> lora_layers = layer_memory(lora, fp32(16, 2));
+  EXPECT_EQ(lora_layers[0].trainable_bytes, 0);
+  EXPECT_EQ(lora_layers[1].trainable_bytes, adapter_bytes);
+  EXPECT_EQ(lora_layers[3].trainable_bytes, 0);
+  const int64_t lora_activations = cpu_device_bytes(plan, lora, fp32(16, 2), 2, CpuDeviceLayers::kShared).backward;
+  CpuDeviceBytes lora_two = cpu_device_bytes(plan, lora, fp32(16, 2), 2);
+  EXPECT_EQ(lora_two.forward, adapter_bytes + lora_activations);
+  EXPECT_EQ(lora_two.backward, 2 * adapter_bytes + lora_activations);
   // host_memory adds the larger moment: the forward stages' copies less the iteration's
   // gradients (not there yet), or the backward stages'.
   HostMemoryOptions o;

@@ -133,7 +133,7 @@ scheduler::HostMemory host_of(const LauncherConfig& config, const MemoryPlan& me
   if (memory.cpu_devices) {
     o.cpu_device_bytes = scheduler::cpu_device_bytes(
         memory.plan, memory.shape, memory.device_options, memory.num_devices,
-        o.in_place_masters ? scheduler::CpuDeviceLayers::kShared : scheduler::CpuDeviceLayers::kCopied);
+        o.in_place_masters ? scheduler::CpuDeviceLayers::kShared : scheduler::CpuDeviceLayers::kTrainableCopied);
   }
   return scheduler::host_memory(memory.params, o);
 }
