@@ -128,8 +128,8 @@ void check_arguments(const at::Tensor& hidden, const at::Tensor& weight, const a
   TORCH_CHECK(hidden.defined() && weight.defined() && targets.defined(),
               "linear_cross_entropy: hidden, weight and targets must be defined tensors");
   TORCH_CHECK(weight.dim() == 2, "linear_cross_entropy: weight must be [vocab, hidden], got ", weight.sizes());
-  TORCH_CHECK(hidden.dim() >= 1 && hidden.size(-1) == weight.size(1), "linear_cross_entropy: hidden ",
-              hidden.sizes(), " does not end in the weight's hidden size ", weight.size(1));
+  TORCH_CHECK(hidden.dim() >= 1 && hidden.size(-1) == weight.size(1), "linear_cross_entropy: hidden ", hidden.sizes(),
+              " does not end in the weight's hidden size ", weight.size(1));
   TORCH_CHECK(at::isFloatingType(hidden.scalar_type()) && hidden.scalar_type() == weight.scalar_type(),
               "linear_cross_entropy: hidden (", hidden.scalar_type(), ") and weight (", weight.scalar_type(),
               ") must have the same floating-point dtype");
@@ -160,7 +160,8 @@ void check_arguments(const at::Tensor& hidden, const at::Tensor& weight, const a
 
 int64_t loss_chunk_tokens(int64_t vocab, c10::ScalarType dtype, int64_t chunk_bytes) {
   TORCH_CHECK(vocab > 0, "loss_chunk_tokens: vocab must be positive, got ", vocab);
-  const int64_t per_logit = dtype == at::kFloat || dtype == at::kDouble ? kFp32BytesPerLogit : kLowPrecisionBytesPerLogit;
+  const int64_t per_logit =
+      dtype == at::kFloat || dtype == at::kDouble ? kFp32BytesPerLogit : kLowPrecisionBytesPerLogit;
   return std::max<int64_t>(1, chunk_bytes / (vocab * per_logit));
 }
 

@@ -3,14 +3,14 @@
 // tokens and chunks that do not, ignored targets, fp32 and bf16; the LmHead and RoundPipe paths
 // that use it (training through the engine is compared with transformers in
 // roundpipe_training_test.cpp).
-#include <torch/torch.h>
+#include "roundpipe/models/linear_cross_entropy.h"
 
 #include <gtest/gtest.h>
+#include <torch/torch.h>
 
 #include <vector>
 
 #include "roundpipe/models/layers.h"
-#include "roundpipe/models/linear_cross_entropy.h"
 #include "roundpipe/models/pretrained.h"
 #include "roundpipe/round_pipe.h"
 #include "tests/common/tensor_compare.h"
@@ -57,8 +57,7 @@ at::Tensor ce_of_logits(const at::Tensor& logits, const at::Tensor& targets) {
 
 // Relative closeness: every element within `rel` of the reference's largest magnitude.
 ::testing::AssertionResult close_rel(const at::Tensor& actual, const at::Tensor& expected, double rel) {
-  return tensors_close(actual.to(at::kFloat), expected.to(at::kFloat),
-                       rel * expected.abs().max().item<double>(), rel);
+  return tensors_close(actual.to(at::kFloat), expected.to(at::kFloat), rel * expected.abs().max().item<double>(), rel);
 }
 
 struct Result {
@@ -162,8 +161,7 @@ TEST(LinearCrossEntropyTest, AllTargetsIgnored_ZeroLossAndGradients) {
 TEST(LinearCrossEntropyTest, BadInput_ClearErrors) {
   const Problem p = make_problem(at::kFloat);
   EXPECT_THROW_WITH(linear_cross_entropy(p.hidden, p.weight, p.targets.to(at::kFloat)), "integer token ids");
-  EXPECT_THROW_WITH(linear_cross_entropy(p.hidden, p.weight, p.targets.narrow(1, 0, 6)),
-                    "one target per position");
+  EXPECT_THROW_WITH(linear_cross_entropy(p.hidden, p.weight, p.targets.narrow(1, 0, 6)), "one target per position");
   EXPECT_THROW_WITH(linear_cross_entropy(p.hidden, p.weight.t(), p.targets), "hidden size");
   EXPECT_THROW_WITH(linear_cross_entropy(p.hidden, p.weight.to(at::kDouble), p.targets), "same floating-point dtype");
   at::Tensor out_of_range = p.targets.clone();
@@ -230,7 +228,8 @@ TEST(LinearCrossEntropyTest, Correct_CountsArgmaxHitsLikeFullLogits) {
   const double expected = (argmax.eq(targets) & valid).sum().item<double>();
   ASSERT_GE(expected, 3.0);
   for (int64_t tokens : {3, 14}) {
-    const at::Tensor got = models::linear_cross_entropy_and_correct(p.hidden, p.weight, targets, chunk_of(tokens, at::kFloat));
+    const at::Tensor got =
+        models::linear_cross_entropy_and_correct(p.hidden, p.weight, targets, chunk_of(tokens, at::kFloat));
     ASSERT_EQ(got.sizes(), at::IntArrayRef({2}));
     EXPECT_TRUE(close_rel(got[0], full_logits_loss(p.hidden, p.weight, targets), 1e-6));
     EXPECT_EQ(got[1].item<double>(), expected) << tokens << " tokens a chunk";
@@ -254,7 +253,8 @@ TEST(LinearCrossEntropyTest, Correct_CountsArgmaxHitsLikeFullLogits) {
     const at::Tensor got = head->forward(hidden, t);
     ASSERT_EQ(got.sizes(), at::IntArrayRef({1, 2}));
     EXPECT_TRUE(close_rel(got[0][0], ce_of_logits(head_logits, t), 1e-6));
-    EXPECT_EQ(got[0][1].item<double>(), (head_logits.argmax(-1).eq(t) & t.ne(models::kIgnoreIndex)).sum().item<double>());
+    EXPECT_EQ(got[0][1].item<double>(),
+              (head_logits.argmax(-1).eq(t) & t.ne(models::kIgnoreIndex)).sum().item<double>());
     head->train();
     EXPECT_EQ(head->forward(hidden, t).dim(), 0);
   }

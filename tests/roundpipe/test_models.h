@@ -36,9 +36,9 @@ struct BlockImpl : torch::nn::Cloneable<BlockImpl> {
 };
 TORCH_MODULE(Block);
 
-/// A layer that, while `*fail` is true, throws in forward stages (no-grad forwards) on every `period`-th call starting with call
-/// `fail_at` (0-based; e.g. period 3, fail_at 2: the third microbatch of each call). Clones share
-/// the flag and the counter.
+/// A layer that, while `*fail` is true, throws in forward stages (no-grad forwards) on every `period`-th call starting
+/// with call `fail_at` (0-based; e.g. period 3, fail_at 2: the third microbatch of each call). Clones share the flag
+/// and the counter.
 struct FaultyImpl : torch::nn::Cloneable<FaultyImpl> {
   explicit FaultyImpl(std::shared_ptr<std::atomic<bool>> fail, int64_t period = 1, int64_t fail_at = 0)
       : fail_(std::move(fail)), calls_(std::make_shared<std::atomic<int64_t>>(0)), period_(period), fail_at_(fail_at) {}
@@ -109,8 +109,9 @@ inline torch::nn::Sequential random_mlp(uint32_t width_seed, int64_t torch_seed,
 struct StaleReference {
   torch::nn::Sequential compute, master;
   std::unique_ptr<torch::optim::Optimizer> opt;
-  StaleReference(const torch::nn::Sequential& initial,
-                 const std::function<std::unique_ptr<torch::optim::Optimizer>(std::vector<torch::Tensor>)>& make_optimizer)
+  StaleReference(
+      const torch::nn::Sequential& initial,
+      const std::function<std::unique_ptr<torch::optim::Optimizer>(std::vector<torch::Tensor>)>& make_optimizer)
       : compute(deep_copy(initial)), master(deep_copy(initial)), opt(make_optimizer(master->parameters())) {}
   /// One iteration with `loss_fn` over the whole batch; returns the loss.
   torch::Tensor iterate(const torch::Tensor& x, const torch::Tensor& y,
