@@ -47,9 +47,10 @@ namespace roundpipe::scheduler {
 //    back-propagated; both bounded by that layer's saved activations (the largest of the stage).
 //  - head (the stage with the LM head, training): models::linear_cross_entropy's working set:
 //    one chunk of logits buffers, min(C, t) V p with p = 4 B/logit for an fp32 model and 8 for
-//    bf16/fp16 and C = max(1, loss_chunk_bytes / (V p)) tokens; the fp32 accumulator of the
-//    weight's gradient V h 4 (none with LoRA: the head is frozen); the hidden states' gradient
-//    t h s; targets and masks 13 t.
+//    bf16/fp16 and C = max(1, loss_chunk_bytes / (V p)) tokens; the weight's gradient V h s, plus
+//    its fp32 sum V h 4 when a bf16/fp16 model's t tokens span several chunks (none with LoRA: the
+//    head is frozen; Note [Head gradient memory] in roundpipe/models/linear_cross_entropy.cpp);
+//    the hidden states' gradient t h s; targets and masks 13 t.
 //  - boundary: the stage's input and output hidden states (2 t h s) for each in-flight
 //    microbatch (2: the running one and the one whose results are still being downloaded).
 // The runtime's partitioner (size-based, launcher: deterministic) does not see activations; that
@@ -270,7 +271,9 @@ std::vector<LayerMemory> layer_memory(const TransformerShape& shape, const Devic
   head.saved_per_token = 2 * h * s;
   const int64_t per_logit = s >= 4 ? 4 : 8;  // models::loss_chunk_tokens
   const int64_t chunk = std::max<int64_t>(1, o.loss_chunk_bytes / (V * per_logit));
-  const int64_t weight_grad = full ? V * h * 4 : 0;  // a frozen head has no gradient accumulator
+  // The weight's gradient of a microbatch (none for a frozen head): the product in the model's
+  // dtype, plus the fp32 sum when a bf16/fp16 model's tokens span several chunks.
+  const int64_t weight_grad = !full ? 0 : V * h * s + (s < 4 && t > chunk ? V * h * 4 : 0);
   head.head_bytes = std::min(chunk, t) * V * per_logit + weight_grad + t * h * s + 13 * t;
   layers.push_back(head);
   return layers;

@@ -27,6 +27,7 @@
 
 #include "roundpipe/models/detail/param_options.h"
 #include "roundpipe/models/detail/rotary.h"
+#include "roundpipe/models/detail/token_embedding.h"
 #include "roundpipe/models/linear_cross_entropy.h"
 #include "roundpipe/models/moe.h"
 #include "roundpipe/side_inputs.h"
@@ -277,7 +278,7 @@ void TokenEmbeddingImpl::reset() {
 }
 
 at::Tensor TokenEmbeddingImpl::forward(const at::Tensor& ids) {
-  return at::embedding(weight, ids, padding_idx_.value_or(-1));
+  return detail::embedding_lookup(weight, ids, padding_idx_.value_or(-1));  // Note [Embedding gradient in place]
 }
 
 // ---- Embedding (pipeline layer 0) ----------------------------------------------------------------

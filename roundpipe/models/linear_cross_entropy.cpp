@@ -52,6 +52,17 @@ at::Tensor add_chunk_loss(const Chunk& c, at::Tensor& loss) {
   return lse;
 }
 
+// sum [V, h] fp32 += g_lp^T [V, rows] x [rows, h], the product in the model's dtype, in blocks of
+// vocabulary rows of about 8 MiB of fp32 (Note [Head gradient memory]).
+void add_product_in_blocks(at::Tensor& sum, const at::Tensor& g_lp, const at::Tensor& x) {
+  const int64_t vocab = sum.size(0);
+  const int64_t block = std::max<int64_t>(1, (int64_t{8} << 20) / (sum.size(1) * 4));
+  for (int64_t begin = 0; begin < vocab; begin += block) {
+    const int64_t rows = std::min(block, vocab - begin);
+    sum.narrow(0, begin, rows).add_(at::mm(g_lp.narrow(1, begin, rows).t(), x));
+  }
+}
+
 class LinearCrossEntropyFunction : public torch::autograd::Function<LinearCrossEntropyFunction> {
  public:
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
@@ -63,7 +74,15 @@ class LinearCrossEntropyFunction : public torch::autograd::Function<LinearCrossE
     const bool weight_grad = ctx->needs_input_grad(1);
     at::Tensor loss = at::zeros({}, x.options().dtype(at::kFloat));
     at::Tensor grad_x = at::empty_like(x, at::MemoryFormat::Contiguous);
-    at::Tensor grad_w = weight_grad ? at::zeros(weight.sizes(), weight.options().dtype(at::kFloat)) : at::Tensor();
+    // Note [Head gradient memory]: the weight's gradient is summed over the chunks in fp32 (an
+    // fp32 model: in place by addmm_). A bf16/fp16 model with one chunk needs no fp32 sum: the one
+    // product in the model's dtype is the gradient (bitwise what the fp32 sum would round back
+    // to). With several chunks each product is added into the fp32 sum in blocks of vocabulary
+    // rows (add_product_in_blocks), so neither the product nor its fp32 upcast (add_ with a bf16
+    // operand materializes one) ever exists as a whole V x h tensor: ~2.5 V h 4 bytes less at the
+    // head's peak.
+    const bool sum_in_fp32 = weight_grad && (!low_precision || n > chunk);
+    at::Tensor grad_w = sum_in_fp32 ? at::zeros(weight.sizes(), weight.options().dtype(at::kFloat)) : at::Tensor();
     for (int64_t begin = 0; begin < n; begin += chunk) {
       const int64_t rows = std::min(chunk, n - begin);
       const at::Tensor xc = x.narrow(0, begin, rows);
@@ -78,14 +97,17 @@ class LinearCrossEntropyFunction : public torch::autograd::Function<LinearCrossE
       at::Tensor grad_rows = grad_x.narrow(0, begin, rows);
       at::mm_out(grad_rows, g_lp, weight);
       if (!weight_grad) continue;
-      if (low_precision) {
-        grad_w.add_(at::mm(g_lp.t(), xc));  // the product in the model's dtype, summed in fp32
-      } else {
+      if (!low_precision) {
         grad_w.addmm_(g_lp.t(), xc);
+      } else if (!sum_in_fp32) {
+        grad_w = at::mm(g_lp.t(), xc);  // the only chunk: its product is the gradient
+      } else {
+        add_product_in_blocks(grad_w, g_lp, xc);  // the product in the model's dtype, summed in fp32
       }
     }
     ctx->saved_data["grad_x"] = grad_x;
-    if (weight_grad) ctx->saved_data["grad_w"] = low_precision ? grad_w.to(weight.scalar_type()) : grad_w;
+    if (weight_grad)
+      ctx->saved_data["grad_w"] = sum_in_fp32 && low_precision ? grad_w.to(weight.scalar_type()) : grad_w;
     return loss;
   }
 

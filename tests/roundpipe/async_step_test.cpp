@@ -386,6 +386,7 @@ TEST(AsyncStepTest, FrozenParameters_CpuDevicesComputeOnThemInEveryStepMode) {
     train(3, 950);
     EXPECT_FALSE(logs[2]->addresses().empty());
     EXPECT_EQ(logs[2]->addresses().count(weights[2]), 0u) << "a weight with a master was shared";
+    rp.synchronize();  // the last async step has used `opt`, which is destroyed before `rp`
   }
 }
 

@@ -63,8 +63,8 @@ TEST(MemoryModelTest, LayerMemory_MatchesClosedForm) {
   EXPECT_EQ(layers[1].saved_per_token, kDecoderSaved);
   EXPECT_EQ(layers[3].param_bytes, (32 + 64 * 32) * 4);
   EXPECT_EQ(layers[3].saved_per_token, 2 * 32 * 4);
-  // Head: one 4-token chunk of fp32 logits + fp32 weight-gradient accumulator + the hidden
-  // states' gradient (32 tokens x 32 x 4 B) + targets/masks 13 B a token.
+  // Head: one 4-token chunk of fp32 logits + the weight's fp32 gradient + the hidden states'
+  // gradient (32 tokens x 32 x 4 B) + targets/masks 13 B a token.
   EXPECT_EQ(layers[3].head_bytes, 4 * 64 * 4 + 64 * 32 * 4 + 32 * 32 * 4 + 13 * 32);
   // bf16: 8 B a logit, 1024 / 512 = 2 tokens; Qwen3's q/k norms; CPU's repeated k/v.
   DeviceMemoryOptions bf16 = fp32(16, 2);
@@ -75,7 +75,11 @@ TEST(MemoryModelTest, LayerMemory_MatchesClosedForm) {
   const std::vector<LayerMemory> q = layer_memory(qwen, bf16);
   EXPECT_EQ(q[1].saved_per_token, 2 * (4 * 32 + 3 * 32 + 3 * 16 + 4 * 64) + 4 * 4 + 2 * (32 + 16) + 2 * 2 * (32 - 16));
   EXPECT_EQ(q[1].param_bytes, (kDecoderParams + 2 * 8) * 2);
-  EXPECT_EQ(q[3].head_bytes, 2 * 64 * 8 + 64 * 32 * 4 + 32 * 32 * 2 + 13 * 32);
+  // 32 tokens in 2-token chunks: the weight's bf16 gradient and its fp32 sum over the chunks.
+  EXPECT_EQ(q[3].head_bytes, 2 * 64 * 8 + 64 * 32 * (2 + 4) + 32 * 32 * 2 + 13 * 32);
+  // All 32 tokens in one chunk: the one bf16 product is the gradient, no fp32 sum.
+  bf16.loss_chunk_bytes = 64 * 8 * 32;
+  EXPECT_EQ(layer_memory(qwen, bf16)[3].head_bytes, 32 * 64 * 8 + 64 * 32 * 2 + 32 * 32 * 2 + 13 * 32);
 }
 
 TEST(MemoryModelTest, LayerMemory_MixtureOfExperts) {
