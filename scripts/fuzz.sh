@@ -26,6 +26,7 @@ out="$ROUNDPIPE_BUILD_DIR/fuzz"
 mkdir -p "$out/artifacts"
 failed=0
 summaries=()
+crash_inputs=()
 for t in "${targets[@]}"; do
   mkdir -p "$out/corpus/$t"
   dict=()
@@ -50,10 +51,16 @@ for t in "${targets[@]}"; do
     failed=1
     tail -60 "$log"
     line="$line (FAILED: see $log)"
+    # The input itself, printed last: CI's temporary build directory (and the artifact) is gone
+    # by the time anyone reads the log. Replay: echo TEXT | base64 -d > crash; fuzz/<target> crash
+    for a in "$out/artifacts/$t-"*; do
+      if [ -f "$a" ]; then crash_inputs+=("$t $(basename "$a") base64: $(head -c 8192 "$a" | base64 -w0)"); fi
+    done
   fi
   echo "$line"
   summaries+=("$line")
 done
 echo "fuzz summary:"
 printf '  %s\n' "${summaries[@]}"
+if [ "${#crash_inputs[@]}" -gt 0 ]; then printf 'crashing input: %s\n' "${crash_inputs[@]}"; fi
 exit "$failed"
