@@ -127,7 +127,7 @@ def run(roundpipe: str, out_dir: str, overrides: list, allocator: str, steps: in
     if proc.returncode != 0:
         sys.exit("roundpipe train failed:\n" + "\n".join(l for _, l in lines[-20:]))
     shutil.rmtree(out_dir, ignore_errors=True)  # a 194M-parameter checkpoint is 2.3 GB
-    exit_peak_kib, user_s, sys_s = rusage_file.read_text().split()
+    _, user_s, sys_s = rusage_file.read_text().split()  # the parent's view: CPU time only
     user_s, sys_s = float(user_s), float(sys_s)
     # The peak roundpipe reports itself after its final checkpoint: the parent's ru_maxrss also
     # covers the process's teardown, which pages in ~0.1 GiB (static destructors) after the model
@@ -145,8 +145,8 @@ def run(roundpipe: str, out_dir: str, overrides: list, allocator: str, steps: in
     # "[LoRA rank 8 on ...; ]trainable parameters: 1,234 of 5,678 (21.7%)": B/param is over all of them.
     counts = [re.search(r"trainable parameters: [\d,]+ of ([\d,]+)", l) for _, l in lines]
     params = next((int(m.group(1).replace(",", "")) for m in counts if m), 0)
-    return {"peak_kib": peak_kib, "exit_peak_kib": int(exit_peak_kib), "steps_kib": steps_kib, "ckpt_kib": ckpt_kib,
-            "params": params, "cpu": user_s + sys_s, "sys": sys_s}
+    return {"peak_kib": peak_kib, "steps_kib": steps_kib, "ckpt_kib": ckpt_kib, "params": params,
+            "cpu": user_s + sys_s, "sys": sys_s}
 
 
 def predicted_bytes(roundpipe: str, overrides: list) -> int:
@@ -185,8 +185,8 @@ def main() -> int:
             make_lora_base(lora_base, big=True)
             make_lora_base(tiny_lora_base, big=False)
         for allocator in allocators:
-            tiny_runs = {}  # LoRA rows subtract the same LoRA command on the tiny base (bf16 runs
-            # start smaller than the fp32 tiny run: its fp32 GEMMs' scratch)
+            tiny_runs = {}  # LoRA rows subtract the same LoRA command on the tiny base (the same
+            # code paths: bf16, LoRA, a pretrained directory)
             for name in names:
                 lora = any(o.startswith("model.lora=") for o in RUNS[name])  # its shape is the base's
                 if lora not in tiny_runs:

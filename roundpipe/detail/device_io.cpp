@@ -27,7 +27,6 @@ enum class TensorRole { kParameter, kBuffer };
 
 // Pairs `shell`'s tensors with `layer`'s (both recursive, same registration order: the shell is
 // a clone of the layer) and calls fn(shell tensor, layer tensor, role, index within its role).
-// fn(shell tensor, layer tensor, role, index among the parameters or buffers).
 template <typename Fn>
 void for_each_tensor_pair(torch::nn::Module& shell, torch::nn::Module& layer, const std::vector<at::Tensor>* buffers,
                           Fn&& fn) {
