@@ -295,6 +295,26 @@ TEST(ConfigTest, ToYaml_RoundTripsThroughLoad) {
   EXPECT_NE(printed.find("growth_interval: 2000"), std::string::npos) << printed;
 }
 
+// Regression (fuzz/fuzz_config, CI of 2026-11-29): a plain scalar holding a carriage return
+// ("511 \r" before a comment) was printed plain, and "511 \r\n" reads back as "511": the printed
+// config no longer read back as itself. Strings with control characters print double-quoted.
+TEST(ConfigTest, ToYaml_ControlCharactersRoundTrip) {
+  LauncherConfig first = parse_config(
+      "model:\n  preset: qwen3\n  config:\n    name: 511 \r   # bytes\n    \"k\\te\\ry\": \"a\\x7fb\"\n"
+      "data: {format: synthetic, vocab_size: 64}\n",
+      {}, "test.yaml");
+  nlohmann::json model = nlohmann::json::parse(first.model.config_json);
+  EXPECT_EQ(model["name"], "511 \r");
+  EXPECT_EQ(model["k\te\ry"],
+            "a\x7f"
+            "b");
+  std::string printed = to_yaml(first);
+  LauncherConfig second = parse_config(printed, {}, "printed");
+  EXPECT_EQ(to_yaml(second), printed);
+  EXPECT_EQ(nlohmann::json::parse(second.model.config_json), model) << printed;
+  EXPECT_NE(printed.find("name: \"511 \\r\""), std::string::npos) << printed;
+}
+
 TEST(ConfigTest, ResolvedModelConfig_LaysModelConfigOverPretrained) {
   ScratchDir dir;
   dir.write("ckpt/config.json", R"({"vocab_size": 100, "hidden_size": 64, "rope_theta": 10000})");

@@ -147,6 +147,41 @@ nlohmann::json yaml_to_json(const YAML::Node& node) {
   }
 }
 
+namespace {
+
+// A string is written plain only when it reads back as the same string. YAML::Load of the bare
+// string is not enough: a control character survives it but not its place in a document
+// ("k: 511 \r\n" reads back "511", the "\r\n" being one line break), so any control character
+// is escaped in double quotes too.
+bool needs_quotes(const std::string& s) {
+  if (s.empty()) {
+    return true;
+  }
+  if (std::any_of(s.begin(), s.end(), [](char c) {
+        auto u = static_cast<unsigned char>(c);
+        return u < 0x20 || u == 0x7f;
+      })) {
+    return true;
+  }
+  try {
+    YAML::Node reparsed = YAML::Load(s);
+    return !reparsed.IsScalar() || resolve_scalar(reparsed).kind != ResolvedScalar::Kind::kString ||
+           reparsed.Scalar() != s;
+  } catch (const YAML::Exception&) {
+    return true;
+  }
+}
+
+void emit_string(YAML::Emitter& out, const std::string& s) {
+  if (needs_quotes(s)) {
+    out << YAML::DoubleQuoted << s;
+  } else {
+    out << s;
+  }
+}
+
+}  // namespace
+
 void emit_json(YAML::Emitter& out, const nlohmann::json& value) {
   if (value.is_null()) {
     out << YAML::Null;
@@ -158,23 +193,7 @@ void emit_json(YAML::Emitter& out, const nlohmann::json& value) {
   } else if (value.is_number_float()) {
     out << format_double(value.get<double>());
   } else if (value.is_string()) {
-    const std::string& s = value.get_ref<const std::string&>();
-    // A string that would read back as null/bool/number, or is empty, must be quoted.
-    bool quote = s.empty();
-    if (!quote) {
-      try {
-        YAML::Node reparsed = YAML::Load(s);
-        quote = !reparsed.IsScalar() || resolve_scalar(reparsed).kind != ResolvedScalar::Kind::kString ||
-                reparsed.Scalar() != s;
-      } catch (const YAML::Exception&) {
-        quote = true;
-      }
-    }
-    if (quote) {
-      out << YAML::DoubleQuoted << s;
-    } else {
-      out << s;
-    }
+    emit_string(out, value.get_ref<const std::string&>());
   } else if (value.is_array()) {
     out << YAML::Flow << YAML::BeginSeq;
     for (const auto& element : value) {
@@ -184,7 +203,9 @@ void emit_json(YAML::Emitter& out, const nlohmann::json& value) {
   } else if (value.is_object()) {
     out << YAML::BeginMap;
     for (const auto& [key, element] : value.items()) {
-      out << YAML::Key << key << YAML::Value;
+      out << YAML::Key;
+      emit_string(out, key);
+      out << YAML::Value;
       emit_json(out, element);
     }
     out << YAML::EndMap;
