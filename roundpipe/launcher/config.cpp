@@ -231,6 +231,7 @@ class ValueParser {
       }
       case KeyKind::kString:
         if (!node_.IsScalar()) wrong_type();
+        check_utf8(node_.Scalar());
         return node_.Scalar();
       case KeyKind::kChoice:
         return parse_choice();
@@ -238,6 +239,7 @@ class ValueParser {
         return parse_float_pair();
       case KeyKind::kStringList: {
         std::vector<std::string> values = scalar_list();
+        for (const std::string& value : values) check_utf8(value);
         check_range(static_cast<double>(values.size()), "the length");
         return values;
       }
@@ -253,6 +255,17 @@ class ValueParser {
   [[noreturn]] void wrong_type() const {
     config_fail(spec_.path, shown_,
                 "wrong type: expected " + spec_.type_name() + ", got " + detail::describe_node_kind(node_));
+  }
+
+  // Found by fuzz/fuzz_config: a string with bytes that are not UTF-8 printed (to_yaml) as U+FFFD
+  // in quotes, which read back as another string. YAML text is UTF-8; nlohmann::json's dump()
+  // checks it (type_error 316).
+  void check_utf8(const std::string& value) const {
+    try {
+      (void)nlohmann::json(value).dump();
+    } catch (const nlohmann::json::type_error&) {
+      config_fail(spec_.path, shown_, "not valid UTF-8; fix the file's encoding (YAML files are UTF-8)");
+    }
   }
 
   void check_range(double v, const std::string& what) const {

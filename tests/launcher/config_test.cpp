@@ -236,6 +236,11 @@ TEST(ConfigTest, FreeMap_InvalidUtf8_IsAConfigError) {
                                    {}, "test.yaml"),
                       "model.config", "not valid UTF-8");
   EXPECT_CONFIG_ERROR(parse_with("", {"model.config.name=\xff"}), "model.config", "not valid UTF-8");
+  // Found by fuzz/fuzz_config: a plain string key with such bytes printed as U+FFFD in quotes,
+  // which read back as another string. Refused too, in string lists as well.
+  EXPECT_CONFIG_ERROR(parse_with("out_dir: \xfe\xff\xff\xf8runs/fuzz\n"), "out_dir", "not valid UTF-8");
+  EXPECT_CONFIG_ERROR(parse_with("", {"out_dir=run\xc3"}), "out_dir", "not valid UTF-8");
+  EXPECT_EQ(parse_with("out_dir: r\xc3\xa9sultats\n").out_dir, "r\xc3\xa9sultats");  // UTF-8 is fine
 }
 
 TEST(ConfigTest, Load_ReportsFileLineAndColumn) {
