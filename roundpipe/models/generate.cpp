@@ -3,7 +3,6 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/argmax.h>
-#include <ATen/ops/full.h>
 #include <ATen/ops/multinomial.h>
 #include <ATen/ops/softmax.h>
 #include <ATen/ops/sort.h>
@@ -65,6 +64,17 @@ LayerKvCache& KvCache::layer(int64_t index) {
 
 void KvCache::clear() {
   for (LayerKvCache& layer : layers_) layer = LayerKvCache();
+}
+
+void KvCache::set_left_padding(const at::Tensor& left_padding) {
+  TORCH_CHECK(length() == 0, "KvCache::set_left_padding: the cache already holds ", length(),
+              " tokens; set the padding before the first forward (or clear() first)");
+  TORCH_CHECK(left_padding.dim() == 1 && left_padding.scalar_type() == at::kLong,
+              "KvCache::set_left_padding: expected int64 [batch], got ", left_padding.scalar_type(), " ",
+              left_padding.sizes());
+  TORCH_CHECK(left_padding.numel() == 0 || left_padding.min().item<int64_t>() >= 0,
+              "KvCache::set_left_padding: padding counts must be >= 0");
+  for (LayerKvCache& layer : layers_) layer.left_padding = left_padding;
 }
 
 // ---- forward_cached ------------------------------------------------------------------------------
@@ -129,42 +139,84 @@ int64_t next_token(const at::Tensor& logits, const GenerateOptions& options, at:
 
 // ---- generate ------------------------------------------------------------------------------------
 
-std::vector<int64_t> generate(const torch::nn::Sequential& model, const ModelConfig& config,
-                              const std::vector<int64_t>& prompt, const GenerateOptions& options,
-                              const TokenCallback& on_token) {
+std::vector<std::vector<int64_t>> generate_batch(const torch::nn::Sequential& model, const ModelConfig& config,
+                                                 const std::vector<std::vector<int64_t>>& prompts,
+                                                 const GenerateOptions& options, const BatchTokenCallback& on_token) {
   check_generate_options(options);
-  const auto prompt_len = static_cast<int64_t>(prompt.size());
-  TORCH_CHECK(prompt_len > 0, "generate: the prompt is empty (give at least one token)");
-  TORCH_CHECK(prompt_len < config.max_position_embeddings, "generate: the prompt has ", prompt_len,
-              " tokens but the model's max_position_embeddings is ", config.max_position_embeddings,
-              ": at most ", config.max_position_embeddings - 1, " prompt tokens leave room for a new one");
-  for (int64_t id : prompt) {
-    TORCH_CHECK(id >= 0 && id < config.vocab_size, "generate: prompt token id ", id, " is outside [0, vocab_size = ",
-                config.vocab_size, ")");
+  TORCH_CHECK(!prompts.empty(), "generate: no prompts (give at least one)");
+  const auto rows = static_cast<int64_t>(prompts.size());
+  int64_t longest = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    const std::vector<int64_t>& prompt = prompts[static_cast<size_t>(r)];
+    const std::string which = rows > 1 ? " (prompt " + std::to_string(r) + ")" : "";
+    const auto prompt_len = static_cast<int64_t>(prompt.size());
+    TORCH_CHECK(prompt_len > 0, "generate: the prompt", which, " is empty (give at least one token)");
+    TORCH_CHECK(prompt_len < config.max_position_embeddings, "generate: the prompt", which, " has ", prompt_len,
+                " tokens but the model's max_position_embeddings is ", config.max_position_embeddings, ": at most ",
+                config.max_position_embeddings - 1, " prompt tokens leave room for a new one");
+    for (int64_t id : prompt) {
+      TORCH_CHECK(id >= 0 && id < config.vocab_size, "generate: prompt", which, " token id ", id,
+                  " is outside [0, vocab_size = ", config.vocab_size, ")");
+    }
+    longest = std::max(longest, prompt_len);
   }
   at::NoGradGuard no_grad;
   EvalModeGuard eval(model);
   const c10::Device device = model->ptr<EmbeddingImpl>(0)->embed_tokens->weight.device();
+  const auto ids = at::TensorOptions().dtype(at::kLong);
   at::Generator generator = at::make_generator<at::CPUGeneratorImpl>(options.seed());
   const std::vector<int64_t>& stops = options.stop_token_ids();
 
+  // Left padding with the config's pad token (0 without one): its embedding never reaches a real
+  // token (Note [Left-padded generation]).
+  const int64_t configured_pad = config.pad_token_id.value_or(0);
+  const int64_t pad_id = configured_pad >= 0 && configured_pad < config.vocab_size ? configured_pad : 0;
+  std::vector<int64_t> padded(static_cast<size_t>(rows * longest), pad_id);
+  std::vector<int64_t> padding(static_cast<size_t>(rows));
+  for (int64_t r = 0; r < rows; ++r) {
+    const std::vector<int64_t>& prompt = prompts[static_cast<size_t>(r)];
+    const int64_t pad = longest - static_cast<int64_t>(prompt.size());
+    padding[static_cast<size_t>(r)] = pad;
+    std::copy(prompt.begin(), prompt.end(), padded.begin() + r * longest + pad);
+  }
   KvCache cache(config);
-  at::Tensor input = at::tensor(prompt, at::TensorOptions().dtype(at::kLong)).to(device).unsqueeze(0);
-  std::vector<int64_t> out;
-  for (;;) {
-    const at::Tensor logits = forward_cached(model, input, cache);  // [1, 1, vocab]
-    const int64_t token = next_token(logits[0][0], options, generator);
-    out.push_back(token);
-    if (on_token) on_token(token);
-    const bool stopped = std::find(stops.begin(), stops.end(), token) != stops.end();
-    const auto total = prompt_len + static_cast<int64_t>(out.size());
-    if (stopped || static_cast<int64_t>(out.size()) >= options.max_new_tokens() ||
-        total >= config.max_position_embeddings) {
-      break;
+  if (std::any_of(padding.begin(), padding.end(), [](int64_t p) { return p > 0; })) {
+    cache.set_left_padding(at::tensor(padding, ids).to(device));
+  }
+  at::Tensor input = at::tensor(padded, ids).view({rows, longest}).to(device);
+
+  std::vector<std::vector<int64_t>> out(static_cast<size_t>(rows));
+  std::vector<int64_t> last(static_cast<size_t>(rows), pad_id);
+  std::vector<bool> done(static_cast<size_t>(rows), false);
+  int64_t running = rows;
+  while (running > 0) {
+    const at::Tensor logits = forward_cached(model, input, cache).to(at::kCPU);  // [B, 1, vocab]
+    for (int64_t r = 0; r < rows; ++r) {
+      const auto i = static_cast<size_t>(r);
+      if (done[i]) continue;
+      const int64_t token = next_token(logits[r][0], options, generator);
+      out[i].push_back(token);
+      last[i] = token;
+      if (on_token) on_token(r, token);
+      const bool stopped = std::find(stops.begin(), stops.end(), token) != stops.end();
+      const auto total = static_cast<int64_t>(prompts[i].size() + out[i].size());
+      if (stopped || static_cast<int64_t>(out[i].size()) >= options.max_new_tokens() ||
+          total >= config.max_position_embeddings) {
+        done[i] = true;
+        --running;
+      }
     }
-    input = at::full({1, 1}, token, at::TensorOptions().dtype(at::kLong).device(device));
+    if (running > 0) input = at::tensor(last, ids).view({rows, 1}).to(device);
   }
   return out;
+}
+
+std::vector<int64_t> generate(const torch::nn::Sequential& model, const ModelConfig& config,
+                              const std::vector<int64_t>& prompt, const GenerateOptions& options,
+                              const TokenCallback& on_token) {
+  BatchTokenCallback each;
+  if (on_token) each = [&](int64_t /*row*/, int64_t token) { on_token(token); };
+  return generate_batch(model, config, {prompt}, options, each).front();
 }
 
 }  // namespace roundpipe::models

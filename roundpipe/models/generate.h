@@ -52,8 +52,13 @@ class KvCache {
   int64_t length() const;
   LayerKvCache& layer(int64_t index);
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
-  /// Forgets everything (length 0).
+  /// Forgets everything (length 0, no left padding).
   void clear();
+  /// Marks the rows of the batch about to be prefilled as left-padded: row b's first
+  /// left_padding[b] tokens are padding that no token attends to, and its real tokens sit at
+  /// positions 0, 1, ... (LayerKvCache::left_padding). Before the first forward only (length 0);
+  /// int64 [B] on the model's device, each value >= 0.
+  void set_left_padding(const at::Tensor& left_padding);
 
  private:
   std::vector<LayerKvCache> layers_;
@@ -83,6 +88,24 @@ int64_t next_token(const at::Tensor& logits, const GenerateOptions& options, at:
 
 /// Receives each generated token as soon as it is chosen.
 using TokenCallback = std::function<void(int64_t token)>;
+
+/// Receives each generated token of a batch as soon as it is chosen, with its row (the prompt's
+/// index in generate_batch's `prompts`).
+using BatchTokenCallback = std::function<void(int64_t row, int64_t token)>;
+
+/// generate() for several prompts at once, in one batch: the prompts are left-padded to the
+/// longest (KvCache::set_left_padding; each row's positions start at 0 on its first real token,
+/// as transformers' generate with an attention mask), and each step runs every row in one forward.
+/// Each row stops by generate()'s rules on its own (a finished row is still fed, its tokens
+/// dropped); returns each row's tokens. Greedy tokens are generate()'s for each prompt alone (up
+/// to rounding: the padded batch multiplies in other shapes). Sampling draws the rows in order
+/// from one generator, so a batch of one is generate() exactly, but a row of a larger batch is
+/// not the same draw as its prompt alone. Throws as generate(), naming the prompt, and for no
+/// prompts.
+std::vector<std::vector<int64_t>> generate_batch(const torch::nn::Sequential& model, const ModelConfig& config,
+                                                 const std::vector<std::vector<int64_t>>& prompts,
+                                                 const GenerateOptions& options = {},
+                                                 const BatchTokenCallback& on_token = {});
 
 /// Generates up to options.max_new_tokens tokens after `prompt` (token ids of one sequence: batch
 /// size 1) and returns them (the stop token included when one ended generation). The prompt goes

@@ -175,6 +175,22 @@ at::Tensor visible_keys(int64_t q_start, int64_t q_len, int64_t k_start, int64_t
   return allowed;
 }
 
+// Note [Left-padded generation]: `allowed` [T, S] (visible_keys) narrowed per row of a
+// left-padded batch -> [B, 1, T, S]: no query sees row b's padding keys (cache indices below
+// left_padding[b]). A padding query would then see no key at all, and softmax over nothing is
+// NaN, which a masked-out value still spreads through the product (0 * NaN); so a padding query
+// sees itself. transformers' sdpa path unmasks such rows for the same reason. The rotary positions
+// restart at 0 on each row's first real token (AttentionImpl::project), as transformers derives
+// them from the attention mask; rotary attention depends only on q - k, so a shift changes the
+// logits by rounding alone (the batched tests pass without it; the mask is what they test).
+at::Tensor unpadded_keys(const at::Tensor& allowed, const at::Tensor& left_padding, int64_t q_start, int64_t k_start) {
+  const auto positions = at::TensorOptions().dtype(at::kLong).device(allowed.device());
+  const at::Tensor q_pos = at::arange(q_start, q_start + allowed.size(0), positions).unsqueeze(1);
+  const at::Tensor k_pos = at::arange(k_start, k_start + allowed.size(1), positions).unsqueeze(0);
+  const at::Tensor real_key = k_pos.ge(left_padding.unsqueeze(1)).unsqueeze(1);  // [B, 1, S]
+  return allowed.unsqueeze(0).logical_and(real_key.logical_or(k_pos.eq(q_pos).unsqueeze(0))).unsqueeze(1);
+}
+
 }  // namespace
 
 // ---- Linear --------------------------------------------------------------------------------------
@@ -326,7 +342,8 @@ void AttentionImpl::reset() {
   }
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> AttentionImpl::project(const at::Tensor& x, int64_t start) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> AttentionImpl::project(const at::Tensor& x, int64_t start,
+                                                                      const at::Tensor& left_padding) {
   TORCH_CHECK(x.dim() == 3 && x.size(2) == config_.hidden_size, "Attention (layer ", layer_index_,
               "): expected hidden states [batch, seq, ", config_.hidden_size, "], got ", x.sizes());
   const int64_t batch = x.size(0);
@@ -347,6 +364,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> AttentionImpl::project(const at::
     const at::Tensor positions = packed_side_input(kPositionIds, x, layer_index_);
     if (positions.defined()) {
       std::tie(cos, sin) = detail::rotary_cos_sin_at(config_.rope, d, positions + start, x.scalar_type());
+    } else if (left_padding.defined()) {
+      // A padding slot's own position is clamped to 0; nothing real attends to it.
+      const at::Tensor indices =
+          at::arange(start, start + seq, at::TensorOptions().dtype(at::kLong).device(x.device()));
+      const at::Tensor rows = (indices.unsqueeze(0) - left_padding.unsqueeze(1)).clamp_min(0);
+      std::tie(cos, sin) = detail::rotary_cos_sin_at(config_.rope, d, rows, x.scalar_type());
     } else {
       std::tie(cos, sin) = detail::rotary_cos_sin(config_.rope, d, seq, x.device(), x.scalar_type(), start);
     }
@@ -407,18 +430,27 @@ at::Tensor AttentionImpl::forward_cached(const at::Tensor& x, LayerKvCache& cach
   TORCH_CHECK(!side_input(kSegmentIds) && !side_input(kPositionIds), "Attention (layer ", layer_index_,
               "): cached generation takes one sequence per row: run it without the side inputs of a packed batch "
               "(docs/models.md, \"Packed sequences\")");
-  auto [q, k, v] = project(x, start);
+  const at::Tensor& pad = cache.left_padding;
+  TORCH_CHECK(
+      !pad.defined() ||
+          (pad.dim() == 1 && pad.size(0) == x.size(0) && pad.scalar_type() == at::kLong && pad.device() == x.device()),
+      "Attention (layer ", layer_index_, "): the cache's left_padding must be int64 [batch = ", x.size(0), "] on ",
+      x.device(), ", got ", pad.defined() ? pad.toString() : "", " ", pad.defined() ? pad.sizes() : at::IntArrayRef{});
+  auto [q, k, v] = project(x, start, pad);
   const int64_t seq = q.size(2);
   at::Tensor attn;
-  if (start == 0) {
+  if (start == 0 && !pad.defined()) {
     attn = attend_causal(q, k, v, /*segments=*/{});
   } else {
-    TORCH_CHECK(cache.k.defined() && cache.k.size(0) == x.size(0), "Attention (layer ", layer_index_,
-                "): the cache of ", start, " tokens holds no keys of batch size ", x.size(0));
-    k = at::cat({cache.k, k}, 2);
-    v = at::cat({cache.v, v}, 2);
+    if (start > 0) {
+      TORCH_CHECK(cache.k.defined() && cache.k.size(0) == x.size(0), "Attention (layer ", layer_index_,
+                  "): the cache of ", start, " tokens holds no keys of batch size ", x.size(0));
+      k = at::cat({cache.k, k}, 2);
+      v = at::cat({cache.v, v}, 2);
+    }
     const int64_t key_start = start + seq - k.size(2);
-    const at::Tensor allowed = visible_keys(start, seq, key_start, k.size(2), window(), x.device());
+    at::Tensor allowed = visible_keys(start, seq, key_start, k.size(2), window(), x.device());
+    if (pad.defined()) allowed = unpadded_keys(allowed, pad, start, key_start);
     const int64_t groups = config_.num_attention_heads / config_.num_key_value_heads;
     const at::Tensor keys = groups > 1 ? k.repeat_interleave(groups, 1) : k;
     const at::Tensor values = groups > 1 ? v.repeat_interleave(groups, 1) : v;

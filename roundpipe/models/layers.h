@@ -133,6 +133,11 @@ struct LayerKvCache {
   /// every position seen, or on a sliding-window layer the last window - 1. Undefined when empty.
   at::Tensor k, v;
   int64_t length = 0;  ///< tokens seen so far: the position of the next token
+  /// A left-padded batch (generate_batch): int64 [B], the padding tokens at the start of each row.
+  /// Row b's token at cache index i sits at rotary position i - left_padding[b], and no query
+  /// attends to row b's first left_padding[b] keys (docs/models.md, "Generation"). Undefined: no
+  /// padding, every row's positions are its cache indices.
+  at::Tensor left_padding;
 };
 
 /// Causal self-attention with rotary embeddings and grouped-query heads. Children: q_proj,
@@ -151,7 +156,7 @@ class AttentionImpl : public torch::nn::Cloneable<AttentionImpl> {
   /// x [B, T, hidden] at positions cache.length .. cache.length + T - 1 -> [B, T, hidden]: attends
   /// to the cached keys and its own (causal; the last `sliding_window` positions on a sliding
   /// layer), then appends its keys and values to `cache`. Inference only (no dropout). Into an
-  /// empty cache it computes exactly as forward(x).
+  /// empty cache without left padding it computes exactly as forward(x).
   at::Tensor forward_cached(const at::Tensor& x, LayerKvCache& cache);
 
   Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
@@ -160,7 +165,9 @@ class AttentionImpl : public torch::nn::Cloneable<AttentionImpl> {
 
  private:
   // q [B, heads, T, d], k and v [B, kv_heads, T, d] of x at positions start..start+T-1.
-  std::tuple<at::Tensor, at::Tensor, at::Tensor> project(const at::Tensor& x, int64_t start);
+  // With `left_padding` [B] defined, row b's positions are start - left_padding[b] onwards.
+  std::tuple<at::Tensor, at::Tensor, at::Tensor> project(const at::Tensor& x, int64_t start,
+                                                         const at::Tensor& left_padding = {});
   // Causal attention of T queries on their own T keys -> [B, heads, T, d]; with `segments`
   // [B, T] defined, block-diagonal causal (docs/models.md, "Packed sequences").
   at::Tensor attend_causal(at::Tensor q, at::Tensor k, at::Tensor v, const at::Tensor& segments);

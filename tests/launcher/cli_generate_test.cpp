@@ -1,7 +1,8 @@
 // `roundpipe generate` and `roundpipe chat` against transformers (tests/launcher/chat_oracle.py: a
 // tiny Qwen3 with Qwen2.5's real tokenizer and chat template): greedy answers equal transformers'
 // generate on the same rendered conversation, token for token, and the printed text is the
-// decoded answer; a LoRA checkpoint given with --checkpoint is used. Without Python: bad options
+// decoded answer, alone or in a left-padded batch (--batch-size); a LoRA checkpoint given with
+// --checkpoint is used. Without Python: bad options
 // exit 2 naming the option.
 #include <gtest/gtest.h>
 
@@ -59,6 +60,12 @@ TEST(CliGenerateTest, Generate_GreedyEqualsTransformers) {
   ASSERT_EQ(two.code, 0) << two.err;
   nlohmann::json both = nlohmann::json::array({ref["turns"][0], second["turns"][0]});
   EXPECT_EQ(two.out, expected_output(both, "\n"));
+
+  // The same two prompts in one left-padded batch: the same answers, printed the same way.
+  CliResult batched = run_cli(dir, std::string("generate gen.yaml --prompt '") + prompt + "' --prompt 'Hello!'" +
+                                       " --max-new-tokens " + kNewTokens + " --print-ids --batch-size 2");
+  ASSERT_EQ(batched.code, 0) << batched.err;
+  EXPECT_EQ(batched.out, expected_output(both, "\n"));
 }
 
 TEST(CliGenerateTest, Chat_TwoLinesEqualTransformersConversation) {
@@ -111,6 +118,7 @@ TEST(CliGenerateTest, BadOptions_Exit2NamingTheOption) {
       {"generate preset.yaml --prompt hi --top-p 1.5", "--top-p 1.5"},
       {"generate preset.yaml --prompt hi --top-k -2", "--top-k -2"},
       {"generate preset.yaml --prompt hi --max-new-tokens 0", "--max-new-tokens 0"},
+      {"generate preset.yaml --prompt hi --batch-size 0", "--batch-size 0"},
       {"generate preset.yaml --prompt hi", "model.pretrained"},
       {"generate preset.yaml", "--prompt"},
       {"chat preset.yaml --top-p 2", "--top-p 2"},

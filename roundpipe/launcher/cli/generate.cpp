@@ -42,6 +42,7 @@ void check_options(const GenerateCommandOptions& o) {
   }
   if (!(o.top_p > 0 && o.top_p <= 1)) fail("--top-p " + number(o.top_p) + ": must be in (0, 1] (1 = off)");
   if (o.top_k < 0) fail("--top-k " + std::to_string(o.top_k) + ": must be >= 0 (0 = off)");
+  if (o.batch_size < 1) fail("--batch-size " + std::to_string(o.batch_size) + ": must be at least 1");
 }
 
 // tokenizer_config.json's eos_token (a string or {"content": ...}); "" when none.
@@ -157,8 +158,7 @@ struct Answer {
   std::string text;          // without the stop token
 };
 
-Answer answer(Session& s, const std::vector<int64_t>& prompt, const GenerateCommandOptions& options, uint64_t seed,
-              std::ostream& out) {
+void check_prompt(const Session& s, const std::vector<int64_t>& prompt) {
   if (prompt.empty()) throw ConfigError("--prompt: the prompt is empty (no tokens to start from)");
   const int64_t limit = s.pre.config.max_position_embeddings;
   if (static_cast<int64_t>(prompt.size()) >= limit) {
@@ -166,22 +166,50 @@ Answer answer(Session& s, const std::vector<int64_t>& prompt, const GenerateComm
                       " tokens, but the model's max_position_embeddings is " + std::to_string(limit) +
                       ": shorten it (or /reset the conversation)");
   }
-  const auto generate_options = models::GenerateOptions()
-                                    .max_new_tokens(options.max_new_tokens)
-                                    .temperature(options.temperature)
-                                    .top_p(options.top_p)
-                                    .top_k(options.top_k)
-                                    .seed(seed)
-                                    .stop_token_ids(s.stop_ids);
-  TextStream stream(*s.tokenizer, out);
+}
+
+models::GenerateOptions generate_options(const Session& s, const GenerateCommandOptions& options, uint64_t seed) {
+  return models::GenerateOptions()
+      .max_new_tokens(options.max_new_tokens)
+      .temperature(options.temperature)
+      .top_p(options.top_p)
+      .top_k(options.top_k)
+      .seed(seed)
+      .stop_token_ids(s.stop_ids);
+}
+
+// Answers `prompts` in one batch: prompt 0's answer streams to `out`; the others are returned
+// for the caller to print. Each answer's text is without its stop token.
+std::vector<Answer> answer_batch(Session& s, const std::vector<std::vector<int64_t>>& prompts,
+                                 const GenerateCommandOptions& options, uint64_t seed, std::ostream& out) {
+  for (const std::vector<int64_t>& prompt : prompts) check_prompt(s, prompt);
   const std::vector<int64_t>& stops = s.stop_ids;
-  Answer a;
-  a.ids = models::generate(s.pre.model, s.pre.config, prompt, generate_options, [&](int64_t token) {
-    if (std::find(stops.begin(), stops.end(), token) == stops.end()) stream.add(token);
-  });
+  auto is_stop = [&](int64_t token) { return std::find(stops.begin(), stops.end(), token) != stops.end(); };
+  TextStream stream(*s.tokenizer, out);
+  std::vector<std::vector<int64_t>> texts(prompts.size());
+  std::vector<std::vector<int64_t>> ids =
+      models::generate_batch(s.pre.model, s.pre.config, prompts, generate_options(s, options, seed),
+                             [&](int64_t row, int64_t token) {
+                               if (is_stop(token)) return;
+                               if (row == 0) {
+                                 stream.add(token);
+                               } else {
+                                 texts[static_cast<size_t>(row)].push_back(token);
+                               }
+                             });
   stream.finish();
-  a.text = s.tokenizer->decode(stream.ids());
-  return a;
+  texts[0] = stream.ids();
+  std::vector<Answer> answers(prompts.size());
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    answers[i].ids = std::move(ids[i]);
+    answers[i].text = s.tokenizer->decode(texts[i]);
+  }
+  return answers;
+}
+
+Answer answer(Session& s, const std::vector<int64_t>& prompt, const GenerateCommandOptions& options, uint64_t seed,
+              std::ostream& out) {
+  return std::move(answer_batch(s, {prompt}, options, seed, out).front());
 }
 
 void print_ids(const std::vector<int64_t>& ids, std::ostream& out) {
@@ -196,21 +224,32 @@ void run_generate(const LauncherConfig& config, const std::vector<std::string>& 
                   const GenerateCommandOptions& options, std::ostream& out) {
   if (prompts.empty()) throw ConfigError("--prompt: give at least one prompt");
   Session s = open_session(config, options, /*needs_template=*/!options.raw);
-  for (size_t i = 0; i < prompts.size(); ++i) {
-    std::vector<int64_t> ids;
+  std::vector<std::vector<int64_t>> tokenized;
+  for (const std::string& prompt : prompts) {
     if (options.raw) {
-      ids = s.tokenizer->encode(prompts[i], /*add_special_tokens=*/true);
+      tokenized.push_back(s.tokenizer->encode(prompt, /*add_special_tokens=*/true));
     } else {
       nlohmann::ordered_json messages = nlohmann::ordered_json::array();
-      messages.push_back({{"role", "user"}, {"content", prompts[i]}});
+      messages.push_back({{"role", "user"}, {"content", prompt}});
       models::ChatRenderOptions render;
       render.add_generation_prompt = true;
-      ids = s.tokenizer->encode(s.chat_template->render(messages, render).text);
+      tokenized.push_back(s.tokenizer->encode(s.chat_template->render(messages, render).text));
     }
-    if (i > 0) out << "\n";
-    const Answer a = answer(s, ids, options, options.seed, out);
-    out << "\n";
-    if (options.print_ids) print_ids(a.ids, out);
+    check_prompt(s, tokenized.back());  // before any answer: a bad prompt costs no generation
+  }
+  const auto batch = static_cast<size_t>(options.batch_size);
+  for (size_t first = 0; first < tokenized.size(); first += batch) {
+    const size_t end = std::min(tokenized.size(), first + batch);
+    if (first > 0) out << "\n";
+    const std::vector<Answer> answers = answer_batch(
+        s, std::vector<std::vector<int64_t>>(tokenized.begin() + static_cast<std::ptrdiff_t>(first),
+                                             tokenized.begin() + static_cast<std::ptrdiff_t>(end)),
+        options, options.seed, out);
+    for (size_t i = 0; i < answers.size(); ++i) {
+      if (i > 0) out << "\n" << answers[i].text;
+      out << "\n";
+      if (options.print_ids) print_ids(answers[i].ids, out);
+    }
   }
 }
 

@@ -27,12 +27,16 @@ struct GenerateCommandOptions {
   std::string checkpoint;
   /// After each answer, a line `ids: <token ids>` (the generated ids, the stop token included).
   bool print_ids = false;
+  /// generate only: prompts generated together, left-padded (models::generate_batch); >= 1.
+  int64_t batch_size = 1;
 };
 
-/// Generates an answer to each prompt, one after the other: each one rendered as one user message
-/// with add_generation_prompt (unless `raw`), tokenized, generated until the tokenizer_config's
-/// eos_token, the config's eos_token_id(s) or max_new_tokens, the text streamed to `out` as it
-/// comes (whole UTF-8 characters only), then a newline. Throws ConfigError (exit code 2) for bad
+/// Generates an answer to each prompt: each one rendered as one user message with
+/// add_generation_prompt (unless `raw`), tokenized, generated until the tokenizer_config's
+/// eos_token, the config's eos_token_id(s) or max_new_tokens, then printed to `out` in prompt
+/// order, each answer followed by a newline (and answers separated by an empty line). The prompts
+/// go options.batch_size at a time through models::generate_batch; the first answer of each batch
+/// streams as it comes (whole UTF-8 characters only), the others print when their batch ends. Throws ConfigError (exit code 2) for bad
 /// options, a config without model.pretrained, a checkpoint directory that is not one, an empty or
 /// too long prompt.
 void run_generate(const LauncherConfig& config, const std::vector<std::string>& prompts,

@@ -189,6 +189,11 @@ class CommandLine {
         ->expected(1)
         ->take_all();
     generate_->add_flag("--raw", generate_options_.raw, "tokenize the prompt as it is, without the chat template");
+    generate_
+        ->add_option("--batch-size", generate_options_.batch_size,
+                     "prompts generated together in one left-padded batch (the first answer of each batch "
+                     "streams, the others print when their batch ends)")
+        ->capture_default_str();
     add_generate_args(generate_, generate_options_);
     chat_ = app_.add_subcommand("chat",
                                 "talk to the configured model: one user message per stdin line; "
