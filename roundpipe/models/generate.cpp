@@ -16,6 +16,9 @@
 #include <memory>
 
 #include "roundpipe/models/moe.h"
+#include "roundpipe/round_pipe.h"
+#include "roundpipe/run_config.h"
+#include "roundpipe/side_inputs.h"
 
 namespace roundpipe::models {
 namespace {
@@ -38,6 +41,45 @@ class EvalModeGuard {
 };
 
 constexpr double kMinusInfinity = -std::numeric_limits<double>::infinity();
+
+// Checks options and prompts as generate_batch documents; returns the longest prompt's length.
+int64_t check_prompts(const ModelConfig& config, const std::vector<std::vector<int64_t>>& prompts,
+                      const GenerateOptions& options) {
+  check_generate_options(options);
+  TORCH_CHECK(!prompts.empty(), "generate: no prompts (give at least one)");
+  const auto rows = static_cast<int64_t>(prompts.size());
+  int64_t longest = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    const std::vector<int64_t>& prompt = prompts[static_cast<size_t>(r)];
+    const std::string which = rows > 1 ? " (prompt " + std::to_string(r) + ")" : "";
+    const auto prompt_len = static_cast<int64_t>(prompt.size());
+    TORCH_CHECK(prompt_len > 0, "generate: the prompt", which, " is empty (give at least one token)");
+    TORCH_CHECK(prompt_len < config.max_position_embeddings, "generate: the prompt", which, " has ", prompt_len,
+                " tokens but the model's max_position_embeddings is ", config.max_position_embeddings, ": at most ",
+                config.max_position_embeddings - 1, " prompt tokens leave room for a new one");
+    for (int64_t id : prompt) {
+      TORCH_CHECK(id >= 0 && id < config.vocab_size, "generate: prompt", which, " token id ", id,
+                  " is outside [0, vocab_size = ", config.vocab_size, ")");
+    }
+    longest = std::max(longest, prompt_len);
+  }
+  return longest;
+}
+
+// The pad token of left/right padding: the config's pad_token_id when it is a token, else 0.
+int64_t padding_token(const ModelConfig& config) {
+  const int64_t configured = config.pad_token_id.value_or(0);
+  return configured >= 0 && configured < config.vocab_size ? configured : 0;
+}
+
+// Whether `token` ends its row, by generate()'s rules.
+bool row_ends(const GenerateOptions& options, const ModelConfig& config, int64_t token, size_t prompt_len,
+              size_t generated) {
+  const std::vector<int64_t>& stops = options.stop_token_ids();
+  return std::find(stops.begin(), stops.end(), token) != stops.end() ||
+         static_cast<int64_t>(generated) >= options.max_new_tokens() ||
+         static_cast<int64_t>(prompt_len + generated) >= config.max_position_embeddings;
+}
 
 }  // namespace
 
@@ -142,35 +184,17 @@ int64_t next_token(const at::Tensor& logits, const GenerateOptions& options, at:
 std::vector<std::vector<int64_t>> generate_batch(const torch::nn::Sequential& model, const ModelConfig& config,
                                                  const std::vector<std::vector<int64_t>>& prompts,
                                                  const GenerateOptions& options, const BatchTokenCallback& on_token) {
-  check_generate_options(options);
-  TORCH_CHECK(!prompts.empty(), "generate: no prompts (give at least one)");
+  const int64_t longest = check_prompts(config, prompts, options);
   const auto rows = static_cast<int64_t>(prompts.size());
-  int64_t longest = 0;
-  for (int64_t r = 0; r < rows; ++r) {
-    const std::vector<int64_t>& prompt = prompts[static_cast<size_t>(r)];
-    const std::string which = rows > 1 ? " (prompt " + std::to_string(r) + ")" : "";
-    const auto prompt_len = static_cast<int64_t>(prompt.size());
-    TORCH_CHECK(prompt_len > 0, "generate: the prompt", which, " is empty (give at least one token)");
-    TORCH_CHECK(prompt_len < config.max_position_embeddings, "generate: the prompt", which, " has ", prompt_len,
-                " tokens but the model's max_position_embeddings is ", config.max_position_embeddings, ": at most ",
-                config.max_position_embeddings - 1, " prompt tokens leave room for a new one");
-    for (int64_t id : prompt) {
-      TORCH_CHECK(id >= 0 && id < config.vocab_size, "generate: prompt", which, " token id ", id,
-                  " is outside [0, vocab_size = ", config.vocab_size, ")");
-    }
-    longest = std::max(longest, prompt_len);
-  }
   at::NoGradGuard no_grad;
   EvalModeGuard eval(model);
   const c10::Device device = model->ptr<EmbeddingImpl>(0)->embed_tokens->weight.device();
   const auto ids = at::TensorOptions().dtype(at::kLong);
   at::Generator generator = at::make_generator<at::CPUGeneratorImpl>(options.seed());
-  const std::vector<int64_t>& stops = options.stop_token_ids();
 
   // Left padding with the config's pad token (0 without one): its embedding never reaches a real
   // token (Note [Left-padded generation]).
-  const int64_t configured_pad = config.pad_token_id.value_or(0);
-  const int64_t pad_id = configured_pad >= 0 && configured_pad < config.vocab_size ? configured_pad : 0;
+  const int64_t pad_id = padding_token(config);
   std::vector<int64_t> padded(static_cast<size_t>(rows * longest), pad_id);
   std::vector<int64_t> padding(static_cast<size_t>(rows));
   for (int64_t r = 0; r < rows; ++r) {
@@ -198,15 +222,67 @@ std::vector<std::vector<int64_t>> generate_batch(const torch::nn::Sequential& mo
       out[i].push_back(token);
       last[i] = token;
       if (on_token) on_token(r, token);
-      const bool stopped = std::find(stops.begin(), stops.end(), token) != stops.end();
-      const auto total = static_cast<int64_t>(prompts[i].size() + out[i].size());
-      if (stopped || static_cast<int64_t>(out[i].size()) >= options.max_new_tokens() ||
-          total >= config.max_position_embeddings) {
+      if (row_ends(options, config, token, prompts[i].size(), out[i].size())) {
         done[i] = true;
         --running;
       }
     }
     if (running > 0) input = at::tensor(last, ids).view({rows, 1}).to(device);
+  }
+  return out;
+}
+
+std::vector<std::vector<int64_t>> generate_batch_streamed(RoundPipe& pipe, const ModelConfig& config,
+                                                          const std::vector<std::vector<int64_t>>& prompts,
+                                                          const GenerateOptions& options,
+                                                          const BatchTokenCallback& on_token) {
+  check_prompts(config, prompts, options);
+  const torch::nn::Sequential model = pipe.module();
+  TORCH_CHECK(static_cast<int64_t>(model->size()) == config.num_hidden_layers + 2 &&
+                  std::dynamic_pointer_cast<EmbeddingImpl>(model->ptr(0)) &&
+                  std::dynamic_pointer_cast<LmHeadImpl>(model->ptr(model->size() - 1)),
+              "generate_batch_streamed: the RoundPipe's model must be [Embedding, ", config.num_hidden_layers,
+              " decoder layers, LmHead] of the config");
+  EvalModeGuard eval(model);
+  const auto ids = at::TensorOptions().dtype(at::kLong);
+  at::Generator generator = at::make_generator<at::CPUGeneratorImpl>(options.seed());
+  const int64_t pad_id = padding_token(config);
+  const auto default_microbatches = default_num_microbatch(static_cast<int64_t>(pipe.devices().size()));
+
+  // sequences[r]: prompt r and its tokens so far; the running rows in prompt order.
+  std::vector<std::vector<int64_t>> sequences = prompts;
+  std::vector<std::vector<int64_t>> out(prompts.size());
+  std::vector<size_t> running(prompts.size());
+  for (size_t i = 0; i < running.size(); ++i) running[i] = i;
+  while (!running.empty()) {
+    const auto rows = static_cast<int64_t>(running.size());
+    int64_t longest = 0;
+    for (size_t i : running) longest = std::max(longest, static_cast<int64_t>(sequences[i].size()));
+    std::vector<int64_t> padded(static_cast<size_t>(rows * longest), pad_id);
+    std::vector<int64_t> last_positions;
+    for (int64_t r = 0; r < rows; ++r) {
+      const std::vector<int64_t>& sequence = sequences[running[static_cast<size_t>(r)]];
+      std::copy(sequence.begin(), sequence.end(), padded.begin() + r * longest);
+      last_positions.push_back(static_cast<int64_t>(sequence.size()) - 1);
+    }
+    at::Tensor logits;
+    {
+      SideInputScope side({{kLogitPositions, at::tensor(last_positions, ids)}});
+      RunConfig call;
+      call.num_microbatch = std::min(rows, default_microbatches);
+      call.output_device = c10::Device(c10::kCPU);
+      logits = pipe.forward({at::tensor(padded, ids).view({rows, longest})}, call);  // [rows, 1, vocab]
+    }
+    std::vector<size_t> still;
+    for (int64_t r = 0; r < rows; ++r) {
+      const size_t i = running[static_cast<size_t>(r)];
+      const int64_t token = next_token(logits[r][0], options, generator);
+      out[i].push_back(token);
+      sequences[i].push_back(token);
+      if (on_token) on_token(static_cast<int64_t>(i), token);
+      if (!row_ends(options, config, token, prompts[i].size(), out[i].size())) still.push_back(i);
+    }
+    running = std::move(still);
   }
   return out;
 }

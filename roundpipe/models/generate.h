@@ -16,6 +16,10 @@
 #include "roundpipe/models/layers.h"
 #include "roundpipe/models/model_config.h"
 
+namespace roundpipe {
+class RoundPipe;
+}  // namespace roundpipe
+
 namespace roundpipe::models {
 
 /// Options of generate(). check_generate_options() states what is refused.
@@ -106,6 +110,22 @@ std::vector<std::vector<int64_t>> generate_batch(const torch::nn::Sequential& mo
                                                  const std::vector<std::vector<int64_t>>& prompts,
                                                  const GenerateOptions& options = {},
                                                  const BatchTokenCallback& on_token = {});
+
+/// generate_batch through `pipe` (a RoundPipe over an [Embedding, decoder layers, LmHead] model of
+/// `config`): for a model that does not fit one device, each step is one RoundPipe::forward that
+/// streams the stages over pipe's devices. No KV cache: each step runs every unfinished row's whole
+/// sequence (prompt + tokens so far), right-padded to the longest, causal, and the LmHead computes
+/// only each row's last real position (side input kLogitPositions, layers.h). Right padding comes
+/// after a row's real tokens, so causal attention never sees it: each row computes as alone.
+/// Finished rows leave the batch. Cost: a step reads every weight once, as any streamed step must,
+/// plus the whole sequences' compute, which a KV cache would save; with a model that fits one
+/// device, generate_batch is faster. Runs the module in eval mode (restored after) with
+/// RunConfig num_microbatch = min(rows, its default) and the output on the CPU. Same rules,
+/// options and errors as generate_batch; greedy tokens equal it (up to rounding).
+std::vector<std::vector<int64_t>> generate_batch_streamed(RoundPipe& pipe, const ModelConfig& config,
+                                                          const std::vector<std::vector<int64_t>>& prompts,
+                                                          const GenerateOptions& options = {},
+                                                          const BatchTokenCallback& on_token = {});
 
 /// Generates up to options.max_new_tokens tokens after `prompt` (token ids of one sequence: batch
 /// size 1) and returns them (the stop token included when one ended generation). The prompt goes

@@ -543,11 +543,29 @@ at::Tensor LmHeadImpl::cross_entropy_sum(const at::Tensor& h, const at::Tensor& 
   return linear_cross_entropy(h, lm_head->weight, targets, options);
 }
 
+namespace {
+
+// hidden [B, T, H] -> [B, 1, H] at kLogitPositions' row positions when that side input is set.
+at::Tensor at_logit_positions(const at::Tensor& hidden) {
+  const std::optional<at::Tensor> positions = side_input(kLogitPositions);
+  if (!positions) return hidden;
+  TORCH_CHECK(positions->dim() == 1 && positions->size(0) == hidden.size(0) && !positions->is_floating_point(),
+              "LmHead: the side input '", kLogitPositions, "' must be integer [batch = ", hidden.size(0), "], got ",
+              positions->sizes());
+  TORCH_CHECK(positions->numel() == 0 ||
+                  (positions->min().item<int64_t>() >= 0 && positions->max().item<int64_t>() < hidden.size(1)),
+              "LmHead: a position of the side input '", kLogitPositions, "' is outside [0, ", hidden.size(1), ")");
+  const at::Tensor index = positions->to(at::kLong).view({-1, 1, 1}).expand({hidden.size(0), 1, hidden.size(2)});
+  return hidden.gather(1, index);
+}
+
+}  // namespace
+
 at::Tensor LmHeadImpl::forward(const at::Tensor& hidden, const at::Tensor& second, const at::Tensor& third) {
   if (!config_.is_moe()) {
     TORCH_CHECK(!third.defined(), "LmHead: a dense model's head takes (hidden, targets); a third tensor was given");
-    const at::Tensor h = norm(hidden);
-    return second.defined() ? cross_entropy_sum(h, second) : lm_head(h);
+    if (!second.defined()) return lm_head(norm(at_logit_positions(hidden)));
+    return cross_entropy_sum(norm(hidden), second);
   }
   const at::Tensor& stats = second;
   const at::Tensor& targets = third;
@@ -555,8 +573,8 @@ at::Tensor LmHeadImpl::forward(const at::Tensor& hidden, const at::Tensor& secon
               "LmHead: a mixture-of-experts head takes (hidden, router statistics [2, ", config_.num_experts,
               "], targets); got statistics of shape ", stats.sizes(),
               " (are the layers MoeDecoderLayers of this config?)");
+  if (!targets.defined()) return lm_head(norm(at_logit_positions(hidden)));
   const at::Tensor h = norm(hidden);
-  if (!targets.defined()) return lm_head(h);
   at::Tensor loss = cross_entropy_sum(h, targets);
   const int64_t sparse_layers = config_.num_sparse_layers();
   if (!is_training() || !stats.defined() || sparse_layers == 0) return loss;

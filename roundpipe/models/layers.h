@@ -35,6 +35,11 @@ namespace roundpipe::models {
 /// each packed sequence), and which sequence it belongs to (docs/models.md, "Packed sequences").
 inline constexpr char kPositionIds[] = "position_ids";
 inline constexpr char kSegmentIds[] = "segment_ids";
+/// Side input the LmHead reads in a forward without targets: int64 [batch], one position per row;
+/// the head then computes only those positions' logits, [batch, 1, vocab] (as transformers'
+/// logits_to_keep, one index per row): generation through RoundPipe::forward on right-padded rows
+/// (generate_batch_streamed, generate.h).
+inline constexpr char kLogitPositions[] = "logit_positions";
 
 /// y = x W^T (+ b), weight [out_features, in_features], as torch.nn.Linear.
 class LinearImpl : public torch::nn::Cloneable<LinearImpl> {

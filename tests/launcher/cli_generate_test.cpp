@@ -1,8 +1,8 @@
 // `roundpipe generate` and `roundpipe chat` against transformers (tests/launcher/chat_oracle.py: a
 // tiny Qwen3 with Qwen2.5's real tokenizer and chat template): greedy answers equal transformers'
 // generate on the same rendered conversation, token for token, and the printed text is the
-// decoded answer, alone or in a left-padded batch (--batch-size); a LoRA checkpoint given with
-// --checkpoint is used. Without Python: bad options
+// decoded answer, alone, in a left-padded batch (--batch-size) or through RoundPipe (--streamed); a
+// LoRA checkpoint given with --checkpoint is used. Without Python: bad options
 // exit 2 naming the option.
 #include <gtest/gtest.h>
 
@@ -66,6 +66,16 @@ TEST(CliGenerateTest, Generate_GreedyEqualsTransformers) {
                                        " --max-new-tokens " + kNewTokens + " --print-ids --batch-size 2");
   ASSERT_EQ(batched.code, 0) << batched.err;
   EXPECT_EQ(batched.out, expected_output(both, "\n"));
+
+  // Through RoundPipe over two CPU devices (--streamed: no KV cache, the stages streamed).
+  CliResult streamed = run_cli(dir, std::string("generate gen.yaml run.devices=[cpu,cpu] --prompt '") + prompt +
+                                        "' --prompt 'Hello!' --max-new-tokens " + kNewTokens +
+                                        " --print-ids --batch-size 2 --streamed");
+  ASSERT_EQ(streamed.code, 0) << streamed.err;
+  EXPECT_EQ(streamed.out, expected_output(both, "\n"));
+  EXPECT_NE(streamed.err.find("generating through RoundPipe over 2 device(s), no KV cache (--streamed)"),
+            std::string::npos)
+      << streamed.err;
 }
 
 TEST(CliGenerateTest, Chat_TwoLinesEqualTransformersConversation) {

@@ -14,6 +14,8 @@
 
 #include "roundpipe/models/generate.h"
 #include "roundpipe/models/pretrained.h"
+#include "roundpipe/round_pipe.h"
+#include "roundpipe/side_inputs.h"
 #include "tests/common/python_oracle.h"
 #include "tests/common/tensor_compare.h"
 #include "tests/common/test_macros.h"
@@ -257,13 +259,27 @@ void expect_batched_generation_matches_transformers(const GenerateSpec& spec, co
 
   // Row 0's third token as a stop token: each row ends after its first occurrence of it, if any.
   const int64_t stop = ours[0][2];
-  const std::vector<std::vector<int64_t>> stopped =
-      models::generate_batch(pre.model, pre.config, prompts, GenerateOptions(options).stop_token_ids({stop}));
+  const auto stop_options = GenerateOptions(options).stop_token_ids({stop});
+  const std::vector<std::vector<int64_t>> stopped = models::generate_batch(pre.model, pre.config, prompts, stop_options);
+  std::vector<std::vector<int64_t>> expected_stopped;
   for (size_t i = 0; i < ours.size(); ++i) {
     const auto first = std::find(ours[i].begin(), ours[i].end(), stop);
-    EXPECT_EQ(stopped[i], std::vector<int64_t>(ours[i].begin(), first == ours[i].end() ? first : first + 1))
-        << "row " << i;
+    expected_stopped.emplace_back(ours[i].begin(), first == ours[i].end() ? first : first + 1);
+    EXPECT_EQ(stopped[i], expected_stopped[i]) << "row " << i;
   }
+
+  // Through RoundPipe on 2 CPU devices (generate_batch_streamed: no cache, right padding, rows
+  // leave the batch as they finish): the same tokens, with and without the stop token.
+  models::Pretrained streamed_copy = models::load_pretrained(dir);
+  RoundPipe pipe(streamed_copy.model, RoundPipeOptions().devices({torch::kCPU, torch::kCPU}));
+  std::vector<std::vector<int64_t>> pipe_streamed(static_cast<size_t>(rows));
+  EXPECT_EQ(models::generate_batch_streamed(
+                pipe, streamed_copy.config, prompts, options,
+                [&](int64_t row, int64_t t) { pipe_streamed[static_cast<size_t>(row)].push_back(t); }),
+            ours);
+  EXPECT_EQ(pipe_streamed, ours);
+  EXPECT_EQ(models::generate_batch_streamed(pipe, streamed_copy.config, prompts, stop_options), expected_stopped);
+  EXPECT_TRUE(pipe.module()->is_training()) << "the training flag is restored";
 }
 
 TEST(GenerateTest, BatchedGreedyMatchesTransformers_Llama) {
@@ -384,6 +400,37 @@ models::Pretrained tiny_llama(int64_t max_positions = 64) {
   torch::NoGradGuard no_grad;
   for (auto& p : pre.model->parameters()) p.normal_(0, 0.3);
   return pre;
+}
+
+TEST(GenerateTest, LogitPositions_HeadComputesOnlyTheGivenPositions) {
+  models::Pretrained pre = tiny_llama();
+  torch::NoGradGuard no_grad;
+  pre.model->eval();
+  const at::Tensor ids = torch::randint(0, 64, {3, 7}, torch::kLong);
+  const at::Tensor full = models::forward(pre.model, ids);  // [3, 7, vocab]
+  const at::Tensor positions = at::tensor(std::vector<int64_t>{6, 0, 3});
+  at::Tensor picked;
+  {
+    SideInputScope side({{models::kLogitPositions, positions}});
+    picked = models::forward(pre.model, ids);
+  }
+  ASSERT_EQ(picked.sizes(), (at::IntArrayRef{3, 1, 64}));
+  for (int64_t r = 0; r < 3; ++r) {
+    EXPECT_LE(max_abs_diff(picked[r][0], full[r][positions[r].item<int64_t>()]), 1e-6) << "row " << r;
+  }
+  SideInputScope bad({{models::kLogitPositions, at::tensor(std::vector<int64_t>{7, 0, 0})}});
+  EXPECT_THROW_WITH(models::forward(pre.model, ids), "outside [0, 7)");
+}
+
+TEST(GenerateTest, Streamed_RefusesAModelThatIsNotTheConfigs) {
+  models::Pretrained pre = tiny_llama();
+  models::ModelConfig other = pre.config;
+  other.num_hidden_layers = 3;
+  RoundPipe pipe(pre.model, RoundPipeOptions().devices({torch::kCPU}));
+  const std::vector<std::vector<int64_t>> one = {{1, 2}};
+  const std::vector<std::vector<int64_t>> second_empty = {{1, 2}, {}};
+  EXPECT_THROW_WITH(models::generate_batch_streamed(pipe, other, one), "must be [Embedding, 3 decoder layers, LmHead]");
+  EXPECT_THROW_WITH(models::generate_batch_streamed(pipe, pre.config, second_empty), "the prompt (prompt 1) is empty");
 }
 
 TEST(GenerateTest, Sampling_SameSeedSameTokens) {

@@ -6,12 +6,13 @@
 #include <algorithm>
 #include <cmath>
 #include <fstream>
+#include <iostream>
 #include <iterator>
+#include <memory>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <sstream>
 #include <utility>
-
-#include <nlohmann/json.hpp>
 
 #include "roundpipe/devices.h"
 #include "roundpipe/launcher/atomic_file.h"
@@ -21,6 +22,7 @@
 #include "roundpipe/models/lora.h"
 #include "roundpipe/models/pretrained.h"
 #include "roundpipe/models/tokenizer.h"
+#include "roundpipe/round_pipe.h"
 
 namespace roundpipe::launcher {
 namespace {
@@ -65,7 +67,36 @@ struct Session {
   std::optional<models::Tokenizer> tokenizer;
   std::optional<models::ChatTemplate> chat_template;
   std::vector<int64_t> stop_ids;
+  /// Set when generating through RoundPipe over run.devices (models::generate_batch_streamed);
+  /// otherwise pre.model sits on the first device and generates with a KV cache.
+  std::unique_ptr<RoundPipe> pipe;
 };
+
+// Streamed generation is chosen for a CUDA first device whose memory (run.device_memory_gib, else
+// the GPU's) the parameters would fill past this share: the rest is for activations and the cache.
+constexpr double kFitShare = 0.8;
+
+int64_t parameter_bytes(const torch::nn::Module& model) {
+  int64_t bytes = 0;
+  for (const at::Tensor& p : model.parameters()) bytes += p.numel() * static_cast<int64_t>(p.element_size());
+  return bytes;
+}
+
+// Why the model must be streamed over the devices ("" when it fits the first one).
+std::string does_not_fit(const LauncherConfig& config, const torch::nn::Module& model, const c10::Device& device) {
+  if (!device.is_cuda()) return "";
+  const int64_t memory = config.run.device_memory_gib
+                             ? static_cast<int64_t>(*config.run.device_memory_gib * double(int64_t{1} << 30))
+                             : cuda_device_memory_bytes(device.index() < 0 ? 0 : device.index());
+  const int64_t bytes = parameter_bytes(model);
+  if (memory <= 0 || static_cast<double>(bytes) <= kFitShare * static_cast<double>(memory)) return "";
+  std::ostringstream why;
+  why.precision(3);
+  why << "the model's " << static_cast<double>(bytes) / double(int64_t{1} << 30) << " GiB of parameters exceed "
+      << kFitShare * 100 << "% of " << device << "'s " << static_cast<double>(memory) / double(int64_t{1} << 30)
+      << " GiB";
+  return why.str();
+}
 
 models::Pretrained load_weights(const LauncherConfig& config, const GenerateCommandOptions& options) {
   const auto load = models::LoadOptions().dtype(config.model.dtype);
@@ -77,7 +108,8 @@ models::Pretrained load_weights(const LauncherConfig& config, const GenerateComm
       return pre;
     }
     if (!is_regular_file(join_path(ckpt, "config.json"))) {
-      throw ConfigError("--checkpoint: '" + ckpt + "' is not a checkpoint directory of `roundpipe train` (no "
+      throw ConfigError("--checkpoint: '" + ckpt +
+                        "' is not a checkpoint directory of `roundpipe train` (no "
                         "config.json, no adapter_config.json), e.g. runs/x/checkpoints/latest");
     }
     return models::load_pretrained(ckpt, load);
@@ -94,8 +126,9 @@ Session open_session(const LauncherConfig& config, const GenerateCommandOptions&
   check_options(options);
   const std::string& dir = config.model.pretrained;
   if (dir.empty()) {
-    throw ConfigError("model.pretrained: generate and chat need a model directory (its tokenizer.json and chat "
-                      "template); a model.preset has none");
+    throw ConfigError(
+        "model.pretrained: generate and chat need a model directory (its tokenizer.json and chat "
+        "template); a model.preset has none");
   }
   Session s;
   try {
@@ -112,7 +145,14 @@ Session open_session(const LauncherConfig& config, const GenerateCommandOptions&
                       std::to_string(s.pre.config.vocab_size) + ": the tokenizer does not belong to this model");
   }
   const std::vector<c10::Device> devices = config.run.devices.value_or(default_devices());
-  if (!devices.empty()) s.pre.model->to(devices.front());
+  const std::string reason = devices.empty() ? "" : does_not_fit(config, *s.pre.model, devices.front());
+  if (options.streamed || !reason.empty()) {
+    std::cerr << "generating through RoundPipe over " << devices.size() << " device(s), no KV cache ("
+              << (options.streamed ? std::string("--streamed") : reason) << ")\n";
+    s.pipe = std::make_unique<RoundPipe>(s.pre.model, RoundPipeOptions().devices(devices).name("generate"));
+  } else if (!devices.empty()) {
+    s.pre.model->to(devices.front());
+  }
   s.stop_ids = s.pre.config.eos_token_id;
   const std::string eos = eos_token_of(dir);
   if (!eos.empty()) {
@@ -187,16 +227,18 @@ std::vector<Answer> answer_batch(Session& s, const std::vector<std::vector<int64
   auto is_stop = [&](int64_t token) { return std::find(stops.begin(), stops.end(), token) != stops.end(); };
   TextStream stream(*s.tokenizer, out);
   std::vector<std::vector<int64_t>> texts(prompts.size());
+  auto on_token = [&](int64_t row, int64_t token) {
+    if (is_stop(token)) return;
+    if (row == 0) {
+      stream.add(token);
+    } else {
+      texts[static_cast<size_t>(row)].push_back(token);
+    }
+  };
+  const models::GenerateOptions generate = generate_options(s, options, seed);
   std::vector<std::vector<int64_t>> ids =
-      models::generate_batch(s.pre.model, s.pre.config, prompts, generate_options(s, options, seed),
-                             [&](int64_t row, int64_t token) {
-                               if (is_stop(token)) return;
-                               if (row == 0) {
-                                 stream.add(token);
-                               } else {
-                                 texts[static_cast<size_t>(row)].push_back(token);
-                               }
-                             });
+      s.pipe ? models::generate_batch_streamed(*s.pipe, s.pre.config, prompts, generate, on_token)
+             : models::generate_batch(s.pre.model, s.pre.config, prompts, generate, on_token);
   stream.finish();
   texts[0] = stream.ids();
   std::vector<Answer> answers(prompts.size());
@@ -241,10 +283,11 @@ void run_generate(const LauncherConfig& config, const std::vector<std::string>& 
   for (size_t first = 0; first < tokenized.size(); first += batch) {
     const size_t end = std::min(tokenized.size(), first + batch);
     if (first > 0) out << "\n";
-    const std::vector<Answer> answers = answer_batch(
-        s, std::vector<std::vector<int64_t>>(tokenized.begin() + static_cast<std::ptrdiff_t>(first),
-                                             tokenized.begin() + static_cast<std::ptrdiff_t>(end)),
-        options, options.seed, out);
+    const std::vector<Answer> answers =
+        answer_batch(s,
+                     std::vector<std::vector<int64_t>>(tokenized.begin() + static_cast<std::ptrdiff_t>(first),
+                                                       tokenized.begin() + static_cast<std::ptrdiff_t>(end)),
+                     options, options.seed, out);
     for (size_t i = 0; i < answers.size(); ++i) {
       if (i > 0) out << "\n" << answers[i].text;
       out << "\n";

@@ -29,6 +29,10 @@ struct GenerateCommandOptions {
   bool print_ids = false;
   /// generate only: prompts generated together, left-padded (models::generate_batch); >= 1.
   int64_t batch_size = 1;
+  /// Generate through RoundPipe over every device of run.devices (models::generate_batch_streamed:
+  /// the stages streamed, no KV cache) even when the model fits the first device. Without it, that
+  /// happens only when the parameters exceed 80% of a CUDA first device's memory.
+  bool streamed = false;
 };
 
 /// Generates an answer to each prompt: each one rendered as one user message with

@@ -47,6 +47,9 @@ void add_generate_args(CLI::App* command, GenerateCommandOptions& options) {
                       "a checkpoint directory of `roundpipe train` (full or LoRA) instead of model.pretrained's "
                       "weights; the tokenizer and chat template still come from model.pretrained");
   command->add_flag("--print-ids", options.print_ids, "after each answer, print `ids: ...` (the generated token ids)");
+  command->add_flag("--streamed", options.streamed,
+                    "generate through RoundPipe over all of run.devices, the stages streamed, no KV cache (automatic "
+                    "when the parameters exceed 80% of a GPU first device's memory)");
 }
 
 void add_config_args(CLI::App* command, ConfigArgs& args) {
