@@ -86,8 +86,8 @@ bool row_ends(const GenerateOptions& options, const ModelConfig& config, int64_t
 void check_generate_options(const GenerateOptions& options) {
   TORCH_CHECK(options.max_new_tokens() >= 1, "generate: max_new_tokens = ", options.max_new_tokens(),
               " must be at least 1");
-  TORCH_CHECK(std::isfinite(options.temperature()) && options.temperature() >= 0.0, "generate: temperature = ",
-              options.temperature(), " must be finite and >= 0 (0 = greedy)");
+  TORCH_CHECK(std::isfinite(options.temperature()) && options.temperature() >= 0.0,
+              "generate: temperature = ", options.temperature(), " must be finite and >= 0 (0 = greedy)");
   TORCH_CHECK(options.top_p() > 0.0 && options.top_p() <= 1.0, "generate: top_p = ", options.top_p(),
               " must be in (0, 1] (1 = off)");
   TORCH_CHECK(options.top_k() >= 0, "generate: top_k = ", options.top_k(), " must be >= 0 (0 = off)");
@@ -129,7 +129,8 @@ at::Tensor forward_cached(const torch::nn::Sequential& model, const at::Tensor& 
               " decoder layers (expected [Embedding, decoder layers, LmHead])");
   auto embedding = std::dynamic_pointer_cast<EmbeddingImpl>(model->ptr(0));
   auto head = std::dynamic_pointer_cast<LmHeadImpl>(model->ptr(static_cast<size_t>(num_layers + 1)));
-  TORCH_CHECK(embedding && head, "forward_cached: the model's first module must be an Embedding and its last an LmHead");
+  TORCH_CHECK(embedding && head,
+              "forward_cached: the model's first module must be an Embedding and its last an LmHead");
   at::Tensor hidden = embedding->forward(input_ids);
   for (int64_t i = 0; i < num_layers; ++i) {
     const std::shared_ptr<torch::nn::Module> layer = model->ptr(static_cast<size_t>(i + 1));
@@ -152,8 +153,7 @@ at::Tensor sampling_probs(const at::Tensor& logits, const GenerateOptions& optio
   check_generate_options(options);
   TORCH_CHECK(options.temperature() > 0.0, "sampling_probs: temperature must be > 0 (0 is greedy), got ",
               options.temperature());
-  TORCH_CHECK(logits.dim() == 1 && logits.numel() > 0, "sampling_probs: logits must be [vocab], got ",
-              logits.sizes());
+  TORCH_CHECK(logits.dim() == 1 && logits.numel() > 0, "sampling_probs: logits must be [vocab], got ", logits.sizes());
   // transformers: TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, in that order, on
   // float32 scores; filtered scores become -inf.
   at::Tensor scores = logits.to(at::kFloat) / options.temperature();

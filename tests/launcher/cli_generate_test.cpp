@@ -6,9 +6,8 @@
 // exit 2 naming the option.
 #include <gtest/gtest.h>
 
-#include <nlohmann/json.hpp>
-
 #include <cstdlib>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
@@ -20,7 +19,8 @@ namespace roundpipe::launcher::testing {
 namespace {
 
 std::string config_for(const std::string& hf) {
-  return "out_dir: run\nmodel: {pretrained: " + hf + ", dtype: float32}\n"
+  return "out_dir: run\nmodel: {pretrained: " + hf +
+         ", dtype: float32}\n"
          "data: {format: synthetic, seq_len: 16}\nrun: {devices: [cpu]}\n";
 }
 
@@ -44,11 +44,11 @@ TEST(CliGenerateTest, Generate_GreedyEqualsTransformers) {
   run_chat_oracle(dir, "model \"" + dir.file("hf") + "\"");
   dir.write("gen.yaml", config_for(dir.file("hf")));
   const std::string prompt = "Write a haiku about \xc3\xa9t\xc3\xa9 and the sea.";
-  const nlohmann::json ref =
-      nlohmann::json::parse(run_chat_oracle(dir, "generate \"" + dir.file("hf") + "\" " + kNewTokens + " '" + prompt + "'"));
+  const nlohmann::json ref = nlohmann::json::parse(
+      run_chat_oracle(dir, "generate \"" + dir.file("hf") + "\" " + kNewTokens + " '" + prompt + "'"));
   ASSERT_GE(ref["margin"].get<double>(), 1e-4) << "a near tie in transformers' greedy steps";
-  CliResult r = run_cli(dir, std::string("generate gen.yaml --prompt '") + prompt + "' --max-new-tokens " +
-                                 kNewTokens + " --print-ids");
+  CliResult r = run_cli(
+      dir, std::string("generate gen.yaml --prompt '") + prompt + "' --max-new-tokens " + kNewTokens + " --print-ids");
   ASSERT_EQ(r.code, 0) << r.err;
   EXPECT_EQ(r.out, expected_output(ref["turns"], ""));
 
@@ -68,9 +68,9 @@ TEST(CliGenerateTest, Generate_GreedyEqualsTransformers) {
   EXPECT_EQ(batched.out, expected_output(both, "\n"));
 
   // Through RoundPipe over two CPU devices (--streamed: no KV cache, the stages streamed).
-  CliResult streamed = run_cli(dir, std::string("generate gen.yaml run.devices=[cpu,cpu] --prompt '") + prompt +
-                                        "' --prompt 'Hello!' --max-new-tokens " + kNewTokens +
-                                        " --print-ids --batch-size 2 --streamed");
+  CliResult streamed =
+      run_cli(dir, std::string("generate gen.yaml run.devices=[cpu,cpu] --prompt '") + prompt +
+                       "' --prompt 'Hello!' --max-new-tokens " + kNewTokens + " --print-ids --batch-size 2 --streamed");
   ASSERT_EQ(streamed.code, 0) << streamed.err;
   EXPECT_EQ(streamed.out, expected_output(both, "\n"));
   EXPECT_NE(streamed.err.find("generating through RoundPipe over 2 device(s), no KV cache (--streamed)"),
@@ -92,10 +92,11 @@ TEST(CliGenerateTest, Chat_TwoLinesEqualTransformersConversation) {
   EXPECT_EQ(r.out, expected_output(ref["turns"], ""));
 
   // /reset forgets the first turn: the second answer is then that of a fresh conversation.
-  const nlohmann::json fresh =
-      nlohmann::json::parse(run_chat_oracle(dir, "generate \"" + dir.file("hf") + "\" " + kNewTokens + " 'And 3 + 3?'"));
+  const nlohmann::json fresh = nlohmann::json::parse(
+      run_chat_oracle(dir, "generate \"" + dir.file("hf") + "\" " + kNewTokens + " 'And 3 + 3?'"));
   dir.write("reset.txt", "What is 2 + 2?\n/reset\nAnd 3 + 3?\n/exit\nnot read\n");
-  CliResult reset = run_cli(dir, std::string("chat gen.yaml --max-new-tokens ") + kNewTokens + " --print-ids < reset.txt");
+  CliResult reset =
+      run_cli(dir, std::string("chat gen.yaml --max-new-tokens ") + kNewTokens + " --print-ids < reset.txt");
   ASSERT_EQ(reset.code, 0) << reset.err;
   nlohmann::json turns = nlohmann::json::array({ref["turns"][0]});
   EXPECT_EQ(reset.out, expected_output(turns, "") + "(conversation reset)\n" + expected_output(fresh["turns"], ""));
@@ -106,8 +107,9 @@ TEST(CliGenerateTest, Generate_SamplingSameSeedSameText) {
   ScratchDir dir;
   run_chat_oracle(dir, "model \"" + dir.file("hf") + "\"");
   dir.write("gen.yaml", config_for(dir.file("hf")));
-  const std::string args = "generate gen.yaml --prompt 'Hi' --max-new-tokens 10 --temperature 1.2 --top-p 0.9 "
-                           "--top-k 100 --print-ids --seed ";
+  const std::string args =
+      "generate gen.yaml --prompt 'Hi' --max-new-tokens 10 --temperature 1.2 --top-p 0.9 "
+      "--top-k 100 --print-ids --seed ";
   CliResult a = run_cli(dir, args + "3"), b = run_cli(dir, args + "3"), c = run_cli(dir, args + "4");
   ASSERT_EQ(a.code, 0) << a.err;
   EXPECT_EQ(a.out, b.out);
@@ -116,9 +118,10 @@ TEST(CliGenerateTest, Generate_SamplingSameSeedSameText) {
 
 TEST(CliGenerateTest, BadOptions_Exit2NamingTheOption) {
   ScratchDir dir;
-  dir.write("preset.yaml", "model:\n  preset: llama\n  config: {vocab_size: 64, hidden_size: 32, "
-                           "intermediate_size: 64, num_hidden_layers: 2, num_attention_heads: 4}\n"
-                           "data: {format: synthetic, seq_len: 16}\n");
+  dir.write("preset.yaml",
+            "model:\n  preset: llama\n  config: {vocab_size: 64, hidden_size: 32, "
+            "intermediate_size: 64, num_hidden_layers: 2, num_attention_heads: 4}\n"
+            "data: {format: synthetic, seq_len: 16}\n");
   struct Case {
     std::string args, message;
   };

@@ -40,9 +40,9 @@ struct GenerateCommandOptions {
 /// eos_token, the config's eos_token_id(s) or max_new_tokens, then printed to `out` in prompt
 /// order, each answer followed by a newline (and answers separated by an empty line). The prompts
 /// go options.batch_size at a time through models::generate_batch; the first answer of each batch
-/// streams as it comes (whole UTF-8 characters only), the others print when their batch ends. Throws ConfigError (exit code 2) for bad
-/// options, a config without model.pretrained, a checkpoint directory that is not one, an empty or
-/// too long prompt.
+/// streams as it comes (whole UTF-8 characters only), the others print when their batch ends. Throws ConfigError (exit
+/// code 2) for bad options, a config without model.pretrained, a checkpoint directory that is not one, an empty or too
+/// long prompt.
 void run_generate(const LauncherConfig& config, const std::vector<std::string>& prompts,
                   const GenerateCommandOptions& options, std::ostream& out);
 
@@ -50,7 +50,6 @@ void run_generate(const LauncherConfig& config, const std::vector<std::string>& 
 /// far is rendered with the chat template, and the answer is streamed to `out` and kept in the
 /// history. `/reset` forgets the conversation, `/exit` or the end of `in` ends. Turn t (from 0)
 /// samples with seed + t. Throws as run_generate.
-void run_chat(const LauncherConfig& config, const GenerateCommandOptions& options, std::istream& in,
-              std::ostream& out);
+void run_chat(const LauncherConfig& config, const GenerateCommandOptions& options, std::istream& in, std::ostream& out);
 
 }  // namespace roundpipe::launcher

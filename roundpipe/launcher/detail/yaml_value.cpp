@@ -188,8 +188,7 @@ void emit_json(YAML::Emitter& out, const nlohmann::json& value) {
   } else if (value.is_boolean()) {
     out << (value.get<bool>() ? "true" : "false");
   } else if (value.is_number_integer()) {
-    out << (value.is_number_unsigned() ? std::to_string(value.get<uint64_t>())
-                                       : std::to_string(value.get<int64_t>()));
+    out << (value.is_number_unsigned() ? std::to_string(value.get<uint64_t>()) : std::to_string(value.get<int64_t>()));
   } else if (value.is_number_float()) {
     out << format_double(value.get<double>());
   } else if (value.is_string()) {
