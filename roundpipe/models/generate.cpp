@@ -14,6 +14,8 @@
 #include <cmath>
 #include <limits>
 #include <memory>
+#include <optional>
+#include <string>
 
 #include "roundpipe/models/moe.h"
 #include "roundpipe/round_pipe.h"
@@ -108,6 +110,43 @@ void KvCache::clear() {
   for (LayerKvCache& layer : layers_) layer = LayerKvCache();
 }
 
+int64_t KvCache::batch_size() const {
+  for (const LayerKvCache& layer : layers_) {
+    if (layer.k.defined()) return layer.k.size(0);
+  }
+  return 0;
+}
+
+bool KvCache::truncate(int64_t length, const ModelConfig& config) {
+  const int64_t held = this->length();
+  TORCH_CHECK(length >= 0 && length <= held, "KvCache::truncate: length ", length, " is outside [0, ", held, "]");
+  TORCH_CHECK(static_cast<int64_t>(layers_.size()) == config.num_hidden_layers, "KvCache::truncate: the cache is for ",
+              layers_.size(), " layers, the config has ", config.num_hidden_layers);
+  if (length == held) return true;
+  // Every layer must hold the keys that the positions from `length` on can see: all of them on a
+  // full layer, the last window - 1 on a sliding one (which keeps no more: Note [Cached attention]).
+  for (int64_t i = 0; i < num_layers(); ++i) {
+    const LayerKvCache& layer = layers_[static_cast<size_t>(i)];
+    const int64_t first_held = held - (layer.k.defined() ? layer.k.size(2) : 0);
+    const std::optional<int64_t> window =
+        config.layer_uses_sliding_window(i) ? config.sliding_window : std::optional<int64_t>();
+    const int64_t first_needed = window ? std::max<int64_t>(0, length - (*window - 1)) : 0;
+    if (first_held > first_needed) return false;
+  }
+  for (LayerKvCache& layer : layers_) {
+    if (length == 0) {
+      layer.k = at::Tensor();
+      layer.v = at::Tensor();
+    } else {
+      const int64_t keep = length - (held - layer.k.size(2));
+      layer.k = layer.k.narrow(2, 0, keep);
+      layer.v = layer.v.narrow(2, 0, keep);
+    }
+    layer.length = length;
+  }
+  return true;
+}
+
 void KvCache::set_left_padding(const at::Tensor& left_padding) {
   TORCH_CHECK(length() == 0, "KvCache::set_left_padding: the cache already holds ", length(),
               " tokens; set the padding before the first forward (or clear() first)");
@@ -181,36 +220,20 @@ int64_t next_token(const at::Tensor& logits, const GenerateOptions& options, at:
 
 // ---- generate ------------------------------------------------------------------------------------
 
-std::vector<std::vector<int64_t>> generate_batch(const torch::nn::Sequential& model, const ModelConfig& config,
-                                                 const std::vector<std::vector<int64_t>>& prompts,
-                                                 const GenerateOptions& options, const BatchTokenCallback& on_token) {
-  const int64_t longest = check_prompts(config, prompts, options);
-  const auto rows = static_cast<int64_t>(prompts.size());
-  at::NoGradGuard no_grad;
-  EvalModeGuard eval(model);
-  const c10::Device device = model->ptr<EmbeddingImpl>(0)->embed_tokens->weight.device();
+namespace {
+
+// The decoding loop of generate_batch and the continued generate: `input` [rows, T] on the model's
+// device goes through `cache`, then one token per running row per step until every row ends;
+// `prompt_lengths[r]`: the tokens row r holds before its first new one (its positions).
+std::vector<std::vector<int64_t>> decode(const torch::nn::Sequential& model, const ModelConfig& config, KvCache& cache,
+                                         at::Tensor input, const std::vector<size_t>& prompt_lengths,
+                                         const GenerateOptions& options, const BatchTokenCallback& on_token) {
+  const auto rows = static_cast<int64_t>(prompt_lengths.size());
+  const c10::Device device = input.device();
   const auto ids = at::TensorOptions().dtype(at::kLong);
   at::Generator generator = at::make_generator<at::CPUGeneratorImpl>(options.seed());
-
-  // Left padding with the config's pad token (0 without one): its embedding never reaches a real
-  // token (Note [Left-padded generation]).
-  const int64_t pad_id = padding_token(config);
-  std::vector<int64_t> padded(static_cast<size_t>(rows * longest), pad_id);
-  std::vector<int64_t> padding(static_cast<size_t>(rows));
-  for (int64_t r = 0; r < rows; ++r) {
-    const std::vector<int64_t>& prompt = prompts[static_cast<size_t>(r)];
-    const int64_t pad = longest - static_cast<int64_t>(prompt.size());
-    padding[static_cast<size_t>(r)] = pad;
-    std::copy(prompt.begin(), prompt.end(), padded.begin() + r * longest + pad);
-  }
-  KvCache cache(config);
-  if (std::any_of(padding.begin(), padding.end(), [](int64_t p) { return p > 0; })) {
-    cache.set_left_padding(at::tensor(padding, ids).to(device));
-  }
-  at::Tensor input = at::tensor(padded, ids).view({rows, longest}).to(device);
-
   std::vector<std::vector<int64_t>> out(static_cast<size_t>(rows));
-  std::vector<int64_t> last(static_cast<size_t>(rows), pad_id);
+  std::vector<int64_t> last(static_cast<size_t>(rows), padding_token(config));
   std::vector<bool> done(static_cast<size_t>(rows), false);
   int64_t running = rows;
   while (running > 0) {
@@ -222,7 +245,7 @@ std::vector<std::vector<int64_t>> generate_batch(const torch::nn::Sequential& mo
       out[i].push_back(token);
       last[i] = token;
       if (on_token) on_token(r, token);
-      if (row_ends(options, config, token, prompts[i].size(), out[i].size())) {
+      if (row_ends(options, config, token, prompt_lengths[i], out[i].size())) {
         done[i] = true;
         --running;
       }
@@ -230,6 +253,65 @@ std::vector<std::vector<int64_t>> generate_batch(const torch::nn::Sequential& mo
     if (running > 0) input = at::tensor(last, ids).view({rows, 1}).to(device);
   }
   return out;
+}
+
+c10::Device model_device(const torch::nn::Sequential& model) {
+  return model->ptr<EmbeddingImpl>(0)->embed_tokens->weight.device();
+}
+
+}  // namespace
+
+std::vector<std::vector<int64_t>> generate_batch(const torch::nn::Sequential& model, const ModelConfig& config,
+                                                 const std::vector<std::vector<int64_t>>& prompts,
+                                                 const GenerateOptions& options, const BatchTokenCallback& on_token) {
+  const int64_t longest = check_prompts(config, prompts, options);
+  const auto rows = static_cast<int64_t>(prompts.size());
+  at::NoGradGuard no_grad;
+  EvalModeGuard eval(model);
+  const c10::Device device = model_device(model);
+  const auto ids = at::TensorOptions().dtype(at::kLong);
+
+  // Left padding with the config's pad token (0 without one): its embedding never reaches a real
+  // token (Note [Left-padded generation]).
+  std::vector<int64_t> padded(static_cast<size_t>(rows * longest), padding_token(config));
+  std::vector<int64_t> padding(static_cast<size_t>(rows));
+  std::vector<size_t> lengths;
+  for (int64_t r = 0; r < rows; ++r) {
+    const std::vector<int64_t>& prompt = prompts[static_cast<size_t>(r)];
+    const int64_t pad = longest - static_cast<int64_t>(prompt.size());
+    padding[static_cast<size_t>(r)] = pad;
+    std::copy(prompt.begin(), prompt.end(), padded.begin() + r * longest + pad);
+    lengths.push_back(prompt.size());
+  }
+  KvCache cache(config);
+  if (std::any_of(padding.begin(), padding.end(), [](int64_t p) { return p > 0; })) {
+    cache.set_left_padding(at::tensor(padding, ids).to(device));
+  }
+  return decode(model, config, cache, at::tensor(padded, ids).view({rows, longest}).to(device), lengths, options,
+                on_token);
+}
+
+std::vector<int64_t> generate(const torch::nn::Sequential& model, const ModelConfig& config, KvCache& cache,
+                              const std::vector<int64_t>& tokens, const GenerateOptions& options,
+                              const TokenCallback& on_token) {
+  TORCH_CHECK(cache.num_layers() == config.num_hidden_layers, "generate: the cache is for ", cache.num_layers(),
+              " layers, the config has ", config.num_hidden_layers);
+  TORCH_CHECK(cache.batch_size() <= 1 && !cache.layer(0).left_padding.defined(),
+              "generate: continuing a cache takes a cache of one unpadded sequence (this one holds ",
+              cache.batch_size(), " rows)");
+  const int64_t held = cache.length();
+  // The whole sequence's rules: its length is what the cache holds plus the new tokens.
+  std::vector<int64_t> whole(static_cast<size_t>(held), 0);
+  whole.insert(whole.end(), tokens.begin(), tokens.end());
+  TORCH_CHECK(!tokens.empty(), "generate: no new tokens to feed the cache (give at least one)");
+  check_prompts(config, {whole}, options);
+  at::NoGradGuard no_grad;
+  EvalModeGuard eval(model);
+  BatchTokenCallback each;
+  if (on_token) each = [&](int64_t /*row*/, int64_t token) { on_token(token); };
+  const at::Tensor input =
+      at::tensor(tokens, at::TensorOptions().dtype(at::kLong)).view({1, -1}).to(model_device(model));
+  return decode(model, config, cache, input, {whole.size()}, options, each).front();
 }
 
 std::vector<std::vector<int64_t>> generate_batch_streamed(RoundPipe& pipe, const ModelConfig& config,

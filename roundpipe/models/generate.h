@@ -58,6 +58,13 @@ class KvCache {
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
   /// Forgets everything (length 0, no left padding).
   void clear();
+  /// Rows of the sequences it holds (0 when empty).
+  int64_t batch_size() const;
+  /// Forgets the tokens from `length` on (0 <= length <= length()), so that generation can go on
+  /// from a shared prefix (a conversation's next turn: docs/models.md, "Generation"). Returns
+  /// false and changes nothing when a sliding-window layer of `config` (the cache's model) has
+  /// already dropped keys that positions from `length` on would see; then clear() and start over.
+  bool truncate(int64_t length, const ModelConfig& config);
   /// Marks the rows of the batch about to be prefilled as left-padded: row b's first
   /// left_padding[b] tokens are padding that no token attends to, and its real tokens sit at
   /// positions 0, 1, ... (LayerKvCache::left_padding). Before the first forward only (length 0);
@@ -145,6 +152,18 @@ std::vector<std::vector<int64_t>> generate_batch_streamed(RoundPipe& pipe, const
 ///                                       [&](int64_t t) { std::cout << tokenizer.decode({t}); });
 std::vector<int64_t> generate(const torch::nn::Sequential& model, const ModelConfig& config,
                               const std::vector<int64_t>& prompt, const GenerateOptions& options = {},
+                              const TokenCallback& on_token = {});
+
+/// generate() continuing `cache` (one sequence, no padding; empty or filled by an earlier call):
+/// `tokens` (at least one) run at positions cache.length() onward, then generation goes on as
+/// generate() does, for a sequence of cache.length() + tokens.size() prompt tokens. On return the
+/// cache holds everything fed: the tokens and every generated token but the last. A conversation
+/// keeps the ids its cache holds, truncate()s it to their common prefix with the next turn's
+/// prompt and feeds the rest (roundpipe chat does). Same options and errors as generate();
+/// greedy tokens equal generate() on the whole sequence (up to rounding: the prefix was computed
+/// in other shapes).
+std::vector<int64_t> generate(const torch::nn::Sequential& model, const ModelConfig& config, KvCache& cache,
+                              const std::vector<int64_t>& tokens, const GenerateOptions& options = {},
                               const TokenCallback& on_token = {});
 
 }  // namespace roundpipe::models

@@ -445,6 +445,86 @@ TEST(GenerateTest, Streamed_RefusesAModelThatIsNotTheConfigs) {
   EXPECT_THROW_WITH(models::generate_batch_streamed(pipe, pre.config, second_empty), "the prompt (prompt 1) is empty");
 }
 
+// On `device` (CPU, or GPU 0 for the _CUDA variant): the KV-cached batch with the model on the
+// device, and the streamed batch through a RoundPipe of two workers on it, give the greedy tokens
+// of the KV-cached batch on the CPU.
+void batched_and_streamed_on(const c10::Device& device) {
+  const std::vector<std::vector<int64_t>> prompts = {{3, 14, 15, 9, 2}, {6, 5}, {35, 8, 9, 7, 9, 3, 2}};
+  const auto options = GenerateOptions().max_new_tokens(10);
+  models::Pretrained reference = tiny_llama();
+  const std::vector<std::vector<int64_t>> expected =
+      models::generate_batch(reference.model, reference.config, prompts, options);
+  models::Pretrained cached = tiny_llama();
+  cached.model->to(device);
+  EXPECT_EQ(models::generate_batch(cached.model, cached.config, prompts, options), expected);
+  models::Pretrained streamed = tiny_llama();
+  RoundPipe pipe(streamed.model, RoundPipeOptions().devices({device, device}));
+  EXPECT_EQ(models::generate_batch_streamed(pipe, streamed.config, prompts, options), expected);
+}
+
+ROUNDPIPE_DEVICE_TEST(GenerateTest, BatchedAndStreamed_OnDevice, batched_and_streamed_on)
+
+// A conversation's turns through one cache (generate continuing a KvCache, truncate to the common
+// prefix): the greedy tokens of generate() on each whole prompt from scratch.
+TEST(GenerateTest, ContinuedCache_EqualsTheWholeSequenceFromScratch) {
+  models::Pretrained pre = tiny_llama();
+  const auto options = GenerateOptions().max_new_tokens(6);
+  const std::vector<int64_t> first = {3, 14, 15, 9, 2};
+  models::KvCache cache(pre.config);
+  const std::vector<int64_t> answer = models::generate(pre.model, pre.config, cache, first, options);
+  EXPECT_EQ(answer, models::generate(pre.model, pre.config, first, options));
+  EXPECT_EQ(cache.length(), static_cast<int64_t>(first.size() + answer.size() - 1)) << "all but the last token fed";
+
+  // Turn 2 extends everything the cache holds: nothing to truncate, only the new tokens run.
+  std::vector<int64_t> second = first;
+  second.insert(second.end(), answer.begin(), answer.end());
+  second.insert(second.end(), {7, 1, 8});
+  ASSERT_TRUE(cache.truncate(cache.length(), pre.config));
+  const std::vector<int64_t> rest(second.begin() + cache.length(), second.end());
+  EXPECT_EQ(models::generate(pre.model, pre.config, cache, rest, options),
+            models::generate(pre.model, pre.config, second, options));
+
+  // A prompt that shares only 3 tokens with what the cache holds: truncated to them.
+  const std::vector<int64_t> third = {3, 14, 15, 40, 41};
+  ASSERT_TRUE(cache.truncate(3, pre.config));
+  EXPECT_EQ(cache.length(), 3);
+  EXPECT_EQ(
+      models::generate(pre.model, pre.config, cache, std::vector<int64_t>(third.begin() + 3, third.end()), options),
+      models::generate(pre.model, pre.config, third, options));
+  EXPECT_THROW_WITH(cache.truncate(cache.length() + 1, pre.config), "is outside [0, ");
+  const std::vector<int64_t> none;
+  EXPECT_THROW_WITH(models::generate(pre.model, pre.config, cache, none, options), "no new tokens");
+}
+
+// A sliding layer keeps the last window - 1 keys only: it cannot go back once the window is full.
+TEST(GenerateTest, Truncate_RefusedWhereASlidingLayerDroppedTheKeys) {
+  torch::manual_seed(3);
+  models::Pretrained pre = models::build(models::parse_model_config(
+      R"({"model_type": "mistral", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 48,
+          "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "sliding_window": 4,
+          "max_position_embeddings": 64})"));
+  {
+    torch::NoGradGuard no_grad;
+    for (auto& p : pre.model->parameters()) p.normal_(0, 0.3);
+  }
+  models::KvCache cache(pre.config);
+  const std::vector<int64_t> prompt = {1, 2};
+  const std::vector<int64_t> out =
+      models::generate(pre.model, pre.config, cache, prompt, GenerateOptions().max_new_tokens(9));
+  ASSERT_EQ(cache.length(), 10);
+  EXPECT_FALSE(cache.truncate(9, pre.config));
+  EXPECT_EQ(cache.length(), 10) << "a refused truncate changes nothing";
+  EXPECT_TRUE(cache.truncate(10, pre.config));
+  // Before the window fills, going back works and continues exactly.
+  models::KvCache young(pre.config);
+  models::generate(pre.model, pre.config, young, prompt, GenerateOptions().max_new_tokens(2));  // holds 3
+  ASSERT_TRUE(young.truncate(1, pre.config));
+  const std::vector<int64_t> again = {1, 9, 9};
+  EXPECT_EQ(models::generate(pre.model, pre.config, young, std::vector<int64_t>(again.begin() + 1, again.end()),
+                             GenerateOptions().max_new_tokens(8)),
+            models::generate(pre.model, pre.config, again, GenerateOptions().max_new_tokens(8)));
+}
+
 TEST(GenerateTest, Sampling_SameSeedSameTokens) {
   models::Pretrained pre = tiny_llama();
   const std::vector<int64_t> prompt = {3, 14, 15, 9, 2};

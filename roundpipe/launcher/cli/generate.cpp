@@ -254,6 +254,45 @@ Answer answer(Session& s, const std::vector<int64_t>& prompt, const GenerateComm
   return std::move(answer_batch(s, {prompt}, options, seed, out).front());
 }
 
+// Note [Chat cache]: chat keeps the KV cache of the conversation between turns. Each turn's
+// prompt (the whole conversation rendered again) usually starts with the ids the cache holds; the
+// cache is truncated to the common prefix (at most the prompt minus one token, which must be fed)
+// and only the rest runs, so a turn costs its new tokens, not the whole conversation. Where the
+// template renders earlier turns differently (e.g. Qwen3 drops old reasoning) the common prefix is
+// shorter; where a sliding-window layer no longer holds what the prefix needs, it starts over.
+struct Conversation {
+  explicit Conversation(const models::ModelConfig& config) : cache(config) {}
+  void forget() {
+    cache.clear();
+    held.clear();
+  }
+  models::KvCache cache;
+  std::vector<int64_t> held;  // the ids whose keys and values the cache holds
+};
+
+Answer answer_cached(Session& s, Conversation& c, const std::vector<int64_t>& prompt,
+                     const GenerateCommandOptions& options, uint64_t seed, std::ostream& out) {
+  check_prompt(s, prompt);
+  const auto mismatch = std::mismatch(c.held.begin(), c.held.end(), prompt.begin(), prompt.end());
+  const auto common = std::min<int64_t>(mismatch.first - c.held.begin(), static_cast<int64_t>(prompt.size()) - 1);
+  if (!c.cache.truncate(common, s.pre.config)) c.forget();
+  const int64_t kept = c.cache.length();
+  c.held.resize(static_cast<size_t>(kept));
+  const std::vector<int64_t> rest(prompt.begin() + kept, prompt.end());
+  const std::vector<int64_t>& stops = s.stop_ids;
+  TextStream stream(*s.tokenizer, out);
+  Answer a;
+  a.ids = models::generate(s.pre.model, s.pre.config, c.cache, rest, generate_options(s, options, seed),
+                           [&](int64_t token) {
+                             if (std::find(stops.begin(), stops.end(), token) == stops.end()) stream.add(token);
+                           });
+  stream.finish();
+  a.text = s.tokenizer->decode(stream.ids());
+  c.held.insert(c.held.end(), rest.begin(), rest.end());
+  c.held.insert(c.held.end(), a.ids.begin(), a.ids.end() - 1);  // the last one was never fed
+  return a;
+}
+
 void print_ids(const std::vector<int64_t>& ids, std::ostream& out) {
   out << "ids:";
   for (int64_t id : ids) out << " " << id;
@@ -302,6 +341,7 @@ void run_chat(const LauncherConfig& config, const GenerateCommandOptions& option
   Session s = open_session(config, options, /*needs_template=*/true);
   const bool interactive = ::isatty(STDIN_FILENO) != 0;
   nlohmann::ordered_json messages = nlohmann::ordered_json::array();
+  Conversation conversation(s.pre.config);
   uint64_t turn = 0;
   std::string line;
   for (;;) {
@@ -310,6 +350,7 @@ void run_chat(const LauncherConfig& config, const GenerateCommandOptions& option
     if (line == "/exit") break;
     if (line == "/reset") {
       messages = nlohmann::ordered_json::array();
+      conversation.forget();
       out << "(conversation reset)\n";
       continue;
     }
@@ -325,7 +366,9 @@ void run_chat(const LauncherConfig& config, const GenerateCommandOptions& option
           << s.pre.config.max_position_embeddings << ": /reset to start a new one)\n";
       continue;
     }
-    const Answer a = answer(s, ids, options, options.seed + turn++, out);
+    const Answer a = s.pipe ? answer(s, ids, options, options.seed + turn, out)
+                            : answer_cached(s, conversation, ids, options, options.seed + turn, out);
+    ++turn;
     out << "\n";
     if (options.print_ids) print_ids(a.ids, out);
     messages.push_back({{"role", "assistant"}, {"content", a.text}});
