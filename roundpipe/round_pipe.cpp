@@ -93,7 +93,7 @@ struct RunTail {
     PendingGradSync pending(sync);
     if (const std::exception_ptr error = detail::finish_backward(*ctx, *jobs)) {
       if (flags_announced_to != nullptr) {
-        amp::detail::GradScalerAccess::drop_run(*flags_announced_to, ctx->scaler_generation.load(), ctx->flag_batch);
+        ctx->scaler_link.drop_announced_flags(*flags_announced_to);
       }
       std::rethrow_exception(error);
     }
@@ -462,7 +462,7 @@ torch::Tensor RoundPipe::forward_backward(const std::vector<torch::Tensor>& inpu
   auto run_ctx = std::make_shared<detail::RunContext>();  // owned by the run's tail from dispatch on
   detail::RunContext& ctx = *run_ctx;
   ctx.loss_fn = &loss_fn;  // called by the fused job only, which finishes before this returns
-  ctx.flag_batch = next_flag_batch.fetch_add(1);
+  ctx.scaler_link.set_flag_batch(next_flag_batch.fetch_add(1));
   const int64_t steps_before = m.steps->steps();
   const bool measure = m.options.measure_layer_times() && m.planner->wants_measurement();
   PendingGradSync sync = m.begin_grad_sync(ctx);  // abandoned if this call fails
@@ -484,7 +484,7 @@ torch::Tensor RoundPipe::forward_backward(const std::vector<torch::Tensor>& inpu
   // A layer of a backward stage that drew random numbers in its forward is recomputed with its
   // device's default generator reseeded (Note [Layer RNG]): not while the caller may draw from it.
   for (int64_t i = 0; detached && i < fused_begin * cfg.num_microbatch; ++i) detached = !ctx.rng_used[i].load();
-  amp::GradScaler* scaler = ctx.scaler.load();
+  amp::GradScaler* scaler = ctx.scaler_link.scaler();
   torch::Tensor total = ctx.losses[0].clone();
   for (int64_t j = 1; j < cfg.num_microbatch; ++j) total.add_(ctx.losses[j]);
   RunTail tail{run_ctx, jobs, steps, &m.layer_set, steps_before};
@@ -492,7 +492,7 @@ torch::Tensor RoundPipe::forward_backward(const std::vector<torch::Tensor>& inpu
     // The scaler expects a flag per backward stage; a failed tail drops them.
     const bool flags = scaler != nullptr && scaler->is_enabled();
     const int64_t expected_flags = flags ? static_cast<int64_t>(plan.backward_stages().size()) : 0;
-    if (scaler != nullptr) steps->attach_scaler(*scaler, ctx.scaler_generation.load(), ctx.flag_batch, expected_flags);
+    if (scaler != nullptr) steps->attach_scaler(*scaler, ctx.scaler_link, expected_flags);
     if (expected_flags > 0) tail.flags_announced_to = scaler;
     steps->post_tail(tail, /*detached=*/true);
     return total;
@@ -500,7 +500,7 @@ torch::Tensor RoundPipe::forward_backward(const std::vector<torch::Tensor>& inpu
   tail.sync = sync.release();
   steps->post_tail(tail, /*detached=*/false).get();
   const int64_t flags_posted = m.combine_found_inf(ctx, scaler);
-  if (scaler != nullptr) steps->attach_scaler(*scaler, ctx.scaler_generation.load(), ctx.flag_batch, flags_posted);
+  if (scaler != nullptr) steps->attach_scaler(*scaler, ctx.scaler_link, flags_posted);
   if (!ctx.forward_ms.empty()) {
     const std::string plans = m.planner->use_measured_times(ctx.forward_ms, ctx.backward_stage_ms, cfg.num_microbatch);
     ROUNDPIPE_LOG(*m.log, kInfo, "RoundPipe '", m.options.name(), "': plan from measured layer times: ", plans);
@@ -516,7 +516,7 @@ PendingGradSync RoundPipe::Impl::begin_grad_sync(detail::RunContext& ctx) {
   steps->wait_tails();
   sync->begin(&ctx.grads);
   ctx.on_grads_ready = [sync](int64_t begin, int64_t end) { sync->layers_ready(begin, end); };
-  ctx.defer_found_inf = true;
+  ctx.scaler_link.defer_flags();
   return PendingGradSync(sync);
 }
 
@@ -542,12 +542,12 @@ void RoundPipe::Impl::fail_run(const std::shared_ptr<detail::RunContext>& ctx,
 // before the average. They are combined here (max over the ranks, one flag), so every rank skips
 // the same steps and keeps the same scale, exactly as one process with the whole batch would.
 int64_t RoundPipe::Impl::combine_found_inf(detail::RunContext& ctx, amp::GradScaler* scaler) {
-  if (grad_sync == nullptr || scaler == nullptr || !scaler->is_enabled()) return ctx.flags_posted.load();
-  at::Tensor found = ctx.found_inf_sum.defined() ? ctx.found_inf_sum.to(at::kFloat).reshape({1}).contiguous()
-                                                 : at::zeros({1}, at::kFloat);
+  if (grad_sync == nullptr || scaler == nullptr || !scaler->is_enabled()) return ctx.scaler_link.flags_posted();
+  const at::Tensor deferred = ctx.scaler_link.deferred_found_inf();
+  at::Tensor found =
+      deferred.defined() ? deferred.to(at::kFloat).reshape({1}).contiguous() : at::zeros({1}, at::kFloat);
   grad_sync->group().all_reduce(found, comm::ReduceOp::kMax).wait();
-  amp::detail::GradScalerAccess::post_found_inf(*scaler, ctx.scaler_generation.load(), ctx.flag_batch,
-                                                found.reshape({}));
+  ctx.scaler_link.post_combined(found.reshape({}));
   return 1;
 }
 

@@ -392,23 +392,13 @@ std::vector<at::Tensor> param_grads(const RunContext& ctx, int64_t l, ShellLease
   return io.download(grads, ctx.model->grad_buffers.get());
 }
 
-// Records which GradScaler the loss_fn used (Note [Cross-thread GradScaler]). Runs on the fused
-// job's thread, the only one that calls loss_fn.
+// Records which GradScaler the loss_fn used (Note [Run scaler link] in scaler_link.h). Runs on the
+// fused job's thread, the only one that calls loss_fn.
 class RunScaleObserver final : public amp::detail::ScaleObserver {
  public:
   explicit RunScaleObserver(RunContext& ctx) : ctx_(ctx) {}
   void on_scale(amp::GradScaler& scaler, int64_t generation) override {
-    amp::GradScaler* seen = ctx_.scaler.load();
-    if (seen == nullptr) {
-      ctx_.scaler_generation.store(generation);
-      ctx_.scaler.store(&scaler);
-      return;
-    }
-    TORCH_CHECK(seen == &scaler, "loss_fn scaled losses with two different GradScalers in one forward_backward; ",
-                "use one GradScaler per RoundPipe");
-    TORCH_CHECK(ctx_.scaler_generation.load() == generation,
-                "GradScaler::update() ran while forward_backward was scaling losses; call update() after ",
-                "forward_backward returns");
+    ctx_.scaler_link.observe_scale(scaler, generation);
   }
 
  private:
@@ -418,7 +408,7 @@ class RunScaleObserver final : public amp::detail::ScaleObserver {
 // After a backward or fused job's last microbatch: checks its layers' parameter gradients for
 // inf/NaN on the device (no host sync) and posts the flag to the run's GradScaler, if any.
 void post_found_inf(RunContext& ctx, LayerLeases& leases, const c10::Device& device) {
-  amp::GradScaler* scaler = ctx.scaler.load();
+  amp::GradScaler* scaler = ctx.scaler_link.scaler();
   if (scaler == nullptr || !scaler->is_enabled()) return;
   std::vector<at::Tensor> grads;
   for (auto& shell : leases.all()) {
@@ -430,14 +420,7 @@ void post_found_inf(RunContext& ctx, LayerLeases& leases, const c10::Device& dev
   auto per_device = amp::detail::non_finite_check_and_unscale(grads, one, /*allow_fp16=*/true);
   at::Tensor found_inf = at::zeros({}, at::TensorOptions().dtype(at::kFloat).device(device));
   for (const auto& entry : per_device) found_inf.add_(entry.second.to(device));
-  if (ctx.defer_found_inf) {
-    at::Tensor host = found_inf.to(c10::kCPU);
-    std::lock_guard<std::mutex> lock(ctx.found_inf_mutex);
-    ctx.found_inf_sum = ctx.found_inf_sum.defined() ? ctx.found_inf_sum + host : host;
-    return;
-  }
-  amp::detail::GradScalerAccess::post_found_inf(*scaler, ctx.scaler_generation.load(), ctx.flag_batch, found_inf);
-  ctx.flags_posted.fetch_add(1);
+  ctx.scaler_link.post_found_inf(found_inf);
 }
 
 // When a backward or fused job tells the step that the run's last reader of its layers has its

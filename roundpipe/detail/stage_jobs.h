@@ -18,15 +18,12 @@
 #include "roundpipe/detail/device_io.h"
 #include "roundpipe/detail/layer_call.h"
 #include "roundpipe/detail/layer_shells.h"
+#include "roundpipe/detail/scaler_link.h"
 #include "roundpipe/loss_fn.h"
 #include "roundpipe/recompute_data.h"
 #include "roundpipe/run_config.h"
 #include "roundpipe/side_inputs.h"
 #include "scheduler/execute_plan.h"
-
-namespace roundpipe::amp {
-class GradScaler;
-}  // namespace roundpipe::amp
 
 namespace roundpipe::detail {
 
@@ -83,9 +80,12 @@ struct LayerSet {
   std::shared_ptr<HostBufferPool> grad_buffers;
 };
 
-/// State of one forward_backward / forward call. Channels synchronize the jobs; each result slot
-/// is written by exactly one job and read by the caller after every job has finished.
-struct RunContext {
+/// Note [Run context parts]: the state of one forward_backward / forward call, in five parts, each
+/// with one synchronization rule; RunContext is all of them (jobs take RunContext&).
+///
+/// RunSettings: written by the caller while it prepares the run, before any of its jobs is
+/// posted; read-only afterwards (every job reads it without synchronization).
+struct RunSettings {
   const LayerSet* model = nullptr;
   std::string model_name;
   int64_t num_layers = 0;
@@ -98,73 +98,78 @@ struct RunContext {
   std::vector<Activations> inputs;  // [mb]
   std::vector<at::Tensor> labels;   // [mb]
   /// [mb] the rows of the caller's side inputs (Note [Side inputs] in stage_jobs.cpp); empty when
-  /// the call has none. Written by the caller before the jobs are posted, then read-only.
+  /// the call has none.
   std::vector<SideInputs> side_inputs;
+  /// Called by the fused job only (which finishes before the call returns).
   const LossFn* loss_fn = nullptr;
   /// RoundPipeOptions::label_to_last_layer: the last layer is called with labels[mb] appended.
   bool label_to_last_layer = false;
   /// [layer][position in layers[l]->parameters()]: the parameters CPU devices' layer shells share
   /// with the layer instead of copying them (Note [Shared host parameters] in device_io.cpp);
-  /// empty: copy every parameter. Written by the caller before the jobs are posted, then read-only.
+  /// empty: copy every parameter.
   std::vector<std::vector<bool>> cpu_shared_parameters;
   c10::Device output_device = c10::kCPU;
   /// The caller's autocast state (CPU and CUDA), applied on the worker threads for every job.
   amp::AutocastState autocast;
+};
+
+/// RunHooks: set by the caller before the jobs are posted, called by the jobs from their worker
+/// threads; each hook is thread-safe on its own. Any may be empty.
+struct RunHooks {
   /// Called by a stage job before it copies layer `l`: blocks until the layer's compute copy
-  /// holds the parameters this iteration must use (Note [Async step protocol]). May be empty.
+  /// holds the parameters this iteration must use (Note [Async step protocol]).
   std::function<void(int64_t)> wait_layer_ready;
-  /// The GradScaler the loss_fn scaled with, if any (Note [Cross-thread GradScaler]): set by the
-  /// fused job at the first scale() call, with the scaler's update generation; read by every
-  /// backward job after it received gradients that depend on that call. Each backward or fused
-  /// job then posts one found_inf flag tagged (scaler_generation, flag_batch), counted in
-  /// `flags_posted`.
-  /// When non-empty: [layer] milliseconds of the layer's forward summed over microbatches, timed
-  /// in its forward or fused job (the one job that runs the layer's first pass) and read by the
-  /// caller after every job has finished.
-  std::vector<double> forward_ms;
-  /// When non-empty (measuring, with forward_ms): [backward stage] milliseconds of the stage's
-  /// passes summed over microbatches: recompute + backward for a backward stage, forward + loss +
-  /// backward for the fused tail (stage 0). Each slot is written by its job and read by the caller
-  /// after every job has finished.
-  std::vector<double> backward_stage_ms;
-  std::atomic<amp::GradScaler*> scaler{nullptr};
-  std::atomic<int64_t> scaler_generation{0};
-  std::atomic<int64_t> flags_posted{0};
-  uint64_t flag_batch = 0;
   /// Data parallelism (Note [Gradient buckets]): called by a backward or fused job once layers
-  /// [begin, end) have their final gradients in `grads`. May be empty.
+  /// [begin, end) have their final gradients in `grads`.
   std::function<void(int64_t, int64_t)> on_grads_ready;
-  /// Data parallelism (Note [found_inf across ranks] in round_pipe.cpp): jobs add their found_inf
-  /// into `found_inf_sum` (guarded by `found_inf_mutex`) instead of posting it to the scaler.
-  bool defer_found_inf = false;
-  std::mutex found_inf_mutex;
-  at::Tensor found_inf_sum;
-
   /// Training runs with overlap (Note [Run tails] in step_pipeline.cpp): called once per layer
-  /// (through release_layers) when the run's last reader of the layer has its copy. May be empty.
+  /// (through release_layers) when the run's last reader of the layer has its copy.
   std::function<void(int64_t)> on_release;
-  std::unique_ptr<std::atomic<bool>[]> released;  // [layer], with on_release
-  /// Training runs: [layer * num_microbatch + mb] whether the layer's first pass drew random
-  /// numbers on the microbatch (Note [Draws in the tail] in stage_jobs.cpp).
-  std::unique_ptr<std::atomic<bool>[]> rng_used;
-  /// Training runs: [layer] a shell leased by the caller for the backward stage of the layer, so
-  /// that no backward job clones a layer (which draws from the CPU generator) in the background.
-  /// Taken by that job (moved out); the rest are released with the context.
-  std::vector<std::optional<ShellLease>> preleased;
-  /// Training runs: [layer * num_microbatch + mb] what the layer's forward-stage pass on the
-  /// microbatch saved for its recompute (Note [Recompute data] in roundpipe/recompute_data.h):
-  /// written by the forward job, then read and cleared by the backward job that recomputes it.
-  std::vector<RecomputeSlot> recompute_slots;
+  std::unique_ptr<std::atomic<bool>[]> released;  // [layer], with on_release: exchanged once per layer
+};
 
+/// RunChannels: hand-overs between the jobs, each value written once by one job and read by the
+/// jobs after it (Channel's promise, or an atomic flag). Sized by the caller before posting.
+struct RunChannels {
   std::vector<std::vector<ChannelPtr>> fwd_out;   // [forward stage][mb]
   std::vector<std::vector<ChannelPtr>> saved;     // [layer][mb]; empty when not kept
   std::vector<ChannelPtr> buffer_snapshot;        // [layer]; null when not needed
   std::vector<std::vector<ChannelPtr>> bwd_grad;  // [backward stage][mb]
+  /// Training runs: [layer * num_microbatch + mb] what the layer's forward-stage pass on the
+  /// microbatch saved for its recompute (Note [Recompute data] in roundpipe/recompute_data.h):
+  /// written by the forward job, then read and cleared by the backward job that recomputes it
+  /// (after the backward gradient channel that orders them).
+  std::vector<RecomputeSlot> recompute_slots;
+  /// Training runs: [layer * num_microbatch + mb] whether the layer's first pass drew random
+  /// numbers on the microbatch (Note [Draws in the tail] in stage_jobs.cpp): set by that pass
+  /// before its output goes downstream, read by the recompute and by the caller.
+  std::unique_ptr<std::atomic<bool>[]> rng_used;
+  /// Training runs: [layer] a shell leased by the caller for the backward stage of the layer, so
+  /// that no backward job clones a layer (which draws from the CPU generator) in the background.
+  /// Filled before posting; taken (moved out) by that one job; the rest released with the context.
+  std::vector<std::optional<ShellLease>> preleased;
+};
 
+/// RunResults: each slot written by exactly one job, read by the caller after every job that
+/// writes it has finished.
+struct RunResults {
   std::vector<at::Tensor> losses;                // [mb]                 fused job
   std::vector<Activations> outputs;              // [mb]                 last forward job (inference)
   std::vector<std::vector<at::Tensor>> grads;    // [layer][u] (uses[l]) job running its backward
   std::vector<std::vector<at::Tensor>> buffers;  // [layer][buffer]      job running its forward
+  /// When non-empty: [layer] milliseconds of the layer's forward summed over microbatches, timed
+  /// in its forward or fused job (the one job that runs the layer's first pass).
+  std::vector<double> forward_ms;
+  /// When non-empty (measuring, with forward_ms): [backward stage] milliseconds of the stage's
+  /// passes summed over microbatches: recompute + backward for a backward stage, forward + loss +
+  /// backward for the fused tail (stage 0).
+  std::vector<double> backward_stage_ms;
+};
+
+/// One call's state: its settings, hooks, channels and results, and the GradScaler hand-off
+/// (Note [Run scaler link] in scaler_link.h).
+struct RunContext : RunSettings, RunHooks, RunChannels, RunResults {
+  ScalerLink scaler_link;
 };
 
 /// Calls ctx.on_release for each layer of [begin, end) not released yet (any thread).

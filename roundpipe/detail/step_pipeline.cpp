@@ -328,10 +328,9 @@ DeviceWorker& StepPipeline::optimizer_thread() {
   return *optimizer_thread_;
 }
 
-void StepPipeline::attach_scaler(amp::GradScaler& scaler, int64_t generation, uint64_t flag_batch,
-                                 int64_t flags_posted) {
+void StepPipeline::attach_scaler(amp::GradScaler& scaler, const ScalerLink& link, int64_t flags) {
   using amp::detail::GradScalerAccess;
-  GradScalerAccess::expect_found_inf(scaler, generation, flag_batch, flags_posted);
+  link.announce_flags(scaler, flags);
   if (&scaler != scaler_) {
     scaler_ = &scaler;
     scaler_executor_ = std::make_shared<const amp::detail::Executor>(

@@ -101,9 +101,10 @@ class StepPipeline {
   /// copies' .grad, each layer once step `steps_before` has taken the previous ones.
   void accept_grads(const LayerSet& layers, std::vector<std::vector<at::Tensor>>& grads, int64_t steps_before);
 
-  /// After a successful run whose loss_fn used `scaler`: announces the flags its jobs posted,
-  /// snapshots the iteration's scale for its step, and (re)installs the executor.
-  void attach_scaler(amp::GradScaler& scaler, int64_t generation, uint64_t flag_batch, int64_t flags_posted);
+  /// After a successful run whose loss_fn used `scaler` (link.scaler()): announces the `flags`
+  /// its jobs post (Note [Run scaler link]), snapshots the iteration's scale for its step, and
+  /// (re)installs the executor.
+  void attach_scaler(amp::GradScaler& scaler, const ScalerLink& link, int64_t flags);
 
  private:
   void wait_counter(const std::vector<int64_t>& counter, int64_t l, int64_t target);
