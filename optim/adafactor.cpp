@@ -36,6 +36,9 @@ void check_options(const AdafactorOptions& o, const std::string& where) {
 // g^2) is taken in double over blocks of fixed size, the blocks' partial sums added in block order;
 // threads take whole blocks. So a step's result does not depend on the thread count, and the sums
 // are at least as exact as torch's float reductions (the test's tolerance covers the difference).
+// Within a run of elements the squares go into kLanes interleaved partial sums, combined in lane
+// order (sum_squares): one serial chain of double additions per element was the step's bottleneck
+// (a 4-cycle latency each, and no vectorizing a strictly ordered sum); the lanes vectorize.
 constexpr int64_t kBlockElements = 16 * 1024;
 constexpr int64_t kColumnBlock = 256;
 // Elements per thread below which another thread does not pay (as detail::run_split).
@@ -53,6 +56,69 @@ void for_blocks(int64_t blocks, int64_t elements, int64_t requested, const Fn& f
   detail::run_tasks(tasks, [&](int64_t task) {
     for (int64_t b = blocks * task / tasks; b < blocks * (task + 1) / tasks; ++b) fn(b);
   });
+}
+
+// Note [Adafactor clones]: the per-element loops (the factored update's division and square root,
+// the squared sums) are compiled three times by GCC's target_clones, for AVX-512, AVX2 and the
+// baseline, and the loader picks one for the CPU (an ifunc). Each operation is an IEEE operation
+// in every version (-ffp-contract=off: no fused multiply-add), so the results are bitwise the same
+// on every CPU; only the vector width changes. Sanitizer builds compile one version (an ifunc
+// resolver runs before the sanitizer's runtime is set up).
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+#define ROUNDPIPE_ADAFACTOR_CLONES
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer) || __has_feature(undefined_behavior_sanitizer)
+#define ROUNDPIPE_ADAFACTOR_CLONES
+#endif
+#endif
+#ifndef ROUNDPIPE_ADAFACTOR_CLONES
+#define ROUNDPIPE_ADAFACTOR_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#endif
+
+constexpr int64_t kLanes = 8;
+// Columns of a row whose updates are computed into a stack buffer at a time (update_squared_norm).
+constexpr int64_t kUpdateChunk = 1024;
+
+// sum of double(x[i])^2 over i < n: element i goes into lane i % kLanes (the tail after the last
+// full group into a sum of its own), the lanes then added in order; the same for any caller.
+ROUNDPIPE_ADAFACTOR_CLONES double sum_squares(const float* x, int64_t n) {
+  double lanes[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    for (int64_t j = 0; j < kLanes; ++j) lanes[j] += double(x[i + j]) * x[i + j];
+  }
+  double tail = 0;
+  for (; i < n; ++i) tail += double(x[i]) * x[i];
+  double s = 0;
+  for (const double lane : lanes) s += lane;
+  return s + tail;
+}
+
+// s[c] += double(x[c])^2 for c < n (a row's slice of the column sums).
+ROUNDPIPE_ADAFACTOR_CLONES void add_squares(const float* x, double* s, int64_t n) {
+  for (int64_t c = 0; c < n; ++c) s[c] += double(x[c]) * x[c];
+}
+
+// The factored update of one row's columns: u[c] = g[c] / sqrt(max(rv * cv[c] / mean, eps1^2)),
+// rounded op for op as torch (the outer product, the division, the clamp, rsqrt as 1 / sqrt).
+ROUNDPIPE_ADAFACTOR_CLONES void factored_updates(const float* g, const float* cv, float rv, float mean,
+                                                 float eps1_squared, float* u, int64_t n) {
+  for (int64_t c = 0; c < n; ++c) {
+    const float v = rv * cv[c] / mean;
+    u[c] = g[c] * (1.0f / std::sqrt(std::max(v, eps1_squared)));
+  }
+}
+
+// p[c] = p[c] * decay (when it decays) + neg_scale * the factored update, for one row's columns.
+ROUNDPIPE_ADAFACTOR_CLONES void apply_factored(float* p, const float* g, const float* cv, float rv, float mean,
+                                               float eps1_squared, bool decays, float decay, float neg_scale,
+                                               int64_t n) {
+  for (int64_t c = 0; c < n; ++c) {
+    const float v = rv * cv[c] / mean;
+    const float u = g[c] * (1.0f / std::sqrt(std::max(v, eps1_squared)));
+    const float kept = decays ? p[c] * decay : p[c];
+    p[c] = kept + neg_scale * u;
+  }
 }
 
 double sum_in_order(const std::vector<double>& partials) {
@@ -80,9 +146,8 @@ double squared_norm(const float* p, int64_t n, int64_t threads) {
   const int64_t blocks = (n + kBlockElements - 1) / kBlockElements;
   std::vector<double> partial(blocks, 0.0);
   for_blocks(blocks, n, threads, [&](int64_t b) {
-    double s = 0;
-    for (int64_t i = b * kBlockElements; i < std::min(n, (b + 1) * kBlockElements); ++i) s += double(p[i]) * p[i];
-    partial[b] = s;
+    const int64_t lo = b * kBlockElements;
+    partial[b] = sum_squares(p + lo, std::min(n, lo + kBlockElements) - lo);
   });
   return sum_in_order(partial);
 }
@@ -117,11 +182,16 @@ void step_vector(float* p, const float* g, float* variance, int64_t n, const Ste
   const int64_t blocks = (n + kBlockElements - 1) / kBlockElements;
   std::vector<double> partial(blocks, 0.0);
   for_blocks(blocks, n, threads, [&](int64_t b) {
+    float u[kUpdateChunk];
     double s = 0;
-    for (int64_t i = b * kBlockElements; i < std::min(n, (b + 1) * kBlockElements); ++i) {
-      variance[i] = lerp(variance[i], g[i] * g[i], sc.beta2_weight);
-      const float u = update(i);
-      s += double(u) * u;
+    const int64_t end = std::min(n, (b + 1) * kBlockElements);
+    for (int64_t lo = b * kBlockElements; lo < end; lo += kUpdateChunk) {
+      const int64_t hi = std::min(end, lo + kUpdateChunk);
+      for (int64_t i = lo; i < hi; ++i) {
+        variance[i] = lerp(variance[i], g[i] * g[i], sc.beta2_weight);
+        u[i - lo] = update(i);
+      }
+      s += sum_squares(u, hi - lo);
     }
     partial[b] = s;
   });
@@ -160,30 +230,14 @@ class FactoredStep {
     const float neg_scale = step_scale(alpha, update_sumsq, n_, sc_);
     for_blocks(row_blocks(), n_, threads_, [&](int64_t blk) {
       for (int64_t r = blk * rows_per_block_; r < std::min(total_rows(), (blk + 1) * rows_per_block_); ++r) {
-        float* p = p_ + r * cols_;
-        row_update(r, [&](int64_t c, float u) {
-          const float kept = sc_.decays ? p[c] * sc_.decay : p[c];
-          p[c] = kept + neg_scale * u;
-        });
+        const int64_t b = r / rows_;
+        apply_factored(p_ + r * cols_, g_ + r * cols_, col_var_ + b * cols_, row_var_[r], row_mean_[b],
+                       sc_.eps1_squared, sc_.decays, sc_.decay, neg_scale, cols_);
       }
     });
   }
 
  private:
-  // fn(c, u) for the update u of every element c of row `row` (counted over all batches): one
-  // loop over contiguous columns that the compiler vectorizes (no index arithmetic per element).
-  template <typename Fn>
-  void row_update(int64_t row, const Fn& fn) const {
-    const int64_t b = row / rows_;
-    const float rv = row_var_[row], mean = row_mean_[b];
-    const float* cv = col_var_ + b * cols_;
-    const float* g = g_ + row * cols_;
-    for (int64_t c = 0; c < cols_; ++c) {
-      const float v = rv * cv[c] / mean;
-      fn(c, g[c] * (1.0f / std::sqrt(std::max(v, sc_.eps1_squared))));
-    }
-  }
-
   int64_t total_rows() const { return batches_ * rows_; }
   int64_t row_blocks() const { return (total_rows() + rows_per_block_ - 1) / rows_per_block_; }
 
@@ -191,8 +245,7 @@ class FactoredStep {
   void update_row_var() {
     for_blocks(row_blocks(), n_, threads_, [&](int64_t blk) {
       for (int64_t r = blk * rows_per_block_; r < std::min(total_rows(), (blk + 1) * rows_per_block_); ++r) {
-        double s = 0;
-        for (const float* x = g_ + r * cols_; x < g_ + (r + 1) * cols_; ++x) s += double(*x) * *x;
+        const double s = sum_squares(g_ + r * cols_, cols_);
         row_var_[r] = lerp(row_var_[r], static_cast<float>(s / double(cols_)), sc_.beta2_weight);
       }
     });
@@ -205,10 +258,7 @@ class FactoredStep {
       const int64_t b = blk / col_blocks, c0 = (blk % col_blocks) * kColumnBlock;
       const int64_t c1 = std::min(cols_, c0 + kColumnBlock);
       double s[kColumnBlock] = {};
-      for (int64_t r = 0; r < rows_; ++r) {
-        const float* x = g_ + (b * rows_ + r) * cols_;
-        for (int64_t c = c0; c < c1; ++c) s[c - c0] += double(x[c]) * x[c];
-      }
+      for (int64_t r = 0; r < rows_; ++r) add_squares(g_ + (b * rows_ + r) * cols_ + c0, s, c1 - c0);
       for (int64_t c = c0; c < c1; ++c) {
         float& cv = col_var_[b * cols_ + c];
         cv = lerp(cv, static_cast<float>(s[c - c0] / double(rows_)), sc_.beta2_weight);
@@ -219,9 +269,18 @@ class FactoredStep {
   double update_squared_norm() const {
     std::vector<double> partial(row_blocks(), 0.0);
     for_blocks(row_blocks(), n_, threads_, [&](int64_t blk) {
+      // The updates of up to kUpdateChunk columns at a time into a buffer (a vectorized loop), then
+      // their squares summed by lanes.
+      float u[kUpdateChunk];
       double s = 0;
       for (int64_t r = blk * rows_per_block_; r < std::min(total_rows(), (blk + 1) * rows_per_block_); ++r) {
-        row_update(r, [&](int64_t, float u) { s += double(u) * u; });
+        const int64_t b = r / rows_;
+        for (int64_t c0 = 0; c0 < cols_; c0 += kUpdateChunk) {
+          const int64_t c1 = std::min(cols_, c0 + kUpdateChunk);
+          factored_updates(g_ + r * cols_ + c0, col_var_ + b * cols_ + c0, row_var_[r], row_mean_[b], sc_.eps1_squared,
+                           u, c1 - c0);
+          s += sum_squares(u, c1 - c0);
+        }
       }
       partial[blk] = s;
     });
