@@ -44,28 +44,38 @@ class EvalModeGuard {
 
 constexpr double kMinusInfinity = -std::numeric_limits<double>::infinity();
 
+// Checks one prompt as generate_batch documents: `tokens` after `held` tokens already in a cache
+// (0 for a prompt of its own); `which` names it in a batch.
+void check_prompt(const ModelConfig& config, const std::vector<int64_t>& tokens, int64_t held,
+                  const std::string& which) {
+  const int64_t length = held + static_cast<int64_t>(tokens.size());
+  TORCH_CHECK(length > 0, "generate: the prompt", which, " is empty (give at least one token)");
+  TORCH_CHECK(length < config.max_position_embeddings, "generate: the prompt", which, " has ", length,
+              " tokens but the model's max_position_embeddings is ", config.max_position_embeddings, ": at most ",
+              config.max_position_embeddings - 1, " prompt tokens leave room for a new one");
+  for (int64_t id : tokens) {
+    TORCH_CHECK(id >= 0 && id < config.vocab_size, "generate: prompt", which, " token id ", id,
+                " is outside [0, vocab_size = ", config.vocab_size, ")");
+  }
+}
+
 // Checks options and prompts as generate_batch documents; returns the longest prompt's length.
 int64_t check_prompts(const ModelConfig& config, const std::vector<std::vector<int64_t>>& prompts,
                       const GenerateOptions& options) {
   check_generate_options(options);
   TORCH_CHECK(!prompts.empty(), "generate: no prompts (give at least one)");
-  const auto rows = static_cast<int64_t>(prompts.size());
   int64_t longest = 0;
-  for (int64_t r = 0; r < rows; ++r) {
-    const std::vector<int64_t>& prompt = prompts[static_cast<size_t>(r)];
-    const std::string which = rows > 1 ? " (prompt " + std::to_string(r) + ")" : "";
-    const auto prompt_len = static_cast<int64_t>(prompt.size());
-    TORCH_CHECK(prompt_len > 0, "generate: the prompt", which, " is empty (give at least one token)");
-    TORCH_CHECK(prompt_len < config.max_position_embeddings, "generate: the prompt", which, " has ", prompt_len,
-                " tokens but the model's max_position_embeddings is ", config.max_position_embeddings, ": at most ",
-                config.max_position_embeddings - 1, " prompt tokens leave room for a new one");
-    for (int64_t id : prompt) {
-      TORCH_CHECK(id >= 0 && id < config.vocab_size, "generate: prompt", which, " token id ", id,
-                  " is outside [0, vocab_size = ", config.vocab_size, ")");
-    }
-    longest = std::max(longest, prompt_len);
+  for (size_t r = 0; r < prompts.size(); ++r) {
+    check_prompt(config, prompts[r], 0, prompts.size() > 1 ? " (prompt " + std::to_string(r) + ")" : "");
+    longest = std::max(longest, static_cast<int64_t>(prompts[r].size()));
   }
   return longest;
+}
+
+// generate()'s callback as a batch callback (its one row).
+BatchTokenCallback one_row(const TokenCallback& on_token) {
+  if (!on_token) return {};
+  return [&on_token](int64_t /*row*/, int64_t token) { on_token(token); };
 }
 
 // The pad token of left/right padding: the config's pad_token_id when it is a token, else 0.
@@ -237,7 +247,7 @@ std::vector<std::vector<int64_t>> decode(const torch::nn::Sequential& model, con
   std::vector<bool> done(static_cast<size_t>(rows), false);
   int64_t running = rows;
   while (running > 0) {
-    const at::Tensor logits = forward_cached(model, input, cache).to(at::kCPU);  // [B, 1, vocab]
+    const at::Tensor logits = forward_cached(model, input, cache);  // [B, 1, vocab], next_token reads it there
     for (int64_t r = 0; r < rows; ++r) {
       const auto i = static_cast<size_t>(r);
       if (done[i]) continue;
@@ -299,19 +309,17 @@ std::vector<int64_t> generate(const torch::nn::Sequential& model, const ModelCon
   TORCH_CHECK(cache.batch_size() <= 1 && !cache.layer(0).left_padding.defined(),
               "generate: continuing a cache takes a cache of one unpadded sequence (this one holds ",
               cache.batch_size(), " rows)");
-  const int64_t held = cache.length();
-  // The whole sequence's rules: its length is what the cache holds plus the new tokens.
-  std::vector<int64_t> whole(static_cast<size_t>(held), 0);
-  whole.insert(whole.end(), tokens.begin(), tokens.end());
   TORCH_CHECK(!tokens.empty(), "generate: no new tokens to feed the cache (give at least one)");
-  check_prompts(config, {whole}, options);
+  check_generate_options(options);
+  // The whole sequence's rules: its length is what the cache holds plus the new tokens.
+  const int64_t held = cache.length();
+  check_prompt(config, tokens, held, "");
   at::NoGradGuard no_grad;
   EvalModeGuard eval(model);
-  BatchTokenCallback each;
-  if (on_token) each = [&](int64_t /*row*/, int64_t token) { on_token(token); };
   const at::Tensor input =
       at::tensor(tokens, at::TensorOptions().dtype(at::kLong)).view({1, -1}).to(model_device(model));
-  return decode(model, config, cache, input, {whole.size()}, options, each).front();
+  return decode(model, config, cache, input, {static_cast<size_t>(held) + tokens.size()}, options, one_row(on_token))
+      .front();
 }
 
 std::vector<std::vector<int64_t>> generate_batch_streamed(RoundPipe& pipe, const ModelConfig& config,
@@ -372,9 +380,7 @@ std::vector<std::vector<int64_t>> generate_batch_streamed(RoundPipe& pipe, const
 std::vector<int64_t> generate(const torch::nn::Sequential& model, const ModelConfig& config,
                               const std::vector<int64_t>& prompt, const GenerateOptions& options,
                               const TokenCallback& on_token) {
-  BatchTokenCallback each;
-  if (on_token) each = [&](int64_t /*row*/, int64_t token) { on_token(token); };
-  return generate_batch(model, config, {prompt}, options, each).front();
+  return generate_batch(model, config, {prompt}, options, one_row(on_token)).front();
 }
 
 }  // namespace roundpipe::models

@@ -165,29 +165,25 @@ at::Tensor packed_side_input(const char* name, const at::Tensor& x, int64_t laye
 
 // Which of the keys at positions [k_start, k_start + K) the queries at positions
 // [q_start, q_start + Q) see: [Q, K] boolean, key j visible from query i iff i - window < j <= i.
+// With `left_padding` [B] defined, [B, 1, Q, K]: row b's padding keys (positions below
+// left_padding[b]) are not visible either (Note [Left-padded generation]).
+//
+// Note [Left-padded generation]: no query sees a row's padding keys. A padding query would then
+// see no key at all, and softmax over nothing is NaN, which a masked-out value still spreads
+// through the product (0 * NaN); so a padding query sees itself. transformers' sdpa path unmasks
+// such rows for the same reason. The rotary positions restart at 0 on each row's first real token
+// (AttentionImpl::project), as transformers derives them from the attention mask; rotary attention
+// depends only on q - k, so a shift changes the logits by rounding alone (the batched tests pass
+// without it; the mask is what they test).
 at::Tensor visible_keys(int64_t q_start, int64_t q_len, int64_t k_start, int64_t k_len, std::optional<int64_t> window,
-                        c10::Device device) {
+                        c10::Device device, const at::Tensor& left_padding = {}) {
   const auto positions = at::TensorOptions().dtype(at::kLong).device(device);
   const at::Tensor q_pos = at::arange(q_start, q_start + q_len, positions).unsqueeze(1);
   const at::Tensor k_pos = at::arange(k_start, k_start + k_len, positions).unsqueeze(0);
   at::Tensor allowed = k_pos.le(q_pos);
   if (window) allowed = allowed.logical_and(k_pos.gt(q_pos - *window));
-  return allowed;
-}
-
-// Note [Left-padded generation]: `allowed` [T, S] (visible_keys) narrowed per row of a
-// left-padded batch -> [B, 1, T, S]: no query sees row b's padding keys (cache indices below
-// left_padding[b]). A padding query would then see no key at all, and softmax over nothing is
-// NaN, which a masked-out value still spreads through the product (0 * NaN); so a padding query
-// sees itself. transformers' sdpa path unmasks such rows for the same reason. The rotary positions
-// restart at 0 on each row's first real token (AttentionImpl::project), as transformers derives
-// them from the attention mask; rotary attention depends only on q - k, so a shift changes the
-// logits by rounding alone (the batched tests pass without it; the mask is what they test).
-at::Tensor unpadded_keys(const at::Tensor& allowed, const at::Tensor& left_padding, int64_t q_start, int64_t k_start) {
-  const auto positions = at::TensorOptions().dtype(at::kLong).device(allowed.device());
-  const at::Tensor q_pos = at::arange(q_start, q_start + allowed.size(0), positions).unsqueeze(1);
-  const at::Tensor k_pos = at::arange(k_start, k_start + allowed.size(1), positions).unsqueeze(0);
-  const at::Tensor real_key = k_pos.ge(left_padding.unsqueeze(1)).unsqueeze(1);  // [B, 1, S]
+  if (!left_padding.defined()) return allowed;
+  const at::Tensor real_key = k_pos.ge(left_padding.unsqueeze(1)).unsqueeze(1);  // [B, 1, K]
   return allowed.unsqueeze(0).logical_and(real_key.logical_or(k_pos.eq(q_pos).unsqueeze(0))).unsqueeze(1);
 }
 
@@ -449,8 +445,7 @@ at::Tensor AttentionImpl::forward_cached(const at::Tensor& x, LayerKvCache& cach
       v = at::cat({cache.v, v}, 2);
     }
     const int64_t key_start = start + seq - k.size(2);
-    at::Tensor allowed = visible_keys(start, seq, key_start, k.size(2), window(), x.device());
-    if (pad.defined()) allowed = unpadded_keys(allowed, pad, start, key_start);
+    const at::Tensor allowed = visible_keys(start, seq, key_start, k.size(2), window(), x.device(), pad);
     const int64_t groups = config_.num_attention_heads / config_.num_key_value_heads;
     const at::Tensor keys = groups > 1 ? k.repeat_interleave(groups, 1) : k;
     const at::Tensor values = groups > 1 ? v.repeat_interleave(groups, 1) : v;

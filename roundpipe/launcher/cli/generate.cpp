@@ -70,6 +70,9 @@ struct Session {
   /// Set when generating through RoundPipe over run.devices (models::generate_batch_streamed);
   /// otherwise pre.model sits on the first device and generates with a KV cache.
   std::unique_ptr<RoundPipe> pipe;
+
+  /// Whether `token` ends an answer (it is not printed).
+  bool is_stop(int64_t token) const { return std::find(stop_ids.begin(), stop_ids.end(), token) != stop_ids.end(); }
 };
 
 // Streamed generation is chosen for a CUDA first device whose memory (run.device_memory_gib, else
@@ -85,16 +88,16 @@ int64_t parameter_bytes(const torch::nn::Module& model) {
 // Why the model must be streamed over the devices ("" when it fits the first one).
 std::string does_not_fit(const LauncherConfig& config, const torch::nn::Module& model, const c10::Device& device) {
   if (!device.is_cuda()) return "";
+  constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
   const int64_t memory = config.run.device_memory_gib
-                             ? static_cast<int64_t>(*config.run.device_memory_gib * double(int64_t{1} << 30))
+                             ? static_cast<int64_t>(*config.run.device_memory_gib * kGiB)
                              : cuda_device_memory_bytes(device.index() < 0 ? 0 : device.index());
   const int64_t bytes = parameter_bytes(model);
   if (memory <= 0 || static_cast<double>(bytes) <= kFitShare * static_cast<double>(memory)) return "";
   std::ostringstream why;
   why.precision(3);
-  why << "the model's " << static_cast<double>(bytes) / double(int64_t{1} << 30) << " GiB of parameters exceed "
-      << kFitShare * 100 << "% of " << device << "'s " << static_cast<double>(memory) / double(int64_t{1} << 30)
-      << " GiB";
+  why << "the model's " << static_cast<double>(bytes) / kGiB << " GiB of parameters exceed " << kFitShare * 100
+      << "% of " << device << "'s " << static_cast<double>(memory) / kGiB << " GiB";
   return why.str();
 }
 
@@ -218,17 +221,15 @@ models::GenerateOptions generate_options(const Session& s, const GenerateCommand
       .stop_token_ids(s.stop_ids);
 }
 
-// Answers `prompts` in one batch: prompt 0's answer streams to `out`; the others are returned
-// for the caller to print. Each answer's text is without its stop token.
+// Answers `prompts` (checked by the caller: check_prompt) in one batch: prompt 0's answer streams
+// to `out`; the others are returned for the caller to print. Each answer's text is without its
+// stop token.
 std::vector<Answer> answer_batch(Session& s, const std::vector<std::vector<int64_t>>& prompts,
                                  const GenerateCommandOptions& options, uint64_t seed, std::ostream& out) {
-  for (const std::vector<int64_t>& prompt : prompts) check_prompt(s, prompt);
-  const std::vector<int64_t>& stops = s.stop_ids;
-  auto is_stop = [&](int64_t token) { return std::find(stops.begin(), stops.end(), token) != stops.end(); };
   TextStream stream(*s.tokenizer, out);
   std::vector<std::vector<int64_t>> texts(prompts.size());
   auto on_token = [&](int64_t row, int64_t token) {
-    if (is_stop(token)) return;
+    if (s.is_stop(token)) return;
     if (row == 0) {
       stream.add(token);
     } else {
@@ -272,19 +273,17 @@ struct Conversation {
 
 Answer answer_cached(Session& s, Conversation& c, const std::vector<int64_t>& prompt,
                      const GenerateCommandOptions& options, uint64_t seed, std::ostream& out) {
-  check_prompt(s, prompt);
   const auto mismatch = std::mismatch(c.held.begin(), c.held.end(), prompt.begin(), prompt.end());
   const auto common = std::min<int64_t>(mismatch.first - c.held.begin(), static_cast<int64_t>(prompt.size()) - 1);
   if (!c.cache.truncate(common, s.pre.config)) c.forget();
   const int64_t kept = c.cache.length();
   c.held.resize(static_cast<size_t>(kept));
   const std::vector<int64_t> rest(prompt.begin() + kept, prompt.end());
-  const std::vector<int64_t>& stops = s.stop_ids;
   TextStream stream(*s.tokenizer, out);
   Answer a;
   a.ids = models::generate(s.pre.model, s.pre.config, c.cache, rest, generate_options(s, options, seed),
                            [&](int64_t token) {
-                             if (std::find(stops.begin(), stops.end(), token) == stops.end()) stream.add(token);
+                             if (!s.is_stop(token)) stream.add(token);
                            });
   stream.finish();
   a.text = s.tokenizer->decode(stream.ids());
