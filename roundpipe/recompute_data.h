@@ -27,14 +27,17 @@ namespace roundpipe {
 
 // Note [Recompute data]: RoundPipe runs every layer's forward on a microbatch once in a forward
 // stage (no autograd) and again, recomputed, in the backward stage that differentiates it;
-// layers of the fused tail run once. Inside a layer's forward called by RoundPipe:
-// - in a forward stage of a training call, save_for_recompute(key, tensors) keeps `tensors` for
-//   the recompute of this layer on this microbatch (this call only; freed when it is read, or
-//   with the call);
+// layers of the fused tail run once, except with the layer grain, where the tail runs its layers
+// but the last without autograd and recomputes them (docs/user-guide.md, "Recompute grains").
+// Inside a layer's forward called by RoundPipe:
+// - in a forward stage of a training call (or such a first pass of the fused tail),
+//   save_for_recompute(key, tensors) keeps `tensors` for the recompute of this layer on this
+//   microbatch (this call only; freed when it is read, or with the call);
 // - in that recompute, recompute_data(key) returns them, device tensors moved to the
 //   recompute's device (the forward and the recompute may run on different devices), CPU
 //   tensors as they are (host-side data such as counts stays host-side);
-// - everywhere else (the fused tail, inference, code outside RoundPipe) save_for_recompute does
+// - everywhere else (the fused tail's last layer, or all of it with the stage grain, inference,
+//   code outside RoundPipe) save_for_recompute does
 //   nothing and recompute_data returns nullopt, so a layer written this way also runs plainly.
 // The first pass happens-before its recompute through the stage hand-overs (the recompute needs
 // gradients that depend on the first pass's output), so no further synchronization is needed.

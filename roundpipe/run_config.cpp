@@ -18,6 +18,7 @@ int64_t default_num_microbatch(int64_t num_devices) { return num_devices + 1; }
 scheduler::SimulateOptions engine_simulate_options(RecomputeGrain grain, bool iterations_overlap) {
   return scheduler::SimulateOptions()
       .set_recompute_ahead(grain == RecomputeGrain::kStage)
+      .set_fused_recompute(grain == RecomputeGrain::kLayer)
       .set_overlap_backward_tail(iterations_overlap);
 }
 

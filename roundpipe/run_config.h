@@ -13,8 +13,9 @@ namespace roundpipe {
 
 /// How much of the forward pass a backward stage keeps and recomputes.
 /// kStage: only each backward stage's first input is kept; the stage is recomputed as a whole.
-/// kLayer: every layer's input is kept; layers are recomputed one at a time (lower peak memory,
-/// more transfers).
+/// kLayer: every layer's input is kept (in host memory); layers are recomputed one at a time, in
+/// the fused tail too, whose layers but the last then run twice (lower peak memory, more
+/// transfers; docs/user-guide.md, "Recompute grains").
 enum class RecomputeGrain { kStage, kLayer };
 
 /// kAsync: `step` queues the optimizer on a background thread and returns at once.

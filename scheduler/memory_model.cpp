@@ -40,8 +40,10 @@ namespace roundpipe::scheduler {
 //    per layer for Qwen3-1.7B in bf16) and docs/benchmarks.md's measured ~1,220 floats per token
 //    per layer for the 64-wide, 4-head/2-kv-head CPU model of longseq_bench.
 //    A stage keeps them for one microbatch at a time: with the stage grain a backward stage
-//    recomputes all its layers before its backward (sum over its layers); with the layer grain
-//    one layer at a time (the largest); the fused tail never recomputes (sum).
+//    recomputes all its layers before its backward (sum over its layers) and the fused tail
+//    does not recompute (sum); with the layer grain both go one layer at a time (the largest:
+//    the fused tail recomputes its layers but the last, Note [Fused tail recompute] in
+//    roundpipe/detail/stage_jobs.cpp), the layers' inputs waiting in host memory.
 //  - recompute: one layer's intermediates on top: in a forward stage the live tensors of the
 //    running layer (no autograd), in a backward stage the gradients of the layer being
 //    back-propagated; both bounded by that layer's saved activations (the largest of the stage).
@@ -66,6 +68,13 @@ namespace roundpipe::scheduler {
 //  - optimizer state: Adam/AdamW 2 m; int8 states 2 + 8 / 256 (one fp32 scale per 256 values
 //    per moment); Lion m; SGD with momentum m; SGD 0; Adafactor 4 (rows + cols) per matrix, 4
 //    per vector element (factored_state_bytes: the model's tensors, not a count per parameter);
+//  - saved inputs (saved_input_bytes): the layer inputs kept in host memory for the recomputes,
+//    t h s each (the first layer's: the token ids, 8 t): the input of every backward stage but
+//    the fused tail (with the layer grain, of every layer before the tail) for all M
+//    microbatches of the step (the forward runs ahead of the backward, so all may be waiting at
+//    once), and with the layer grain the fused tail's inputs of its layers but the first and the
+//    last, for one microbatch. At long sequences this is the term that grows: Qwen3-1.7B at 73K
+//    tokens, bf16, is 0.3 GB per kept input.
 //  - no allowance above the live sum: the launcher's allocator policy returns freed blocks to the
 //    OS and checkpoints stream the optimizer state (Note [Host allocator policy], Note [Checkpoint
 //    host memory]). Before them the peak came while the final checkpoint serialized the optimizer
@@ -298,7 +307,7 @@ std::vector<StageMemory> stage_memory(const ExecutePlan& plan, const Transformer
       max_saved = std::max(max_saved, layer.saved_per_token * t);
       if (backward) m.head += layer.head_bytes;
     }
-    if (backward) m.saved_activations = fused || !o.layer_recompute ? sum_saved : max_saved;
+    if (backward) m.saved_activations = o.layer_recompute ? max_saved : sum_saved;
     m.recompute = max_saved;
     m.boundary = o.inflight_microbatches * 2 * t * shape.hidden * o.dtype_bytes;
     return m;
@@ -384,7 +393,10 @@ bool memory_aware_plan(const TransformerShape& shape, const DeviceMemoryOptions&
   }
   std::vector<LayerCost> costs = size_based_costs(bytes, grads);
   // Additive per layer: weights (+ gradients + saved activations + the head); the rest of a
-  // stage's peak (one layer's recompute, the boundary tensors) comes off the budget.
+  // stage's peak (one layer's recompute, the boundary tensors) comes off the budget. With the
+  // layer grain a stage keeps one layer's activations, not their sum, but counting them per
+  // layer keeps the stages small at long sequences, where one layer a stage fits longest (the
+  // size-based partition packs layers by time within the budget, not by memory).
   for (size_t l = 0; l < costs.size(); ++l) {
     costs[l].backward_bytes = bytes[l] + grads[l] + layers[l].saved_per_token * t + layers[l].head_bytes;
   }
@@ -449,6 +461,27 @@ int64_t factored_state_bytes(const TransformerShape& shape) {
   return 4 * floats;
 }
 
+int64_t saved_input_bytes(const ExecutePlan& plan, const TransformerShape& shape, const DeviceMemoryOptions& o,
+                          int64_t num_microbatch) {
+  TORCH_CHECK(num_microbatch > 0, "saved_input_bytes: num_microbatch must be positive, got ", num_microbatch);
+  const int64_t t = o.tokens();
+  auto input_bytes = [&](int64_t l) { return l == 0 ? 8 * t : t * shape.hidden * o.dtype_bytes; };
+  const auto& backward = plan.backward_stages();
+  if (backward.empty()) return 0;
+  const LayerRange tail = backward.front();
+  int64_t per_microbatch = 0;
+  for (int64_t l = 0; l < tail.begin; ++l) {
+    bool kept = o.layer_recompute;
+    for (size_t i = 1; i < backward.size(); ++i) kept = kept || backward[i].begin == l;
+    if (kept) per_microbatch += input_bytes(l);
+  }
+  int64_t tail_kept = 0;
+  if (o.layer_recompute) {
+    for (int64_t l = tail.begin + 1; l + 1 < tail.end; ++l) tail_kept += input_bytes(l);
+  }
+  return per_microbatch * num_microbatch + tail_kept;
+}
+
 HostMemory host_memory(const ParameterCount& params, const HostMemoryOptions& o) {
   TORCH_CHECK(o.compute_bytes > 0 && o.master_bytes > 0, "host memory model: dtype bytes must be positive");
   TORCH_CHECK(!o.in_place_masters || (o.master_bytes == o.compute_bytes && !o.async_step),
@@ -479,6 +512,7 @@ HostMemory host_memory(const ParameterCount& params, const HostMemoryOptions& o)
   // Note [CPU devices' host memory]: during the forward stages the iteration's own gradients
   // (n * s) are not there yet.
   h.cpu_devices = std::max<int64_t>({0, o.cpu_device_bytes.backward, o.cpu_device_bytes.forward - n * s});
+  h.saved_inputs = o.saved_inputs;
   return h;
 }
 

@@ -156,6 +156,13 @@ enum class OptimizerStateKind {
 /// vector (norms, biases), as optim::Adafactor and torch.optim.Adafactor keep it.
 int64_t factored_state_bytes(const TransformerShape& shape);
 
+/// Host bytes of the layer inputs a training run of `plan` keeps for its recomputes (Note [Memory
+/// model], host): the input of every backward stage but the fused tail (with the layer grain,
+/// of every layer before the tail) for all `num_microbatch` microbatches, and with the layer
+/// grain the fused tail's kept inputs of one microbatch.
+int64_t saved_input_bytes(const ExecutePlan& plan, const TransformerShape& shape, const DeviceMemoryOptions& options,
+                          int64_t num_microbatch);
+
 struct HostMemoryOptions {
   int64_t compute_bytes = 2;  ///< model.dtype
   int64_t master_bytes = 4;   ///< model.master_dtype
@@ -171,6 +178,7 @@ struct HostMemoryOptions {
   /// cpu_device_bytes(); zero with GPUs.
   CpuDeviceBytes cpu_device_bytes;
   int64_t factored_state_bytes = 0;  ///< kFactored's optimizer state: factored_state_bytes(shape)
+  int64_t saved_inputs = 0;          ///< saved_input_bytes()
 };
 
 /// Predicted peak host bytes, by term (formulas in memory_model.cpp).
@@ -182,7 +190,9 @@ struct HostMemory {
   /// What the CPU devices add at the peak: the backward stages' bytes (the gradients are all
   /// counted), or the forward stages' less the iteration's gradients, which do not exist yet.
   int64_t cpu_devices = 0;
-  int64_t total() const { return compute_copies + masters + grads + optimizer_state + cpu_devices; }
+  /// The layer inputs kept for the recompute (saved_input_bytes()).
+  int64_t saved_inputs = 0;
+  int64_t total() const { return compute_copies + masters + grads + optimizer_state + cpu_devices + saved_inputs; }
 };
 HostMemory host_memory(const ParameterCount& params, const HostMemoryOptions& options);
 

@@ -22,7 +22,8 @@ namespace roundpipe::scheduler {
 //   tail and a backward stage, the sum of LayerCost::backward. `backward` is "recompute +
 //   backward", and the fused tail runs forward + backward without recompute: the same time when
 //   a recompute costs what the forward costs, which is how layer times are measured (the
-//   original's timer also books the fused pass as "fwd" and "re").
+//   original's timer also books the fused pass as "fwd" and "re"). With `fused_recompute` (the
+//   layer grain) the fused tail also recomputes its layers but the last: + their forward sum.
 // - Dependencies, per microbatch j, each plus `hop_latency`: forward stage s after forward
 //   stage s-1; the fused tail (or a train plan's first backward stage) after the last forward
 //   stage; backward stage i after backward stage i-1 (the fused tail is backward stage 0). The
@@ -129,7 +130,7 @@ void account(SimulationResult& result, double job_overhead) {
 SimulationResult simulate(const ExecutePlan& plan, RunType type, const std::vector<LayerCost>& costs,
                           int64_t num_devices, int64_t num_microbatch, const SimulateOptions& options) {
   check_inputs(plan, type, costs, num_devices, num_microbatch, options);
-  const detail::CostPrefix prefix(costs);
+  const detail::CostPrefix prefix(costs, options.fused_recompute);
   const auto jobs = detail::compile(plan, type, prefix);
   detail::PipelineModel model(type, num_devices, num_microbatch, options);
   SimulationResult result;
@@ -144,7 +145,7 @@ SteadyStateResult simulate_steady_state(const ExecutePlan& plan, RunType type, c
                                         int64_t num_devices, int64_t num_microbatch,
                                         const SimulateOptions& options) {
   check_inputs(plan, type, costs, num_devices, num_microbatch, options);
-  const detail::CostPrefix prefix(costs);
+  const detail::CostPrefix prefix(costs, options.fused_recompute);
   const auto jobs = detail::compile(plan, type, prefix);
   detail::PipelineModel model(type, num_devices, num_microbatch, options);
   SteadyStateResult result;

@@ -30,6 +30,10 @@ struct SimulateOptions {
   /// waits for the gradient only before the backward pass. Splits a backward stage's time into
   /// forward (recompute) and the rest.
   bool recompute_ahead = false;
+  /// true (the runtime with the layer recompute grain): the fused tail runs its layers but the
+  /// last once more, recomputed one at a time in its backward (docs/user-guide.md, "Recompute
+  /// grains"): its cost per microbatch is their forward sum more.
+  bool fused_recompute = false;
   /// 0 (the runtime today): a stage job runs all num_microbatch microbatches. n > 0: the
   /// iteration is dispatched in rounds of n microbatches, each round posting one job per stage
   /// (what the Python original's simulator does with n = the device count).
@@ -58,6 +62,7 @@ struct SimulateOptions {
   SimulateOptions& set_job_overhead(double v) { job_overhead = v; return *this; }
   SimulateOptions& set_hop_latency(double v) { hop_latency = v; return *this; }
   SimulateOptions& set_recompute_ahead(bool v) { recompute_ahead = v; return *this; }
+  SimulateOptions& set_fused_recompute(bool v) { fused_recompute = v; return *this; }
   SimulateOptions& set_round_size(int64_t v) { round_size = v; return *this; }
   SimulateOptions& set_step_time(double v) { step_time = v; return *this; }
   SimulateOptions& set_overlap_backward_tail(bool v) { overlap_backward_tail = v; return *this; }

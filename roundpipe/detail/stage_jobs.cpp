@@ -349,11 +349,22 @@ class StageTimer {
     start_ = std::chrono::steady_clock::now();
   }
   void stop() {
-    if (!on_) return;
+    pause();
+    on_ = false;
+  }
+  /// Stops counting until resume() (the fused tail's recomputes, Note [Fused tail recompute]).
+  void pause() {
+    if (!on_ || paused_) return;
     io_.synchronize();
     ctx_.backward_stage_ms[stage_] +=
         std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start_).count();
-    on_ = false;
+    paused_ = true;
+  }
+  void resume() {
+    if (!on_ || !paused_) return;
+    io_.synchronize();
+    start_ = std::chrono::steady_clock::now();
+    paused_ = false;
   }
 
  private:
@@ -361,6 +372,7 @@ class StageTimer {
   DeviceIo& io_;
   size_t stage_;
   bool on_;
+  bool paused_ = false;
   std::chrono::steady_clock::time_point start_;
 };
 
@@ -577,6 +589,12 @@ Activations layer_grain_backward(JobState& job, int64_t j, Activations grads) {
   return grads;
 }
 
+// Frees what layers r's first passes on microbatch j saved for their recompute, once it is done.
+void clear_recompute_slots(RunContext& ctx, scheduler::LayerRange r, int64_t j) {
+  if (ctx.recompute_slots.empty()) return;
+  for (int64_t l = r.begin; l < r.end; ++l) ctx.recompute_slots[static_cast<size_t>(l * ctx.num_microbatch + j)] = {};
+}
+
 // Backward stage `stage` on microbatch j: recompute and backward of its layers, timed when the
 // call measures. Returns the gradients of the stage's input.
 Activations backward_microbatch(JobState& job, size_t stage, int64_t j, bool ahead) {
@@ -589,6 +607,132 @@ Activations backward_microbatch(JobState& job, size_t stage, int64_t j, bool ahe
   StepLabel doing(job.pos, "backward");  // the timer's synchronization reports the backward's errors
   timer.stop();
   return grads;
+}
+
+// Note [Fused tail recompute]: with the layer grain the fused tail keeps, like a backward stage,
+// only its layers' inputs between a microbatch's forward and its backward. It runs its layers but
+// the last without autograd, keeping each one's input as a host copy (the first layer's input is
+// the stage input, which the tail keeps anyway as the leaves of its gradient), then the last
+// layer, the loss and their backward, then each earlier layer, last first: its recompute from the
+// kept input and its backward. At a long sequence the tail then holds one layer's intermediates
+// instead of the sum over its layers (Note [Memory model] in scheduler/memory_model.cpp), for
+// one more forward of those layers per microbatch (SimulateOptions::fused_recompute). As in a
+// backward stage, the first pass saves its data for the recompute and the recompute replays it
+// (Note [Recompute data]) and both draw from the same seed (Note [Layer RNG]). Layer buffers:
+// the recompute starts from the values the first pass started from and the first pass's results
+// are put back after it, so running statistics evolve once, as in a plain microbatched forward
+// (Note [Buffers in recompute]). The stage timer stops during the recomputes: the measured tail
+// stays "forward + backward", the cost the simulator gives every layer's `backward`.
+bool fused_tail_recomputes(const RunContext& ctx, scheduler::LayerRange r) {
+  return ctx.grain == RecomputeGrain::kLayer && r.size() > 1;
+}
+
+// A layer's buffers as they were before its first pass on a microbatch, to run its recompute
+// from (Note [Fused tail recompute]). Holds nothing for a layer without buffers.
+class BufferRewind {
+ public:
+  explicit BufferRewind(ShellLease& shell) {
+    at::NoGradGuard no_grad;
+    for (const auto& b : shell.module().ptr()->buffers()) before_.push_back(b.defined() ? b.clone() : b);
+  }
+  // Sets the buffers back to their values at construction, keeping the values they had (for
+  // restore(), after the recompute's backward: autograd may have saved the buffers the recompute
+  // read, and checks that they were not modified since).
+  void rewind(ShellLease& shell) {
+    if (before_.empty()) return;
+    auto buffers = shell.module().ptr()->buffers();
+    TORCH_INTERNAL_ASSERT(buffers.size() == before_.size(), "a layer's buffer count changed between its passes");
+    at::NoGradGuard no_grad;
+    for (size_t k = 0; k < buffers.size(); ++k) {
+      after_.push_back(buffers[k].defined() ? buffers[k].clone() : buffers[k]);
+      if (buffers[k].defined()) buffers[k].copy_(before_[k]);
+    }
+  }
+  void restore(ShellLease& shell) {
+    if (after_.empty()) return;
+    auto buffers = shell.module().ptr()->buffers();
+    at::NoGradGuard no_grad;
+    for (size_t k = 0; k < buffers.size(); ++k) {
+      if (buffers[k].defined()) buffers[k].copy_(after_[k]);
+    }
+  }
+
+ private:
+  std::vector<at::Tensor> after_;
+  std::vector<at::Tensor> before_;
+};
+
+// Layer inputs made leaves on their device (no copy): floating tensors require grad.
+Activations device_leaves(const Activations& acts) {
+  Activations out;
+  out.reserve(acts.size());
+  for (const auto& t : acts) {
+    if (!t.defined()) {
+      out.push_back(t);
+      continue;
+    }
+    at::Tensor leaf = t.detach();
+    if (is_float(leaf)) leaf.requires_grad_(true);
+    out.push_back(std::move(leaf));
+  }
+  return out;
+}
+
+// The fused tail on microbatch j with the layer grain (Note [Fused tail recompute]), from the
+// stage input `leaves`: returns the loss, with the gradients of `leaves` and of the layers'
+// parameters accumulated.
+at::Tensor fused_layer_grain(JobState& job, int64_t j, const Activations& leaves, const at::Tensor& label,
+                             RunScaleObserver& observer, StageTimer& timer) {
+  RunContext& ctx = job.ctx;
+  const scheduler::LayerRange r = job.r;
+  const int64_t last = r.end - 1;
+  std::vector<DeviceIo::Pending> kept;  // the inputs of layers r.begin + 1 .. last - 1, host copies
+  std::vector<BufferRewind> rewinds;    // layers r.begin .. last - 1
+  kept.reserve(static_cast<size_t>(last - r.begin));
+  rewinds.reserve(static_cast<size_t>(last - r.begin));
+  Activations acts = leaves;
+  {
+    at::NoGradGuard no_grad;
+    for (int64_t l = r.begin; l < last; ++l) {
+      job.pos.layer = l;
+      if (l > r.begin) kept.push_back(job.io.download_copy_async(acts));
+      rewinds.emplace_back(job.shells[l]);
+      acts = run_layer(ctx, job.shells[l], l, j, layer_inputs(ctx, l, acts, label), job.io, PassKind::kSaves);
+    }
+  }
+  job.pos.layer = last;
+  const Activations last_leaves = device_leaves(acts);
+  acts = last_leaves;
+  acts = run_layer(ctx, job.shells[last], last, j, layer_inputs(ctx, last, acts, label), job.io, PassKind::kPlain);
+  job.pos.layer.reset();
+  const at::Tensor loss = call_loss_fn(ctx, job.pos, observer, acts, label);
+  Activations grads;
+  {
+    StepLabel doing(job.pos, "backward");
+    loss.backward();
+    grads = leaf_grads(last_leaves);
+  }
+  for (int64_t l = last - 1; l >= r.begin; --l) {
+    job.pos.layer = l;
+    Activations in =
+        l == r.begin ? leaves : make_leaves(job.io, kept[static_cast<size_t>(l - r.begin - 1)].wait(), true);
+    kept.resize(static_cast<size_t>(std::max<int64_t>(0, l - r.begin - 1)));  // frees the host copy
+    Activations outs;
+    {
+      StepLabel doing(job.pos, "recompute");
+      timer.pause();
+      Activations call_in = in;
+      rewinds[static_cast<size_t>(l - r.begin)].rewind(job.shells[l]);
+      outs = run_layer(ctx, job.shells[l], l, j, layer_inputs(ctx, l, call_in, label), job.io, PassKind::kReplays);
+      timer.resume();
+    }
+    StepLabel doing(job.pos, "backward");
+    backward_paired(outs, grads);
+    grads = leaf_grads(in);
+    rewinds[static_cast<size_t>(l - r.begin)].restore(job.shells[l]);
+  }
+  job.pos.layer.reset();
+  return loss;
 }
 
 }  // namespace
@@ -665,16 +809,22 @@ void run_fused_stage(RunContext& ctx, scheduler::LayerRange r, c10::Device devic
                                         : make_leaves(io, handovers.await_input(ctx.fwd_out[fwd_stages - 1][j]),
                                                       /*need_grad=*/true);
       StageTimer timer(ctx, io, 0);
-      Activations acts = leaves;
       const at::Tensor label = label_for(ctx, r, j, io, LabelUse::kLossFn);
       SideInputScope side = microbatch_side_inputs(ctx, j, io);
-      for (int64_t l = r.begin; l < r.end; ++l) {
-        pos.layer = l;
-        acts = run_layer(ctx, shells[l], l, j, layer_inputs(ctx, l, acts, label), io, PassKind::kPlain);
-      }
-      pos.layer.reset();
-      const at::Tensor loss = call_loss_fn(ctx, pos, observer, acts, label);
-      {
+      at::Tensor loss;
+      if (fused_tail_recomputes(ctx, r)) {
+        loss = fused_layer_grain(job, j, leaves, label, observer, timer);
+        clear_recompute_slots(ctx, r, j);
+        StepLabel doing(pos, "backward");  // the timer's synchronization reports the backward's errors
+        timer.stop();
+      } else {
+        Activations acts = leaves;
+        for (int64_t l = r.begin; l < r.end; ++l) {
+          pos.layer = l;
+          acts = run_layer(ctx, shells[l], l, j, layer_inputs(ctx, l, acts, label), io, PassKind::kPlain);
+        }
+        pos.layer.reset();
+        loss = call_loss_fn(ctx, pos, observer, acts, label);
         StepLabel doing(pos, "backward");
         loss.backward();
         timer.stop();
@@ -706,10 +856,7 @@ void run_backward_stage(RunContext& ctx, size_t stage, scheduler::LayerRange r, 
     for (int64_t j = 0; j < ctx.num_microbatch; ++j) {
       pos.microbatch = j;
       const Activations grads = backward_microbatch(job, stage, j, ahead);
-      if (!ctx.recompute_slots.empty()) {
-        for (int64_t l = r.begin; l < r.end; ++l)
-          ctx.recompute_slots[static_cast<size_t>(l * ctx.num_microbatch + j)] = {};
-      }
+      clear_recompute_slots(ctx, r, j);
       handovers.flush_before(j);
       if (r.begin > 0) handovers.post(j, ctx.bwd_grad[stage][j], io.download_async(grads));
       if (j == 0) release_after_copy(ctx, r, shells, io, ReleasePoint::kAfterFirstMicrobatch);

@@ -7,7 +7,8 @@
 
 namespace roundpipe::scheduler::detail {
 
-CostPrefix::CostPrefix(const std::vector<LayerCost>& costs) : fwd(costs.size() + 1, 0.0), bwd(costs.size() + 1, 0.0) {
+CostPrefix::CostPrefix(const std::vector<LayerCost>& costs, bool fused_recompute)
+    : fwd(costs.size() + 1, 0.0), bwd(costs.size() + 1, 0.0), fused_recompute(fused_recompute) {
   for (size_t i = 0; i < costs.size(); ++i) {
     fwd[i + 1] = fwd[i] + costs[i].forward;
     bwd[i + 1] = bwd[i] + costs[i].backward;
@@ -27,6 +28,9 @@ void append_job(std::vector<JobSpec>& jobs, StagePhase phase, LayerRange layers,
     job.cost = prefix.forward(layers);
   } else {
     job.cost = prefix.backward(layers);
+  }
+  if (phase == StagePhase::kFused && prefix.fused_recompute && layers.size() > 1) {
+    job.cost += prefix.forward({layers.begin, layers.end - 1});
   }
   if (phase == StagePhase::kBackward) {
     job.recompute = std::min(prefix.forward(layers), job.cost);

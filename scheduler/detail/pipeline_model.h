@@ -20,12 +20,14 @@ struct JobSpec {
   int64_t saved_job = -1;  ///< forward job after whose microbatch j this backward stage may recompute j; -1: none
 };
 
-/// Prefix sums of the layers' forward / backward times (size L + 1).
+/// Prefix sums of the layers' forward / backward times (size L + 1), and whether the fused tail
+/// recomputes its layers but the last (SimulateOptions::fused_recompute).
 struct CostPrefix {
-  explicit CostPrefix(const std::vector<LayerCost>& costs);
+  explicit CostPrefix(const std::vector<LayerCost>& costs, bool fused_recompute = false);
   double forward(LayerRange r) const { return fwd[r.end] - fwd[r.begin]; }
   double backward(LayerRange r) const { return bwd[r.end] - bwd[r.begin]; }
   std::vector<double> fwd, bwd;
+  bool fused_recompute = false;
 };
 
 /// Appends the job of one stage to `jobs` (which holds the stages before it in dispatch order),

@@ -37,7 +37,7 @@ PlanSearch::PlanSearch(const std::vector<LayerCost>& costs, RunType type, int64_
       type_(type),
       num_layers_(static_cast<int64_t>(costs.size())),
       options_(options),
-      prefix_(costs),
+      prefix_(costs, options.simulate.fused_recompute),
       model_(type, options.num_devices, num_microbatch, options.simulate) {
   fwd_bytes_.assign(costs.size() + 1, 0);
   bwd_bytes_.assign(costs.size() + 1, 0);

@@ -65,6 +65,20 @@ int64_t host_bytes(const std::string& out) {
   return number_after(out.substr(at), "(");
 }
 
+// The host bytes of the layer inputs a stage-grain run keeps for its recomputes (Note [Memory
+// model], host), from the backward stages `plan` prints ("  stage k (bwd, layers [b, e))"): each
+// backward stage's input but the fused tail's, for each of the 9 one-row microbatches; the
+// embeddings' input is the token ids (8 B a token), any other the bf16 hidden states.
+int64_t stage_inputs_bytes(const std::string& out, int64_t seq_len, int64_t hidden) {
+  int64_t bytes = 0;
+  const std::string key = " (bwd, layers [";
+  for (size_t at = out.find(key); at != std::string::npos; at = out.find(key, at + 1)) {
+    const int64_t begin = std::stoll(out.substr(at + key.size()));
+    bytes += 9 * (begin == 0 ? 8 * seq_len : seq_len * hidden * 2);
+  }
+  return bytes;
+}
+
 std::string full_yaml(const std::string& model_dir, int64_t seq_len) {
   return "out_dir: run\nmodel: {pretrained: " + model_dir +
          ", dtype: bfloat16, master_dtype: float32}\n"
@@ -129,18 +143,23 @@ TEST(CliMoePlanTest, Plan_HeadlineWorkloadsFromConfigJsonAlone_FullAndLora) {
                                   std::to_string(w.seq_len);
 
     // Full fine-tuning: bf16 compute copies 2 + fp32 masters 4 + gradients 2 (+ 4 fp32 cast, + 2
-    // async) + AdamW moments 8 = 22 B/param of host memory, every parameter (experts included).
+    // async) + AdamW moments 8 = 22 B/param of host memory, every parameter (experts included),
+    // and the backward stages' inputs kept for the recompute.
+    const int64_t hidden = config.at("hidden_size");
     dir.write("full.yaml", full_yaml(model_dir, w.seq_len));
     CliResult full = run_cli(dir, "plan full.yaml" + overrides);
     check_plan(full, config, counts.total, "full");
-    EXPECT_EQ(host_bytes(full.out), 22 * counts.total) << full.out;
+    const int64_t full_inputs = stage_inputs_bytes(full.out, w.seq_len, hidden);
+    EXPECT_GT(full_inputs, 0) << full.out;
+    EXPECT_EQ(host_bytes(full.out), 22 * counts.total + full_inputs) << full.out;
 
     // LoRA (the shipped example's rank-16 attention adapters): the frozen base's bf16 copy only,
-    // and 20 B per adapter parameter.
+    // and 20 B per adapter parameter, and the kept inputs.
     CliResult lora = run_cli(dir, "plan " + kConfigs + w.lora_yaml + ".yaml model.pretrained=" + model_dir + overrides);
     check_plan(lora, config, counts.total + counts.attention_lora, "lora");
     EXPECT_NE(lora.out.find("trainable parameters: "), std::string::npos) << lora.out;
-    EXPECT_EQ(host_bytes(lora.out), 2 * (counts.total + counts.attention_lora) + 20 * counts.attention_lora)
+    EXPECT_EQ(host_bytes(lora.out), 2 * (counts.total + counts.attention_lora) + 20 * counts.attention_lora +
+                                        stage_inputs_bytes(lora.out, w.seq_len, hidden))
         << lora.out;
     EXPECT_LT(host_bytes(lora.out) * 5, host_bytes(full.out)) << "LoRA needs far less host memory";
   }

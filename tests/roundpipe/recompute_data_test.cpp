@@ -1,7 +1,8 @@
 // Note [Recompute data] (roundpipe/recompute_data.h): a layer's forward-stage pass saves data that
 // its recompute in backward gets back, so a decision made in the forward (here: a value drawn from
 // a call counter, which a fresh decision would change) is replayed, with either recompute grain
-// and any device count; the fused tail and inference neither save nor replay.
+// and any device count; inference neither saves nor replays, nor does the fused tail with the
+// stage grain (with the layer grain it recomputes too: Note [Fused tail recompute]).
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -11,6 +12,7 @@
 
 #include "roundpipe/recompute_data.h"
 #include "roundpipe/round_pipe.h"
+#include "tests/common/tensor_compare.h"
 #include "tests/roundpipe/test_models.h"
 
 namespace roundpipe {
@@ -83,6 +85,63 @@ TEST(RecomputeDataTest, RecomputeGetsTheForwardsData) {
       EXPECT_EQ(g_replays.load(), 0);
     }
   }
+}
+
+// Note [Fused tail recompute]: with the layer grain the fused tail recomputes every layer but its
+// last from the layer's kept input, replaying what the first pass saved; with the stage grain it
+// runs each layer once.
+TEST(RecomputeDataTest, FusedTailRecomputesItsLayersButTheLastWithTheLayerGrain) {
+  for (const RecomputeGrain grain : {RecomputeGrain::kStage, RecomputeGrain::kLayer}) {
+    for (const int devices : {1, 2}) {
+      g_calls = 0;
+      g_replays = 0;
+      g_recomputes_without_data = 0;
+      RoundPipe rp(make_model(), RoundPipeOptions().devices(testing::cpu_devices(devices)));
+      RunConfig cfg;
+      cfg.num_microbatch = 2;
+      cfg.recompute_grain = grain;
+      // Layer 0 in a forward stage, layers 1-3 in the fused tail.
+      cfg.execute_plan = scheduler::ExecutePlan({{0, 1}}, {{1, 4}, {0, 1}});
+      torch::manual_seed(3);
+      const auto x = torch::rand({4, 3}) + 0.5;
+      const auto loss = rp.forward_backward(
+          {x}, torch::Tensor(), [](const torch::Tensor& y, const torch::Tensor&) { return y.sum(); }, cfg);
+      rp.synchronize();
+      EXPECT_EQ(g_calls.load(), 8);
+      // Replays per microbatch: layer 0 (its backward stage), plus layers 1 and 2 of the tail with
+      // the layer grain.
+      EXPECT_EQ(g_replays.load(), grain == RecomputeGrain::kLayer ? 6 : 2) << "devices " << devices;
+      EXPECT_EQ(g_recomputes_without_data.load(), 0);
+      const auto params = rp.module()->parameters();
+      const double sum = loss.item<double>();
+      for (const auto& p : params) EXPECT_NEAR(p.grad().item<double>(), sum, 1e-6 * std::abs(sum));
+    }
+  }
+}
+
+// The tail's recompute replays its draws (dropout) and its layers' gradients are the same bits as
+// the tail that keeps its autograd graph: both run the same kernels on the same values.
+TEST(RecomputeDataTest, FusedTailWithTheLayerGrainIsBitwiseTheStageGrain) {
+  std::vector<std::vector<torch::Tensor>> grads;
+  std::vector<torch::Tensor> losses;
+  for (const RecomputeGrain grain : {RecomputeGrain::kStage, RecomputeGrain::kLayer}) {
+    RoundPipe rp(testing::make_transformer(5, /*dropout=*/0.2), RoundPipeOptions().devices(testing::cpu_devices(1)));
+    RunConfig cfg;
+    cfg.num_microbatch = 3;
+    cfg.recompute_grain = grain;
+    cfg.execute_plan = scheduler::ExecutePlan({}, {{0, 4}});
+    torch::manual_seed(7);
+    const auto x = torch::randn({6, 5, 16});
+    const auto y = torch::randn({6, 5, 4});
+    losses.push_back(rp.forward_backward({x}, y, testing::mse_over(y.numel()), cfg));
+    rp.synchronize();
+    std::vector<torch::Tensor> g;
+    for (const auto& p : rp.module()->parameters()) g.push_back(p.grad().clone());
+    grads.push_back(std::move(g));
+  }
+  EXPECT_TENSOR_EQ(losses[1], losses[0]);
+  ASSERT_EQ(grads[1].size(), grads[0].size());
+  for (size_t k = 0; k < grads[0].size(); ++k) EXPECT_TENSOR_EQ(grads[1][k], grads[0][k]) << "parameter " << k;
 }
 
 TEST(RecomputeDataTest, OutsideRoundPipeNothingIsKept) {

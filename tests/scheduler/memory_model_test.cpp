@@ -158,12 +158,39 @@ TEST(MemoryModelTest, StageMemory_SumsTheTermsByHand) {
   EXPECT_EQ(stages[1].total(), 2 * w23 + (kDecoderSaved + 256) * t + kDecoderSaved * t + head + boundary);
   EXPECT_EQ(stages[1].total(), 265376);
   EXPECT_EQ(stages[2].total(), 2 * w01 + (8 + kDecoderSaved) * t + kDecoderSaved * t + boundary);
-  // The layer grain keeps one layer's activations in a backward stage, all of them in the fused tail.
+  // The layer grain keeps one layer's activations in a backward stage and in the fused tail (which
+  // then recomputes its decoder layer: Note [Fused tail recompute]).
   DeviceMemoryOptions layer = fp32(16, 2);
   layer.layer_recompute = true;
   const std::vector<StageMemory> by_layer = stage_memory(plan, tiny(), layer);
-  EXPECT_EQ(by_layer[1].total(), stages[1].total());
+  EXPECT_EQ(by_layer[1].saved_activations, kDecoderSaved * t);
+  EXPECT_EQ(by_layer[1].total(), stages[1].total() - 256 * t);
   EXPECT_EQ(by_layer[2].total(), 2 * w01 + kDecoderSaved * t + kDecoderSaved * t + boundary);
+}
+
+// The layer inputs kept in host memory for the recomputes, by hand: t = 32 tokens, 3 microbatches.
+TEST(MemoryModelTest, SavedInputBytes_ByHand) {
+  const int64_t t = 32, hidden_bytes = t * 32 * 4, ids = 8 * t;
+  // fwd [0, 1) | fused [1, 4) | bwd [0, 1). Stage grain: the backward stage's input (the token ids).
+  const ExecutePlan plan({{0, 1}}, {{1, 4}, {0, 1}});
+  DeviceMemoryOptions o = fp32(16, 2);
+  EXPECT_EQ(saved_input_bytes(plan, tiny(), o, 3), 3 * ids);
+  // Layer grain: the same, plus the tail's decoder 2 input (layer 2) for one microbatch.
+  o.layer_recompute = true;
+  EXPECT_EQ(saved_input_bytes(plan, tiny(), o, 3), 3 * ids + hidden_bytes);
+  // fwd [0, 2) | fused [2, 4) | bwd [1, 2) [0, 1): stage grain keeps layer 1's input (hidden) and
+  // layer 0's (ids) per microbatch; the layer grain the same (every layer before the tail), and
+  // nothing in a tail of two layers.
+  const ExecutePlan two({{0, 2}}, {{2, 4}, {1, 2}, {0, 1}});
+  EXPECT_EQ(saved_input_bytes(two, tiny(), o, 3), 3 * (ids + hidden_bytes));
+  o.layer_recompute = false;
+  EXPECT_EQ(saved_input_bytes(two, tiny(), o, 3), 3 * (ids + hidden_bytes));
+  // It adds to the host total.
+  HostMemoryOptions h;
+  h.saved_inputs = 1000;
+  ParameterCount n;
+  n.total = n.trainable = 10;
+  EXPECT_EQ(host_memory(n, h).total(), host_memory(n, HostMemoryOptions()).total() + 1000);
 }
 
 TEST(MemoryModelTest, MaxSeqLen_OneFusedStage_SolvesTheLinearBound) {

@@ -66,6 +66,22 @@ TEST(SimulatorTest, HandComputedTimeline_RecomputeAhead) {
   EXPECT_DOUBLE_EQ(r.jobs[3].microbatches[0].wait, 0);
 }
 
+// Fused recompute (the layer grain): a tail of layers [1, 3) costs 2 x 2 + the forward of layer 1
+// (1) per microbatch. F[0,1) d0: [0,1] [1,2] [2,3]; fused [1,3) d1: [1,6] [6,11] [11,16];
+// B[0,1) d0 after the fused: [6,8] [11,13] [16,18]. Without it the tail is 4 per microbatch.
+TEST(SimulatorTest, HandComputedTimeline_FusedRecompute) {
+  const ExecutePlan plan({{0, 1}}, {{1, 3}, {0, 1}});
+  auto r = simulate(plan, RunType::kFused, unit_costs(3), 2, 3, SimulateOptions().set_fused_recompute(true));
+  expect_timeline(r.jobs, {{0, {{0, 1}, {1, 2}, {2, 3}}}, {1, {{1, 6}, {6, 11}, {11, 16}}}, {0, {{6, 8}, {11, 13}, {16, 18}}}});
+  EXPECT_DOUBLE_EQ(r.work, 24);  // 3 x (1 + 5 + 2)
+  const auto plain = simulate(plan, RunType::kFused, unit_costs(3), 2, 3);
+  EXPECT_DOUBLE_EQ(plain.jobs[1].microbatches[0].end - plain.jobs[1].microbatches[0].start, 4);
+  // A tail of one layer recomputes nothing.
+  const auto one = simulate(two_forward_plan(), RunType::kFused, unit_costs(3), 2, 3,
+                            SimulateOptions().set_fused_recompute(true));
+  EXPECT_DOUBLE_EQ(one.makespan, 17);
+}
+
 // Overheads: each job spends 0.5 before microbatch 0; every edge adds 0.25.
 //   d0: F0 [0.5,1.5] [1.5,2.5] [2.5,3.5]
 //   d1: F1 takes d1 at 0, ready 1.75: [1.75,2.75] [2.75,3.75] [3.75,4.75]

@@ -135,6 +135,8 @@ scheduler::HostMemory host_of(const LauncherConfig& config, const MemoryPlan& me
         memory.plan, memory.shape, memory.device_options, memory.num_devices,
         o.in_place_masters ? scheduler::CpuDeviceLayers::kShared : scheduler::CpuDeviceLayers::kTrainableCopied);
   }
+  o.saved_inputs =
+      scheduler::saved_input_bytes(memory.plan, memory.shape, memory.device_options, memory.num_microbatch);
   return scheduler::host_memory(memory.params, o);
 }
 
@@ -160,6 +162,7 @@ MemoryPlan plan_memory(const LauncherConfig& config, const std::optional<schedul
   o.seq_len = config.data.seq_len;
   const int64_t num_microbatch = config.run.num_microbatch.value_or(default_num_microbatch(memory.num_devices));
   o.microbatch_rows = std::max<int64_t>(1, (config.train.batch_size + num_microbatch - 1) / num_microbatch);
+  memory.num_microbatch = (config.train.batch_size + o.microbatch_rows - 1) / o.microbatch_rows;
   o.layer_recompute = config.run.recompute == RecomputeGrain::kLayer;
   o.loss_chunk_bytes = config.run.loss_chunk_mib << 20;
   o.repeat_kv = memory.cpu_devices;
@@ -234,6 +237,7 @@ void print_memory_plan(const LauncherConfig& config, const MemoryPlan& memory, s
       << (in_place_masters(config) ? std::string("0 (the compute copies)") : gib(h.masters)) << " + gradients "
       << gib(h.grads) << " + optimizer state " << gib(h.optimizer_state);
   if (h.cpu_devices > 0) out << " + CPU devices' stages " << gib(h.cpu_devices);
+  if (h.saved_inputs > 0) out << " + layer inputs kept for the recompute " << gib(h.saved_inputs);
   if (const auto available = available_host_bytes()) out << " (MemAvailable " << gib(*available) << ")";
   out << "\n";
 }
@@ -304,7 +308,8 @@ void check_host_memory(const LauncherConfig& config, const MemoryPlan& memory) {
       << per_param(h.total(), memory.params.total) << " x " << memory.params.total << " parameters: compute copies "
       << gib(h.compute_copies) << ", masters " << gib(h.masters) << ", gradients " << gib(h.grads)
       << ", optimizer state " << gib(h.optimizer_state) << ", CPU devices' stages " << gib(h.cpu_devices)
-      << "), more than the " << gib(*available) << " MemAvailable in /proc/meminfo.";
+      << ", layer inputs kept for the recompute " << gib(h.saved_inputs) << "), more than the " << gib(*available)
+      << " MemAvailable in /proc/meminfo.";
   std::string options;
   auto consider = [&](const std::string& name, LauncherConfig alternative) {
     MemoryPlan alt = plan_memory(alternative);

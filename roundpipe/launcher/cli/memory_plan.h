@@ -21,6 +21,7 @@ struct MemoryPlan {
   scheduler::DeviceMemoryOptions device_options;
   std::vector<c10::Device> devices;  ///< run.devices (RoundPipe's devices)
   int64_t num_devices = 1;
+  int64_t num_microbatch = 1;  ///< the microbatches of a step (run.num_microbatch, at most batch_size)
   bool cpu_devices = true;
   /// The runtime's partition budget per stage (RoundPipeOptions::device_memory_budget_bytes):
   /// with CUDA devices half of device_bytes, else unlimited.

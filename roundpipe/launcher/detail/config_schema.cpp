@@ -420,7 +420,9 @@ std::vector<KeySpec> build_schema() {
                   .field([](C& c) -> std::optional<int64_t>& { return c.run.num_microbatch; }));
   t.push_back(Key("run.recompute", KeyKind::kChoice, "stage",
                   "Activation recomputation grain: `stage` keeps each backward stage's input, "
-                  "`layer` every layer's input (less recompute, more memory traffic).")
+                  "`layer` every layer's input (in host memory) and recomputes one layer at a time, in the "
+                  "fused tail too: a device holds one layer's activations (long sequences), for more copies "
+                  "and one more forward of the tail.")
                   .one_of({"stage", "layer"})
                   .enum_field([](C& c) -> RecomputeGrain& { return c.run.recompute; },
                               std::vector<RecomputeGrain>{RecomputeGrain::kStage, RecomputeGrain::kLayer}));
