@@ -151,14 +151,17 @@ void ExpertsImpl::merge_lora() {
   lora_rank_ = 0;
 }
 
-at::Tensor ExpertsImpl::forward(const at::Tensor& x, const std::vector<int64_t>& counts) {
+at::Tensor ExpertsImpl::forward(const at::Tensor& x, const std::vector<int64_t>& counts,
+                                const at::Tensor& row_weights) {
   const at::Tensor gate_up = adapted(gate_up_proj, lora_A_gate_up_proj, lora_B_gate_up_proj);
   const at::Tensor down = adapted(down_proj, lora_A_down_proj, lora_B_down_proj);
   if (gate_up_proj_bias.defined()) {
-    return detail::sorted_clamped_glu_experts(x, gate_up, gate_up_proj_bias, down, down_proj_bias, counts,
-                                              config_.swiglu_alpha, config_.swiglu_limit);
+    const at::Tensor y = detail::sorted_clamped_glu_experts(x, gate_up, gate_up_proj_bias, down, down_proj_bias,
+                                                            counts, config_.swiglu_alpha, config_.swiglu_limit);
+    if (!row_weights.defined()) return y;
+    return (y.to(row_weights.scalar_type()) * row_weights.unsqueeze(1)).to(x.scalar_type());
   }
-  return detail::sorted_swiglu_experts(x, gate_up, down, counts);
+  return detail::sorted_swiglu_experts(x, gate_up, down, counts, row_weights);
 }
 
 // ---- SparseMoeBlock ------------------------------------------------------------------------------
@@ -222,10 +225,10 @@ std::vector<at::Tensor> SparseMoeBlockImpl::forward(const at::Tensor& x) {
   const at::Tensor order = at::argsort(flat_experts, /*stable=*/true);
   const at::Tensor token_of_row = at::floor_divide(order, k);
   const at::Tensor rows = flat.index_select(0, token_of_row);
-  const at::Tensor expert_out = experts(rows, routing.counts);  // [N k, H]
-  const at::Tensor row_weights = weights.reshape({-1}).index_select(0, order).unsqueeze(1);
-  at::Tensor contributions = fp32_products ? expert_out.to(at::kFloat) * row_weights : expert_out * row_weights;
-  if (contributions.scalar_type() != x.scalar_type()) contributions = contributions.to(x.scalar_type());
+  // Each row's expert output times its routing weight, in the weights' dtype (fp32 for Mixtral),
+  // computed inside the experts' loop (Note [Routing weights in the experts]).
+  const at::Tensor row_weights = weights.reshape({-1}).index_select(0, order);
+  const at::Tensor contributions = experts(rows, routing.counts, row_weights);  // [N k, H], x's dtype
   const at::Tensor out = at::zeros({tokens, h}, x.options()).index_add(0, token_of_row, contributions);
 
   // This layer's router statistics (Note [Router statistics]): assignment counts (no gradient)

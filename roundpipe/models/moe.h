@@ -50,8 +50,10 @@ class ExpertsImpl : public torch::nn::Cloneable<ExpertsImpl> {
   ExpertsImpl(const ModelConfig& config, const at::TensorOptions& options = {});
   void reset() override;
   /// x [M, H] sorted by expert, `counts` rows per expert (host integers summing to M) -> [M, H]:
-  /// each expert's MLP on its rows (docs/models.md, "Mixture of experts": experts, fast).
-  at::Tensor forward(const at::Tensor& x, const std::vector<int64_t>& counts);
+  /// each expert's MLP on its rows (docs/models.md, "Mixture of experts": experts, fast). With
+  /// `row_weights` [M], each output row is multiplied by its routing weight (in the weights'
+  /// dtype, then cast to x's), as transformers weighs an expert's output.
+  at::Tensor forward(const at::Tensor& x, const std::vector<int64_t>& counts, const at::Tensor& row_weights = {});
 
   /// Expert LoRA in PEFT's `target_parameters` format (PEFT's ParamWrapper on a 3-D expert
   /// weight), on gate_up_proj and/or down_proj. For a target with in/out features (gate_up_proj:

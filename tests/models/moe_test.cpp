@@ -11,6 +11,7 @@
 
 #include "roundpipe/models/layers.h"
 #include "roundpipe/models/lora.h"
+#include "roundpipe/models/detail/moe_experts.h"
 #include "roundpipe/models/moe.h"
 #include "roundpipe/models/pretrained.h"
 #include "roundpipe/models/safetensors.h"
@@ -368,6 +369,62 @@ TEST(SparseMoeBlockTest, ExpertWithoutTokensGetsZeroGradient) {
   EXPECT_TRUE(g[3].eq(0).all().item<bool>());
   EXPECT_GT(g[0].abs().sum().item<double>() + g[1].abs().sum().item<double>() + g[2].abs().sum().item<double>(), 0);
   EXPECT_TRUE(torch::isfinite(g).all().item<bool>());
+}
+
+// Note [Routing weights in the experts]: the sorted experts with row weights == plain autograd
+// (expert by expert: x G^T | x U^T, silu(g) u, D^T, then (y.to(w) * w).to(x)) on the output and on
+// the gradients of x, both weights and the row weights; an expert without rows included. fp32
+// tightly; bf16 rows with fp32 weights (Mixtral's fp32 products) against the fp32 reference within
+// bf16 rounding.
+TEST(SortedExpertsTest, RowWeightsMatchPlainAutograd) {
+  torch::manual_seed(11);
+  const int64_t H = 16, I = 8, E = 4;
+  const std::vector<int64_t> counts = {3, 0, 5, 2};
+  const int64_t M = 10;
+  const at::Tensor x0 = torch::randn({M, H}), gu0 = torch::randn({E, 2 * I, H}) * 0.3;
+  const at::Tensor dn0 = torch::randn({E, H, I}) * 0.3, w0 = torch::rand({M}) + 0.1, gy = torch::randn({M, H});
+  struct Result {
+    at::Tensor y, gx, ggu, gdn, gw;
+  };
+  auto run = [&](bool ours, at::ScalarType dtype) {
+    auto leaf = [&](const at::Tensor& t) { return t.to(dtype, false, /*copy=*/true).requires_grad_(); };
+    const at::Tensor x = leaf(x0), gu = leaf(gu0), dn = leaf(dn0), w = w0.clone().requires_grad_();
+    at::Tensor y;
+    if (ours) {
+      y = models::detail::sorted_swiglu_experts(x, gu, dn, counts, w);
+    } else {
+      std::vector<at::Tensor> parts;
+      int64_t offset = 0;
+      for (int64_t e = 0; e < E; ++e) {
+        const int64_t n = counts[static_cast<size_t>(e)];
+        const at::Tensor h = at::mm(x.narrow(0, offset, n), gu[e].t());
+        const at::Tensor ye = at::mm(at::silu(h.narrow(1, 0, I)) * h.narrow(1, I, I), dn[e].t());
+        parts.push_back((ye.to(at::kFloat) * w.narrow(0, offset, n).unsqueeze(1)).to(dtype));
+        offset += n;
+      }
+      y = at::cat(parts);
+    }
+    (y.to(at::kFloat) * gy).sum().backward();
+    return Result{y.detach().to(at::kFloat), x.grad().to(at::kFloat), gu.grad().to(at::kFloat),
+                  dn.grad().to(at::kFloat), w.grad()};
+  };
+  const Result ref = run(false, at::kFloat), ours = run(true, at::kFloat);
+  EXPECT_TRUE(tensors_close(ours.y, ref.y, 1e-5));
+  EXPECT_TRUE(tensors_close(ours.gx, ref.gx, 1e-5));
+  EXPECT_TRUE(tensors_close(ours.ggu, ref.ggu, 1e-5));
+  EXPECT_TRUE(tensors_close(ours.gdn, ref.gdn, 1e-5));
+  EXPECT_TRUE(tensors_close(ours.gw, ref.gw, 1e-5));
+  EXPECT_TRUE(ours.ggu[1].eq(0).all().item<bool>());  // expert 1 has no rows
+  EXPECT_TRUE(ours.gdn[1].eq(0).all().item<bool>());
+  const Result bf16 = run(true, at::kBFloat16);
+  for (const auto& [got, want] : {std::pair{bf16.y, ref.y}, std::pair{bf16.gx, ref.gx}, std::pair{bf16.ggu, ref.ggu},
+                                  std::pair{bf16.gdn, ref.gdn}, std::pair{bf16.gw, ref.gw}}) {
+    EXPECT_LT((got - want).abs().max().item<double>(), 3e-2 * want.abs().max().item<double>());
+  }
+  // Without row weights the rows come out unweighted.
+  at::NoGradGuard no_grad;
+  const at::Tensor plain = models::detail::sorted_swiglu_experts(x0, gu0, dn0, counts);
+  EXPECT_TRUE(tensors_close(plain * w0.unsqueeze(1), ref.y, 1e-5));
 }
 
 // RoundPipe: the oracle's gradients through 3 CPU devices with the sparse layers in forward stages

@@ -21,8 +21,10 @@ namespace roundpipe::models::detail {
 /// autograd over `weight[e]` would make a full-size zero tensor per expert and sum them. The
 /// forward keeps x G^T and x U^T ([M, 2I]) for the backward. `counts` are host integers summing
 /// to M: on a GPU the caller syncs once to get them (moe.cpp replays them in recompute).
+/// `row_weights` [M] (optional): each row of y is multiplied by its routing weight, in the
+/// weights' dtype, then cast to x's (Note [Routing weights in the experts]); differentiable.
 at::Tensor sorted_swiglu_experts(const at::Tensor& x, const at::Tensor& gate_up, const at::Tensor& down,
-                                 const std::vector<int64_t>& counts);
+                                 const std::vector<int64_t>& counts, const at::Tensor& row_weights = {});
 
 /// gpt-oss experts on the same sorted rows: gate_up [E, H, 2I], gate_up_bias [E, 2I], down
 /// [E, I, H], down_bias [E, H]:
