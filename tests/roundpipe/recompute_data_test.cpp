@@ -50,23 +50,30 @@ torch::nn::Sequential make_model() {
   return model;
 }
 
+// One training call of make_model() on 2 microbatches of a fixed batch with `plan`, the counters
+// reset first; returns the loss (the sum of the outputs).
+torch::Tensor train_once(RoundPipe& rp, RecomputeGrain grain, const scheduler::ExecutePlan& plan) {
+  g_calls = 0;
+  g_replays = 0;
+  g_recomputes_without_data = 0;
+  RunConfig cfg;
+  cfg.num_microbatch = 2;
+  cfg.recompute_grain = grain;
+  cfg.execute_plan = plan;
+  torch::manual_seed(3);
+  const auto x = torch::rand({4, 3}) + 0.5;
+  const auto loss = rp.forward_backward(
+      {x}, torch::Tensor(), [](const torch::Tensor& y, const torch::Tensor&) { return y.sum(); }, cfg);
+  rp.synchronize();
+  return loss;
+}
+
 TEST(RecomputeDataTest, RecomputeGetsTheForwardsData) {
   for (const RecomputeGrain grain : {RecomputeGrain::kStage, RecomputeGrain::kLayer}) {
     for (const int devices : {1, 3}) {
-      g_calls = 0;
-      g_replays = 0;
-      g_recomputes_without_data = 0;
       RoundPipe rp(make_model(), RoundPipeOptions().devices(testing::cpu_devices(devices)));
-      RunConfig cfg;
-      cfg.num_microbatch = 2;
-      cfg.recompute_grain = grain;
       // Layers 0-2 in forward stages (recomputed), layer 3 in the fused tail.
-      cfg.execute_plan = scheduler::ExecutePlan({{0, 2}, {2, 3}}, {{3, 4}, {2, 3}, {0, 2}});
-      torch::manual_seed(3);
-      const auto x = torch::rand({4, 3}) + 0.5;
-      rp.forward_backward({x}, torch::Tensor(), [](const torch::Tensor& y, const torch::Tensor&) { return y.sum(); },
-                          cfg);
-      rp.synchronize();
+      train_once(rp, grain, scheduler::ExecutePlan({{0, 2}, {2, 3}}, {{3, 4}, {2, 3}, {0, 2}}));
       // First passes: 2 microbatches x 4 layers; replays: 2 x 3 recomputed layers.
       EXPECT_EQ(g_calls.load(), 8);
       EXPECT_EQ(g_replays.load(), 6);
@@ -81,7 +88,7 @@ TEST(RecomputeDataTest, RecomputeGetsTheForwardsData) {
       for (const auto& p : params) EXPECT_NEAR(p.grad().item<double>(), g0, 1e-6 * std::abs(g0));
       // Inference neither saves nor replays.
       g_replays = 0;
-      rp.forward({x});
+      rp.forward({torch::rand({4, 3}) + 0.5});
       EXPECT_EQ(g_replays.load(), 0);
     }
   }
@@ -93,20 +100,9 @@ TEST(RecomputeDataTest, RecomputeGetsTheForwardsData) {
 TEST(RecomputeDataTest, FusedTailRecomputesItsLayersButTheLastWithTheLayerGrain) {
   for (const RecomputeGrain grain : {RecomputeGrain::kStage, RecomputeGrain::kLayer}) {
     for (const int devices : {1, 2}) {
-      g_calls = 0;
-      g_replays = 0;
-      g_recomputes_without_data = 0;
       RoundPipe rp(make_model(), RoundPipeOptions().devices(testing::cpu_devices(devices)));
-      RunConfig cfg;
-      cfg.num_microbatch = 2;
-      cfg.recompute_grain = grain;
       // Layer 0 in a forward stage, layers 1-3 in the fused tail.
-      cfg.execute_plan = scheduler::ExecutePlan({{0, 1}}, {{1, 4}, {0, 1}});
-      torch::manual_seed(3);
-      const auto x = torch::rand({4, 3}) + 0.5;
-      const auto loss = rp.forward_backward(
-          {x}, torch::Tensor(), [](const torch::Tensor& y, const torch::Tensor&) { return y.sum(); }, cfg);
-      rp.synchronize();
+      const auto loss = train_once(rp, grain, scheduler::ExecutePlan({{0, 1}}, {{1, 4}, {0, 1}}));
       EXPECT_EQ(g_calls.load(), 8);
       // Replays per microbatch: layer 0 (its backward stage), plus layers 1 and 2 of the tail with
       // the layer grain.
