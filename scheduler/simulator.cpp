@@ -142,8 +142,7 @@ SimulationResult simulate(const ExecutePlan& plan, RunType type, const std::vect
 }
 
 SteadyStateResult simulate_steady_state(const ExecutePlan& plan, RunType type, const std::vector<LayerCost>& costs,
-                                        int64_t num_devices, int64_t num_microbatch,
-                                        const SimulateOptions& options) {
+                                        int64_t num_devices, int64_t num_microbatch, const SimulateOptions& options) {
   check_inputs(plan, type, costs, num_devices, num_microbatch, options);
   const detail::CostPrefix prefix(costs, options.fused_recompute);
   const auto jobs = detail::compile(plan, type, prefix);

@@ -58,16 +58,46 @@ struct SimulateOptions {
   /// n > 0: simulate n iterations and average the period over the last n / 2.
   int64_t num_iterations = 0;
 
-  SimulateOptions& set_first_device(int64_t v) { first_device = v; return *this; }
-  SimulateOptions& set_job_overhead(double v) { job_overhead = v; return *this; }
-  SimulateOptions& set_hop_latency(double v) { hop_latency = v; return *this; }
-  SimulateOptions& set_recompute_ahead(bool v) { recompute_ahead = v; return *this; }
-  SimulateOptions& set_fused_recompute(bool v) { fused_recompute = v; return *this; }
-  SimulateOptions& set_round_size(int64_t v) { round_size = v; return *this; }
-  SimulateOptions& set_step_time(double v) { step_time = v; return *this; }
-  SimulateOptions& set_overlap_backward_tail(bool v) { overlap_backward_tail = v; return *this; }
-  SimulateOptions& set_publish_waits_for_readers(bool v) { publish_waits_for_readers = v; return *this; }
-  SimulateOptions& set_num_iterations(int64_t v) { num_iterations = v; return *this; }
+  SimulateOptions& set_first_device(int64_t v) {
+    first_device = v;
+    return *this;
+  }
+  SimulateOptions& set_job_overhead(double v) {
+    job_overhead = v;
+    return *this;
+  }
+  SimulateOptions& set_hop_latency(double v) {
+    hop_latency = v;
+    return *this;
+  }
+  SimulateOptions& set_recompute_ahead(bool v) {
+    recompute_ahead = v;
+    return *this;
+  }
+  SimulateOptions& set_fused_recompute(bool v) {
+    fused_recompute = v;
+    return *this;
+  }
+  SimulateOptions& set_round_size(int64_t v) {
+    round_size = v;
+    return *this;
+  }
+  SimulateOptions& set_step_time(double v) {
+    step_time = v;
+    return *this;
+  }
+  SimulateOptions& set_overlap_backward_tail(bool v) {
+    overlap_backward_tail = v;
+    return *this;
+  }
+  SimulateOptions& set_publish_waits_for_readers(bool v) {
+    publish_waits_for_readers = v;
+    return *this;
+  }
+  SimulateOptions& set_num_iterations(int64_t v) {
+    num_iterations = v;
+    return *this;
+  }
 };
 
 /// One microbatch of a job on its device: compute from `start` to `end`, except `wait` time
@@ -81,14 +111,14 @@ struct MicrobatchSpan {
 /// One stage job of the simulated timeline (for plotting and checks).
 struct SimulatedJob {
   int64_t iteration = 0;
-  int64_t index = 0;  ///< the stage's position in the iteration's dispatch order
+  int64_t index = 0;             ///< the stage's position in the iteration's dispatch order
   int64_t first_microbatch = 0;  ///< of its round (0 without rounds)
   StagePhase phase = StagePhase::kForward;
   LayerRange layers;
   int64_t device = 0;
-  double start = 0;  ///< the device takes the job (its overhead starts)
-  double overhead = 0;  ///< device time spent from `start` on the upload (SimulateOptions::job_overhead)
-  double end = 0;    ///< its last microbatch ends
+  double start = 0;            ///< the device takes the job (its overhead starts)
+  double overhead = 0;         ///< device time spent from `start` on the upload (SimulateOptions::job_overhead)
+  double end = 0;              ///< its last microbatch ends
   double microbatch_cost = 0;  ///< compute time of one microbatch
   std::vector<MicrobatchSpan> microbatches;
 };
@@ -98,13 +128,13 @@ struct SimulatedJob {
 struct SimulationResult {
   int64_t num_devices = 0;
   int64_t num_microbatch = 0;
-  double makespan = 0;  ///< from 0 (all jobs posted) to the last job's end
-  double work = 0;      ///< compute time: sum over jobs of microbatches x microbatch_cost
-  double overhead = 0;  ///< sum of job overheads
-  std::vector<double> busy;  ///< per device: compute + overhead
-  double fill = 0;    ///< idle before each device's first job (all of a device's time if it has none)
-  double drain = 0;   ///< idle after each device's last microbatch
-  double steady = 0;  ///< the other idle time (between and inside jobs)
+  double makespan = 0;             ///< from 0 (all jobs posted) to the last job's end
+  double work = 0;                 ///< compute time: sum over jobs of microbatches x microbatch_cost
+  double overhead = 0;             ///< sum of job overheads
+  std::vector<double> busy;        ///< per device: compute + overhead
+  double fill = 0;                 ///< idle before each device's first job (all of a device's time if it has none)
+  double drain = 0;                ///< idle after each device's last microbatch
+  double steady = 0;               ///< the other idle time (between and inside jobs)
   std::vector<SimulatedJob> jobs;  ///< in dispatch order (iteration by iteration)
 
   double capacity() const { return static_cast<double>(num_devices) * makespan; }
@@ -121,9 +151,9 @@ struct SteadyStateResult {
   double period = 0;              ///< time per iteration once the pipeline repeats
   double work_per_iteration = 0;  ///< compute time of one iteration
   int64_t num_devices = 0;
-  int64_t num_iterations = 0;       ///< simulated
-  int64_t measured_iterations = 0;  ///< the last ones, over which `period` is averaged
-  bool periodic = false;            ///< the iterations repeat exactly: `period` is exact
+  int64_t num_iterations = 0;            ///< simulated
+  int64_t measured_iterations = 0;       ///< the last ones, over which `period` is averaged
+  bool periodic = false;                 ///< the iterations repeat exactly: `period` is exact
   std::vector<double> iteration_end;     ///< per iteration: its last job's end
   std::vector<double> iteration_return;  ///< per iteration: when its forward_backward returns
   /// Every simulated iteration's jobs (up to 256 iterations by default: set

@@ -156,8 +156,8 @@ at::Tensor ExpertsImpl::forward(const at::Tensor& x, const std::vector<int64_t>&
   const at::Tensor gate_up = adapted(gate_up_proj, lora_A_gate_up_proj, lora_B_gate_up_proj);
   const at::Tensor down = adapted(down_proj, lora_A_down_proj, lora_B_down_proj);
   if (gate_up_proj_bias.defined()) {
-    const at::Tensor y = detail::sorted_clamped_glu_experts(x, gate_up, gate_up_proj_bias, down, down_proj_bias,
-                                                            counts, config_.swiglu_alpha, config_.swiglu_limit);
+    const at::Tensor y = detail::sorted_clamped_glu_experts(x, gate_up, gate_up_proj_bias, down, down_proj_bias, counts,
+                                                            config_.swiglu_alpha, config_.swiglu_limit);
     if (!row_weights.defined()) return y;
     return (y.to(row_weights.scalar_type()) * row_weights.unsqueeze(1)).to(x.scalar_type());
   }
@@ -166,8 +166,7 @@ at::Tensor ExpertsImpl::forward(const at::Tensor& x, const std::vector<int64_t>&
 
 // ---- SparseMoeBlock ------------------------------------------------------------------------------
 
-SparseMoeBlockImpl::SparseMoeBlockImpl(const ModelConfig& config, int64_t layer_index,
-                                       const at::TensorOptions& options)
+SparseMoeBlockImpl::SparseMoeBlockImpl(const ModelConfig& config, int64_t layer_index, const at::TensorOptions& options)
     : config_(config), layer_index_(layer_index), options_(options) {
   reset();
 }
@@ -179,7 +178,8 @@ void SparseMoeBlockImpl::reset() {
     gate = register_module("router", Linear(config_.hidden_size, config_.num_experts, /*bias=*/true, options));
   }
   experts = register_module("experts", Experts(config_, options));
-  if (!gpt_oss) gate = register_module("gate", Linear(config_.hidden_size, config_.num_experts, /*bias=*/false, options));
+  if (!gpt_oss)
+    gate = register_module("gate", Linear(config_.hidden_size, config_.num_experts, /*bias=*/false, options));
 }
 
 std::vector<at::Tensor> SparseMoeBlockImpl::forward(const at::Tensor& x) {
@@ -247,8 +247,9 @@ MoeDecoderLayerImpl::MoeDecoderLayerImpl(const ModelConfig& config, int64_t laye
     : config_(config), layer_index_(layer_index), options_(options) {
   TORCH_CHECK(config.is_moe(), "MoeDecoderLayer: model_type ", model_type_name(config.architecture),
               " is not a mixture of experts; use DecoderLayer");
-  TORCH_CHECK(layer_index >= 0 && layer_index < config.num_hidden_layers, "MoeDecoderLayer: layer_index = ",
-              layer_index, " is outside [0, num_hidden_layers = ", config.num_hidden_layers, ")");
+  TORCH_CHECK(layer_index >= 0 && layer_index < config.num_hidden_layers,
+              "MoeDecoderLayer: layer_index = ", layer_index,
+              " is outside [0, num_hidden_layers = ", config.num_hidden_layers, ")");
   reset();
 }
 

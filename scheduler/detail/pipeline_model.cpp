@@ -41,7 +41,10 @@ void append_job(std::vector<JobSpec>& jobs, StagePhase phase, LayerRange layers,
     int64_t lo = 0, hi = forward_jobs;
     while (lo < hi) {
       const int64_t mid = (lo + hi) / 2;
-      if (jobs[mid].layers.end <= last) lo = mid + 1; else hi = mid;
+      if (jobs[mid].layers.end <= last)
+        lo = mid + 1;
+      else
+        hi = mid;
     }
     if (lo < forward_jobs && jobs[lo].layers.contains(last)) job.saved_job = lo;
   }
@@ -131,7 +134,8 @@ void PipelineModel::iterate(const std::vector<JobSpec>& jobs, std::vector<Simula
                                 : nullptr;
       SimulatedJob* rec = nullptr;
       if (record) {
-        record->push_back(SimulatedJob{it, k, first, job.phase, job.layers, d, start, options_.job_overhead, 0.0, job.cost, {}});
+        record->push_back(
+            SimulatedJob{it, k, first, job.phase, job.layers, d, start, options_.job_overhead, 0.0, job.cost, {}});
         rec = &record->back();
         rec->microbatches.reserve(static_cast<size_t>(last - first));
       }

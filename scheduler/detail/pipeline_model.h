@@ -58,8 +58,7 @@ class PipelineModel {
 
   /// Simulates `iterations` back-to-back iterations of `jobs`; appends every job to `record`
   /// when it is not null.
-  const Output& run(const std::vector<JobSpec>& jobs, int64_t iterations,
-                    std::vector<SimulatedJob>* record = nullptr);
+  const Output& run(const std::vector<JobSpec>& jobs, int64_t iterations, std::vector<SimulatedJob>* record = nullptr);
   /// Makespan of one isolated iteration.
   double makespan(const std::vector<JobSpec>& jobs);
   /// Back-to-back iterations until they repeat (or options.num_iterations of them).
@@ -78,14 +77,14 @@ class PipelineModel {
   std::vector<std::pair<int64_t, int64_t>> rounds_;  // microbatch ranges, one job per stage each
   // Simulation state between iterations.
   std::vector<double> device_free_;
-  std::vector<double> mb_end_;  // [job][microbatch] of the current iteration
-  double gate_ = 0;             // the next iteration's jobs are posted
-  std::vector<double> job_gate_;    // [job] the next iteration's job k may copy its layers (empty: at gate_)
-  std::vector<double> release_;     // [job] this iteration's last reader of the job's layers has its copy
-  std::vector<double> publish_at_;  // [layer] scratch
-  int64_t num_layers_ = 0;          // of the jobs reset() was given
-  double step_end_ = 0;         // the last iteration's optimizer step
-  int64_t device_ = 0;          // the cursor
+  std::vector<double> mb_end_;          // [job][microbatch] of the current iteration
+  double gate_ = 0;                     // the next iteration's jobs are posted
+  std::vector<double> job_gate_;        // [job] the next iteration's job k may copy its layers (empty: at gate_)
+  std::vector<double> release_;         // [job] this iteration's last reader of the job's layers has its copy
+  std::vector<double> publish_at_;      // [layer] scratch
+  int64_t num_layers_ = 0;              // of the jobs reset() was given
+  double step_end_ = 0;                 // the last iteration's optimizer step
+  int64_t device_ = 0;                  // the cursor
   std::vector<double> states_, gates_;  // per iteration, for steady()
   Output out_;
 

@@ -343,9 +343,12 @@ std::optional<std::pair<Cuts, Score>> PlanSearch::exhaustive(int64_t limit) {
 double PlanSearch::plan_count() const {
   const double L = static_cast<double>(num_layers_);
   switch (type_) {
-    case RunType::kInfer: return std::pow(2.0, L - 1);
-    case RunType::kTrain: return std::pow(4.0, L - 1);
-    case RunType::kFused: return 1 + (std::pow(4.0, L - 1) - 1) / 3;
+    case RunType::kInfer:
+      return std::pow(2.0, L - 1);
+    case RunType::kTrain:
+      return std::pow(4.0, L - 1);
+    case RunType::kFused:
+      return 1 + (std::pow(4.0, L - 1) - 1) / 3;
   }
   return 0;
 }

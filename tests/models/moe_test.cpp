@@ -2,17 +2,17 @@
 // by transformers itself (float32, eager attention and eager experts): logits, the load-balancing
 // loss, every gradient of CE + coef * aux, both checkpoint layouts, the export, and the same
 // training step through RoundPipe on 1 and 3 CPU devices with recompute (routing replayed).
-#include <torch/torch.h>
+#include "roundpipe/models/moe.h"
 
 #include <gtest/gtest.h>
+#include <torch/torch.h>
 
 #include <algorithm>
 #include <map>
 
+#include "roundpipe/models/detail/moe_experts.h"
 #include "roundpipe/models/layers.h"
 #include "roundpipe/models/lora.h"
-#include "roundpipe/models/detail/moe_experts.h"
-#include "roundpipe/models/moe.h"
 #include "roundpipe/models/pretrained.h"
 #include "roundpipe/models/safetensors.h"
 #include "roundpipe/recompute_data.h"
@@ -64,15 +64,20 @@ MoeSpec gpt_oss_spec() {
 std::string init_snippet(const MoeSpec& spec) {
   return "import transformers\n"
          "import torch.nn.functional as F\n"
-         "from transformers import AutoModelForCausalLM, " + spec.config_class + "\n"
-         "cfg = " + spec.config_class + "(**" + spec.kwargs + ", output_router_logits=True,\n"
+         "from transformers import AutoModelForCausalLM, " +
+         spec.config_class +
+         "\n"
+         "cfg = " +
+         spec.config_class + "(**" + spec.kwargs +
+         ", output_router_logits=True,\n"
          "    attn_implementation='eager', experts_implementation='eager')\n"
          "x, y = inputs['x'], inputs['y']\n"
          "k = cfg.num_experts_per_tok\n"
          "def margin(model):\n"
          "    with torch.no_grad():\n"
          "        logits = model(input_ids=x, output_router_logits=True).router_logits\n"
-         "    return min((lambda s: (s[:, k - 1] - s[:, k]).min().item())(torch.softmax(l.float(), -1).sort(-1, True)[0])\n"
+         "    return min((lambda s: (s[:, k - 1] - s[:, k]).min().item())(torch.softmax(l.float(), -1).sort(-1, "
+         "True)[0])\n"
          "               for l in logits)\n"
          "for seed in range(4321, 4421):\n"
          "    torch.manual_seed(seed)\n"
@@ -93,9 +98,11 @@ std::string init_snippet(const MoeSpec& spec) {
 // The model of init_snippet saved in both expert layouts, and for inputs x, targets y: the eval
 // logits, CE, aux and the gradient of every parameter of CE + coef * aux.
 std::string oracle_snippet(const MoeSpec& spec, const std::string& dir) {
-  return init_snippet(spec) +
-         "model.save_pretrained('" + dir + "/orig')\n"
-         "model.save_pretrained('" + dir + "/fused', save_original_format=False)\n"
+  return init_snippet(spec) + "model.save_pretrained('" + dir +
+         "/orig')\n"
+         "model.save_pretrained('" +
+         dir +
+         "/fused', save_original_format=False)\n"
          "model.eval()\n"
          "with torch.no_grad():\n"
          "    outputs['logits'] = model(input_ids=x).logits\n"
@@ -111,7 +118,9 @@ std::string oracle_snippet(const MoeSpec& spec, const std::string& dir) {
 
 std::string reload_snippet(const std::string& dir) {
   return "from transformers import AutoModelForCausalLM\n"
-         "m, info = AutoModelForCausalLM.from_pretrained('" + dir + "', output_loading_info=True,\n"
+         "m, info = AutoModelForCausalLM.from_pretrained('" +
+         dir +
+         "', output_loading_info=True,\n"
          "    attn_implementation='eager', experts_implementation='eager')\n"
          "outputs['missing'] = len(info['missing_keys'])\n"
          "outputs['unexpected'] = len(info['unexpected_keys'])\n"
@@ -190,7 +199,8 @@ void expect_matches_transformers(const MoeSpec& spec) {
   auto head = pre.model->ptr<LmHeadImpl>(pre.model->size() - 1);
   head->set_router_loss_log(log);
   const at::Tensor loss = models::forward(pre.model, batch.x, batch.y) / static_cast<double>(batch.y.numel());
-  const double expected_loss = ref.at("ce").item<double>() + pre.config.router_aux_loss_coef * ref.at("aux").item<double>();
+  const double expected_loss =
+      ref.at("ce").item<double>() + pre.config.router_aux_loss_coef * ref.at("aux").item<double>();
   EXPECT_NEAR(loss.item<double>(), expected_loss, 1e-5);
   EXPECT_NEAR(log->take(), ref.at("aux").item<double>(), 1e-6);
   loss.backward();
@@ -226,8 +236,12 @@ TEST(GptOssTest, Mxfp4Checkpoint_LoadsDequantizedAsTransformers) {
       "torch.manual_seed(2)\n"
       "cfg = GptOssConfig(vocab_size=128, hidden_size=64, intermediate_size=32, num_hidden_layers=1,"
       " num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=3, num_experts_per_tok=2)\n"
-      "AutoModelForCausalLM.from_config(cfg).save_pretrained('" + dir + "')\n"
-      "sd = load_file('" + dir + "/model.safetensors')\n"
+      "AutoModelForCausalLM.from_config(cfg).save_pretrained('" +
+      dir +
+      "')\n"
+      "sd = load_file('" +
+      dir +
+      "/model.safetensors')\n"
       "for n in ['gate_up_proj', 'down_proj']:\n"
       "    key = 'model.layers.0.mlp.experts.' + n\n"
       "    w = sd.pop(key)\n"
@@ -236,11 +250,16 @@ TEST(GptOssTest, Mxfp4Checkpoint_LoadsDequantizedAsTransformers) {
       "    scales = torch.randint(120, 134, (3, rows, cols // 32), dtype=torch.uint8)\n"
       "    sd[key + '_blocks'], sd[key + '_scales'] = blocks, scales\n"
       "    outputs[n] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)\n"
-      "save_file(sd, '" + dir + "/model.safetensors', metadata={'format': 'pt'})\n"
-      "c = json.load(open('" + dir + "/config.json'))\n"
+      "save_file(sd, '" +
+      dir +
+      "/model.safetensors', metadata={'format': 'pt'})\n"
+      "c = json.load(open('" +
+      dir +
+      "/config.json'))\n"
       "c['quantization_config'] = {'quant_method': 'mxfp4', 'modules_to_not_convert': ['model.layers.*.self_attn',"
       " 'model.layers.*.mlp.router', 'model.embed_tokens', 'lm_head']}\n"
-      "json.dump(c, open('" + dir + "/config.json', 'w'))\n");
+      "json.dump(c, open('" +
+      dir + "/config.json', 'w'))\n");
   Pretrained pre = load_pretrained(dir);
   std::map<std::string, at::Tensor> params;
   for (const auto& [name, tensor] : hf_state_dict(pre.model, pre.config)) params[name] = tensor;
@@ -271,8 +290,7 @@ TEST(GptOssTest, Ablations_SinksWindowAndClampChangeTheResult) {
     return models::forward(pre.model, make_batch().x);
   };
   const at::Tensor reference = logits_of(R"(, "sliding_window": 5, "swiglu_limit": 1.0)", false);
-  EXPECT_GT(max_abs_diff(reference, logits_of(R"(, "sliding_window": 5, "swiglu_limit": 1.0)", true)), 1e-3)
-      << "sinks";
+  EXPECT_GT(max_abs_diff(reference, logits_of(R"(, "sliding_window": 5, "swiglu_limit": 1.0)", true)), 1e-3) << "sinks";
   EXPECT_GT(max_abs_diff(reference, logits_of(R"(, "sliding_window": 64, "swiglu_limit": 1.0)", false)), 1e-3)
       << "window";
   EXPECT_GT(max_abs_diff(reference, logits_of(R"(, "sliding_window": 5, "swiglu_limit": 100.0)", false)), 1e-3)
@@ -451,7 +469,8 @@ TEST(Qwen3MoeTest, RoundPipeMatchesTransformersAndIsDeviceCountInvariant) {
     cfg.execute_plan = plan;
     cfg.recompute_grain = grain;
     const double n = static_cast<double>(batch.y.numel());
-    model.forward_backward({batch.x}, batch.y, [n](const at::Tensor& out, const at::Tensor&) { return out / n; }, cfg);
+    model.forward_backward(
+        {batch.x}, batch.y, [n](const at::Tensor& out, const at::Tensor&) { return out / n; }, cfg);
     model.synchronize();
     std::map<std::string, at::Tensor> grads;
     for (const auto& p : model.module()->named_parameters()) {
@@ -478,9 +497,13 @@ TEST(Qwen3MoeTest, RoundPipeMatchesTransformersAndIsDeviceCountInvariant) {
 std::string peft_experts_snippet(const MoeSpec& spec, const std::string& dir, const std::string& targets) {
   return init_snippet(spec) +
          "from peft import LoraConfig, get_peft_model\n"
-         "model.save_pretrained('" + dir + "/base')\n"
+         "model.save_pretrained('" +
+         dir +
+         "/base')\n"
          "peft_model = get_peft_model(model, LoraConfig(r=2, lora_alpha=6, target_modules=['q_proj'],\n"
-         "    target_parameters=" + targets + "))\n"
+         "    target_parameters=" +
+         targets +
+         "))\n"
          "for seed in range(7, 57):\n"
          "    torch.manual_seed(seed)\n"
          "    with torch.no_grad():\n"
@@ -489,7 +512,9 @@ std::string peft_experts_snippet(const MoeSpec& spec, const std::string& dir, co
          "    if margin(peft_model) >= 1e-4:\n"
          "        break\n"
          "assert margin(peft_model) >= 1e-4, 'no adapter seed gives router margins >= 1e-4'\n"
-         "peft_model.save_pretrained('" + dir + "/peft')\n"
+         "peft_model.save_pretrained('" +
+         dir +
+         "/peft')\n"
          "outputs['trainable'] = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)\n"
          "peft_model.eval()\n"
          "with torch.no_grad():\n"
@@ -507,9 +532,13 @@ std::string peft_experts_snippet(const MoeSpec& spec, const std::string& dir, co
 std::string peft_reload_snippet(const std::string& base_dir, const std::string& adapter_dir) {
   return "from transformers import AutoModelForCausalLM\n"
          "from peft import PeftModel\n"
-         "base = AutoModelForCausalLM.from_pretrained('" + base_dir + "', attn_implementation='eager',\n"
+         "base = AutoModelForCausalLM.from_pretrained('" +
+         base_dir +
+         "', attn_implementation='eager',\n"
          "    experts_implementation='eager')\n"
-         "m = PeftModel.from_pretrained(base, '" + adapter_dir + "').eval()\n"
+         "m = PeftModel.from_pretrained(base, '" +
+         adapter_dir +
+         "').eval()\n"
          "with torch.no_grad():\n"
          "    outputs['logits'] = m(input_ids=inputs['x']).logits\n";
 }
@@ -533,9 +562,8 @@ void expect_lora_grads_match(const torch::nn::Sequential& model, const ModelConf
     EXPECT_LE(max_abs_diff(trainable[i].grad(), expected), 1e-5 * std::max(1.0, max_abs(expected))) << name;
     ++compared;
   }
-  EXPECT_EQ(compared, static_cast<int>(std::count_if(ref.begin(), ref.end(), [](const auto& kv) {
-              return kv.first.rfind("grad:", 0) == 0;
-            })));
+  EXPECT_EQ(compared, static_cast<int>(std::count_if(ref.begin(), ref.end(),
+                                                     [](const auto& kv) { return kv.first.rfind("grad:", 0) == 0; })));
 }
 
 // A PEFT adapter with expert targets loads, evaluates and trains (every gradient) as PEFT; ours
@@ -604,9 +632,9 @@ TEST(MoeLoraTest, Targets_LayerSuffixAndRefusals) {
   const auto adapters = lora_state_dict(model, config);
   ASSERT_EQ(adapters.size(), 2u);
   EXPECT_EQ(adapters[0].first, "base_model.model.model.layers.1.mlp.experts.lora_A.weight");
-  EXPECT_EQ(adapters[0].second.sizes(), (std::vector<int64_t>{4 * 8, 8}));   // [E r, H]
+  EXPECT_EQ(adapters[0].second.sizes(), (std::vector<int64_t>{4 * 8, 8}));      // [E r, H]
   EXPECT_EQ(adapters[1].second.sizes(), (std::vector<int64_t>{2 * 8, 4 * 8}));  // [2I, r E]
-  EXPECT_TRUE(adapters[1].second.eq(0).all().item<bool>());  // lora_B starts at zero, as in PEFT
+  EXPECT_TRUE(adapters[1].second.eq(0).all().item<bool>());                     // lora_B starts at zero, as in PEFT
 
   auto refused = [&](const LoraOptions& o, const std::string& needle) {
     auto m = fresh();
@@ -641,16 +669,14 @@ TEST(MoeLoraTest, RoundPipeMatchesPeft) {
   const auto before = lora_state_dict(pre.model, pre.config);
   std::map<std::string, at::Tensor> start;
   for (const auto& [name, w] : before) start[name] = w.clone();
-  RoundPipe model(pre.model, RoundPipeOptions()
-                                 .devices(std::vector<c10::Device>(3, c10::kCPU))
-                                 .seed(1)
-                                 .label_to_last_layer(true));
+  RoundPipe model(pre.model,
+                  RoundPipeOptions().devices(std::vector<c10::Device>(3, c10::kCPU)).seed(1).label_to_last_layer(true));
   RunConfig cfg;
   cfg.num_microbatch = 1;  // the aux loss is per microbatch (docs/models.md); PEFT's is the batch's
   cfg.execute_plan = scheduler::ExecutePlan({{0, 2}, {2, 4}}, {{4, 5}, {3, 4}, {1, 3}, {0, 1}});
   const double n = static_cast<double>(batch.y.numel());
-  const at::Tensor loss =
-      model.forward_backward({batch.x}, batch.y, [n](const at::Tensor& out, const at::Tensor&) { return out / n; }, cfg);
+  const at::Tensor loss = model.forward_backward(
+      {batch.x}, batch.y, [n](const at::Tensor& out, const at::Tensor&) { return out / n; }, cfg);
   EXPECT_NEAR(loss.item<double>(), ref.at("loss").item<double>(), 1e-5);
   model.synchronize();
   expect_lora_grads_match(model.module(), pre.config, ref);
@@ -663,8 +689,8 @@ TEST(MoeLoraTest, RoundPipeMatchesPeft) {
         for (auto& p : masters) p.sub_(p.grad(), kLr);
       },
       StepMode::kSync);
-  const LoraOptions options = LoraOptions().rank(2).alpha(6).target_modules({"q_proj"}).target_parameters(
-      {"gate_up_proj", "down_proj"});
+  const LoraOptions options =
+      LoraOptions().rank(2).alpha(6).target_modules({"q_proj"}).target_parameters({"gate_up_proj", "down_proj"});
   save_lora_adapter(model, pre.config, options, dir + "/stepped");
   auto file = SafetensorsFile::open(dir + "/stepped/adapter_model.safetensors");
   EXPECT_EQ(file->names().size(), before.size());

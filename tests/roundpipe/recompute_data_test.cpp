@@ -3,6 +3,8 @@
 // a call counter, which a fresh decision would change) is replayed, with either recompute grain
 // and any device count; inference neither saves nor replays, nor does the fused tail with the
 // stage grain (with the layer grain it recomputes too: Note [Fused tail recompute]).
+#include "roundpipe/recompute_data.h"
+
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -10,7 +12,6 @@
 #include <cmath>
 #include <vector>
 
-#include "roundpipe/recompute_data.h"
 #include "roundpipe/round_pipe.h"
 #include "tests/common/tensor_compare.h"
 #include "tests/roundpipe/test_models.h"

@@ -56,8 +56,8 @@ TEST(SimulatorTest, HandComputedTimeline_TwoDevicesFusedPlan) {
 // Same plan, recompute ahead: B recomputes (2) as soon as d1 is free, then waits for the gradient.
 //   mb0: recompute [4,6], gradient at 5, backward [6,8]; mb1 [8,12]; mb2 [12,16].
 TEST(SimulatorTest, HandComputedTimeline_RecomputeAhead) {
-  auto r = simulate(two_forward_plan(), RunType::kFused, unit_costs(3), 2, 3,
-                    SimulateOptions().set_recompute_ahead(true));
+  auto r =
+      simulate(two_forward_plan(), RunType::kFused, unit_costs(3), 2, 3, SimulateOptions().set_recompute_ahead(true));
   expect_timeline(r.jobs, {{0, {{0, 1}, {1, 2}, {2, 3}}},
                            {1, {{1, 2}, {2, 3}, {3, 4}}},
                            {0, {{3, 5}, {5, 7}, {7, 9}}},
@@ -72,13 +72,14 @@ TEST(SimulatorTest, HandComputedTimeline_RecomputeAhead) {
 TEST(SimulatorTest, HandComputedTimeline_FusedRecompute) {
   const ExecutePlan plan({{0, 1}}, {{1, 3}, {0, 1}});
   auto r = simulate(plan, RunType::kFused, unit_costs(3), 2, 3, SimulateOptions().set_fused_recompute(true));
-  expect_timeline(r.jobs, {{0, {{0, 1}, {1, 2}, {2, 3}}}, {1, {{1, 6}, {6, 11}, {11, 16}}}, {0, {{6, 8}, {11, 13}, {16, 18}}}});
+  expect_timeline(r.jobs,
+                  {{0, {{0, 1}, {1, 2}, {2, 3}}}, {1, {{1, 6}, {6, 11}, {11, 16}}}, {0, {{6, 8}, {11, 13}, {16, 18}}}});
   EXPECT_DOUBLE_EQ(r.work, 24);  // 3 x (1 + 5 + 2)
   const auto plain = simulate(plan, RunType::kFused, unit_costs(3), 2, 3);
   EXPECT_DOUBLE_EQ(plain.jobs[1].microbatches[0].end - plain.jobs[1].microbatches[0].start, 4);
   // A tail of one layer recomputes nothing.
-  const auto one = simulate(two_forward_plan(), RunType::kFused, unit_costs(3), 2, 3,
-                            SimulateOptions().set_fused_recompute(true));
+  const auto one =
+      simulate(two_forward_plan(), RunType::kFused, unit_costs(3), 2, 3, SimulateOptions().set_fused_recompute(true));
   EXPECT_DOUBLE_EQ(one.makespan, 17);
 }
 

@@ -56,8 +56,7 @@ void experts_forward(const at::Tensor& x, const at::Tensor& gate_up, const at::T
     const int64_t n = counts[e];
     if (n == 0) continue;
     const at::Tensor xe = x.narrow(0, offset, n);
-    at::Tensor gu = gate_up_rows.defined() ? gate_up_rows.narrow(0, offset, n)
-                                           : at::empty({n, 2 * inter}, x.options());
+    at::Tensor gu = gate_up_rows.defined() ? gate_up_rows.narrow(0, offset, n) : at::empty({n, 2 * inter}, x.options());
     at::mm_out(gu, xe, gate_up[static_cast<int64_t>(e)].t());
     const at::Tensor act = at::silu(gu.narrow(1, 0, inter)) * gu.narrow(1, inter, inter);
     at::Tensor ye = y.narrow(0, offset, n);
@@ -273,8 +272,8 @@ class SortedClampedGluExperts : public torch::autograd::Function<SortedClampedGl
       }
       offset += n;
     }
-    return {grad_x, grad_gate_up, grad_gate_up_bias, grad_down, grad_down_bias, at::Tensor(), at::Tensor(),
-            at::Tensor()};
+    return {grad_x,         grad_gate_up, grad_gate_up_bias, grad_down,
+            grad_down_bias, at::Tensor(), at::Tensor(),      at::Tensor()};
   }
 };
 
@@ -293,9 +292,9 @@ at::Tensor sorted_clamped_glu_experts(const at::Tensor& x, const at::Tensor& gat
   TORCH_CHECK(std::accumulate(counts.begin(), counts.end(), int64_t{0}) == x.size(0), "experts: the counts sum to ",
               std::accumulate(counts.begin(), counts.end(), int64_t{0}), " but x has ", x.size(0), " rows");
   const at::Tensor xc = x.contiguous();
-  const bool records = at::GradMode::is_enabled() &&
-                       (x.requires_grad() || gate_up.requires_grad() || gate_up_bias.requires_grad() ||
-                        down.requires_grad() || down_bias.requires_grad());
+  const bool records =
+      at::GradMode::is_enabled() && (x.requires_grad() || gate_up.requires_grad() || gate_up_bias.requires_grad() ||
+                                     down.requires_grad() || down_bias.requires_grad());
   if (records) {
     return SortedClampedGluExperts::apply(xc, gate_up, gate_up_bias, down, down_bias, counts, alpha, limit);
   }
@@ -316,7 +315,7 @@ at::Tensor sorted_swiglu_experts(const at::Tensor& x, const at::Tensor& gate_up,
   TORCH_CHECK(std::accumulate(counts.begin(), counts.end(), int64_t{0}) == x.size(0), "experts: the counts sum to ",
               std::accumulate(counts.begin(), counts.end(), int64_t{0}), " but x has ", x.size(0), " rows");
   TORCH_CHECK(!row_weights.defined() || (row_weights.dim() == 1 && row_weights.size(0) == x.size(0) &&
-                                        at::isFloatingType(row_weights.scalar_type())),
+                                         at::isFloatingType(row_weights.scalar_type())),
               "experts: row_weights must be floating [", x.size(0), "], got ",
               row_weights.defined() ? c10::str(row_weights.sizes()) : std::string("undefined"));
   const at::Tensor xc = x.contiguous();
