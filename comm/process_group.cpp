@@ -70,6 +70,9 @@ struct ProcessGroup::Impl {
   c10::intrusive_ptr<c10d::Store> beat_store;  // a second connection, prefixed; heartbeat thread only
   c10::intrusive_ptr<c10d::Backend> backend;
   std::string store_host;  // "rank 0" or "torchrun's agent"
+  // A group made by split(): the group it was split from (kept alive: its store, its beats).
+  std::shared_ptr<ProcessGroup> parent;
+  std::atomic<int64_t> splits{0};  // split() calls so far: names each child's store prefix
 
   std::mutex beat_mutex;
   std::condition_variable beat_cv;
@@ -132,6 +135,7 @@ struct ProcessGroup::Impl {
 
   // Names the ranks that stopped beating (Note [Naming the missing rank]).
   std::string diagnose() const {
+    if (parent) return parent->impl_->diagnose();
     if (!beat_thread.joinable()) return "";
     try {
       auto read = [&] {
@@ -194,6 +198,34 @@ std::shared_ptr<ProcessGroup> ProcessGroup::from_env(const ProcessGroupOptions& 
   return create(LaunchEnv::from_env(), options);
 }
 
+// Connects `impl`'s backend (gloo or nccl) over `store`: every rank calls it with the same store
+// prefix, which its keys are under.
+static void connect_backend(ProcessGroup::Impl& impl, Backend backend, const c10::intrusive_ptr<c10d::Store>& store) {
+  const LaunchEnv& env = impl.env;
+  const ProcessGroupOptions& options = impl.options;
+  try {
+    if (backend == Backend::kGloo) {
+      auto opts = c10d::ProcessGroupGloo::Options::create(options.timeout());
+      const char* ifname = std::getenv("GLOO_SOCKET_IFNAME");
+      if (ifname != nullptr && *ifname != '\0') {
+        opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(ifname));
+      } else if (is_loopback(env.master_addr)) {
+        opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
+      } else {
+        opts->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
+      }
+      auto gloo_store = c10::make_intrusive<c10d::PrefixStore>("gloo/", store);
+      impl.backend = c10::make_intrusive<c10d::ProcessGroupGloo>(gloo_store, static_cast<int>(env.rank),
+                                                                 static_cast<int>(env.world_size), opts);
+    } else {
+      auto nccl_store = c10::make_intrusive<c10d::PrefixStore>("nccl/", store);
+      impl.backend = detail::make_nccl_backend(nccl_store, env.rank, env.world_size, options.timeout());
+    }
+  } catch (const std::exception& e) {
+    impl.fail("connecting the backend", e);
+  }
+}
+
 std::shared_ptr<ProcessGroup> ProcessGroup::create(const LaunchEnv& env, const ProcessGroupOptions& options) {
   TORCH_CHECK(env.world_size >= 1 && env.rank >= 0 && env.rank < env.world_size, "ProcessGroup: rank ", env.rank,
               " must be in [0, world size ", env.world_size, ")");
@@ -220,27 +252,21 @@ std::shared_ptr<ProcessGroup> ProcessGroup::create(const LaunchEnv& env, const P
     impl->beat_store = impl->connect_store(false);
     impl->beat_thread = std::thread([raw = impl.get()] { raw->heartbeat_loop(); });
   }
-  try {
-    if (backend == Backend::kGloo) {
-      auto opts = c10d::ProcessGroupGloo::Options::create(options.timeout());
-      const char* ifname = std::getenv("GLOO_SOCKET_IFNAME");
-      if (ifname != nullptr && *ifname != '\0') {
-        opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(ifname));
-      } else if (is_loopback(env.master_addr)) {
-        opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
-      } else {
-        opts->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
-      }
-      auto gloo_store = c10::make_intrusive<c10d::PrefixStore>("gloo/", impl->store);
-      impl->backend = c10::make_intrusive<c10d::ProcessGroupGloo>(gloo_store, static_cast<int>(env.rank),
-                                                                  static_cast<int>(env.world_size), opts);
-    } else {
-      auto nccl_store = c10::make_intrusive<c10d::PrefixStore>("nccl/", impl->store);
-      impl->backend = detail::make_nccl_backend(nccl_store, env.rank, env.world_size, options.timeout());
-    }
-  } catch (const std::exception& e) {
-    impl->fail("connecting the backend", e);
-  }
+  connect_backend(*impl, backend, impl->store);
+  return std::shared_ptr<ProcessGroup>(new ProcessGroup(std::move(impl)));
+}
+
+std::shared_ptr<ProcessGroup> ProcessGroup::split() {
+  auto impl = std::make_unique<Impl>();
+  impl->env = impl_->env;
+  impl->options = impl_->options;
+  impl->store_host = impl_->store_host;
+  impl->parent = shared_from_this();
+  if (impl_->env.world_size == 1) return std::shared_ptr<ProcessGroup>(new ProcessGroup(std::move(impl)));
+  impl->backend_kind = impl_->backend_kind;
+  impl->store =
+      c10::make_intrusive<c10d::PrefixStore>(c10::str("split/", impl_->splits.fetch_add(1), "/"), impl_->store);
+  connect_backend(*impl, *impl->backend_kind, impl->store);
   return std::shared_ptr<ProcessGroup>(new ProcessGroup(std::move(impl)));
 }
 

@@ -72,7 +72,7 @@ class Work {
 /// Thread-safety: collectives may be issued from any thread, but every rank must issue the same
 /// collectives in the same order (as with torch.distributed). A one-rank group needs no network and
 /// its collectives return at once.
-class ProcessGroup {
+class ProcessGroup : public std::enable_shared_from_this<ProcessGroup> {
  public:
   /// Rendezvous at env.master_addr:env.master_port (a TCPStore: rank 0 hosts it, or torchrun's
   /// agent when env.use_agent_store) and connects the backend. Throws c10::Error naming the ranks
@@ -96,6 +96,14 @@ class ProcessGroup {
   Work broadcast(const at::Tensor& tensor, int64_t root = 0);
   /// Returns when every rank called it (or throws after the timeout naming the missing ranks).
   void barrier();
+
+  /// A second group over the same ranks, with connections of its own: its collectives are ordered
+  /// independently of this group's, so a thread may issue them while another thread issues this
+  /// group's (the runtime's gradient all-reduces run beside the caller's own collectives). Every
+  /// rank must call split() the same number of times, in the same order; no collective is needed.
+  /// It shares this group's rendezvous store and liveness beats (this group must outlive it: it
+  /// holds a reference).
+  std::shared_ptr<ProcessGroup> split();
 
   struct Impl;
 

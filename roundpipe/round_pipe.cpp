@@ -57,47 +57,67 @@ std::atomic<uint64_t> next_flag_batch{1};  // run ids for GradScaler flags, uniq
 // sync. Used on the thread that owns the sync at that point: the caller, then the run's tail.
 class PendingGradSync {
  public:
-  explicit PendingGradSync(detail::GradSync* sync) : sync_(sync) {}
+  PendingGradSync() = default;
+  PendingGradSync(detail::GradSync* sync, std::shared_ptr<detail::GradSync::Run> run)
+      : sync_(sync), run_(std::move(run)) {}
   ~PendingGradSync() {
-    if (sync_ != nullptr) sync_->abandon();
+    if (sync_ != nullptr) sync_->abandon(*run_);
   }
+  PendingGradSync(PendingGradSync&& other) noexcept
+      : sync_(std::exchange(other.sync_, nullptr)), run_(std::move(other.run_)) {}
   PendingGradSync(const PendingGradSync&) = delete;
   PendingGradSync& operator=(const PendingGradSync&) = delete;
+  PendingGradSync& operator=(PendingGradSync&&) = delete;
 
-  /// The run succeeded: averages its gradients over the ranks (GradSync::finish).
-  void finish() {
-    if (detail::GradSync* sync = std::exchange(sync_, nullptr)) sync->finish();
+  /// The run's jobs succeeded: averages its gradients over the ranks and combines its found_inf
+  /// flags (GradSync::finish). Returns the combined found_inf ([1]).
+  at::Tensor finish(const detail::RunContext& ctx) {
+    detail::GradSync* sync = std::exchange(sync_, nullptr);
+    // Note [found_inf across ranks]: the scaler's skip decision and its next scale come from the
+    // found_inf flags of the run's backward jobs, computed on this rank's gradients before the
+    // average. They are combined here (max over the ranks, one flag), so every rank skips the same
+    // steps and keeps the same scale, exactly as one process with the whole batch would. The
+    // all-reduce runs with or without a scaler, so every rank issues the same collectives.
+    const at::Tensor deferred = ctx.scaler_link.deferred_found_inf();
+    at::Tensor found =
+        deferred.defined() ? deferred.to(at::kFloat).reshape({1}).contiguous() : at::zeros({1}, at::kFloat);
+    return sync->finish(*run_, std::move(found));
   }
-  /// Hands the sync to the run's tail, which guards it from then on.
-  detail::GradSync* release() { return std::exchange(sync_, nullptr); }
+  explicit operator bool() const { return sync_ != nullptr; }
 
  private:
-  detail::GradSync* sync_;
+  detail::GradSync* sync_ = nullptr;
+  std::shared_ptr<detail::GradSync::Run> run_;
 };
 
 // The tail of a training run (Note [Run tails] in step_pipeline.cpp), detached or not, on the step
 // pipeline's tail thread: waits for the run's backward jobs, then averages the gradients over the
-// ranks (with a sync) and hands them over, accumulated until step. A failed run hands nothing
-// over: its sync is abandoned, the GradScaler flags announced for it are dropped (as for a run
-// never announced, so that no update waits for flags that never come), and the error is rethrown.
+// ranks (with a sync: its found_inf flags combined and posted as one) and hands them over,
+// accumulated until step. A failed run hands nothing over: its sync is abandoned, the GradScaler
+// flags announced for it are dropped (as for a run never announced, so that no update waits for
+// flags that never come), and the error is rethrown.
 struct RunTail {
   std::shared_ptr<detail::RunContext> ctx;
   std::shared_ptr<detail::RunJobs> jobs;
   detail::StepPipeline* steps = nullptr;
   const detail::LayerSet* layers = nullptr;
   int64_t steps_before = 0;
-  detail::GradSync* sync = nullptr;               // released to the tail by the caller, or null
+  std::shared_ptr<PendingGradSync> sync;          // released to the tail by the caller, or null
   amp::GradScaler* flags_announced_to = nullptr;  // a detached run's scaler, told to expect its flags
 
   void operator()() const {
-    PendingGradSync pending(sync);
+    PendingGradSync pending = sync ? std::move(*sync) : PendingGradSync();
     if (const std::exception_ptr error = detail::finish_backward(*ctx, *jobs)) {
       if (flags_announced_to != nullptr) {
         ctx->scaler_link.drop_announced_flags(*flags_announced_to);
       }
       std::rethrow_exception(error);
     }
-    pending.finish();
+    if (pending) {
+      const at::Tensor found = pending.finish(*ctx);
+      amp::GradScaler* scaler = ctx->scaler_link.scaler();
+      if (scaler != nullptr && scaler->is_enabled()) ctx->scaler_link.post_combined(found.reshape({}));
+    }
     steps->accept_grads(*layers, ctx->grads, steps_before);
   }
 };
@@ -147,6 +167,7 @@ struct RoundPipe::Impl {
   const Logger* const log = &Logger::get("runtime");
   std::unique_ptr<detail::PlanSelector> planner;
   std::unique_ptr<detail::GradSync> grad_sync;  // with a process group of more than one rank
+  int64_t overlapped_runs = 0;                  // detached runs with a grad_sync
   detail::CallerGuard caller_guard;             // Note [One caller thread]
   std::unique_ptr<detail::StepPipeline> steps;  // declared last: destroyed (drained) first
 
@@ -170,7 +191,6 @@ struct RoundPipe::Impl {
   void prelease_backward_shells(detail::RunContext& ctx, int64_t fused_begin);
   [[noreturn]] void fail_run(const std::shared_ptr<detail::RunContext>& ctx,
                              const std::shared_ptr<detail::RunJobs>& jobs, const std::exception_ptr& head_error);
-  int64_t combine_found_inf(detail::RunContext& ctx, amp::GradScaler* scaler);
 
   // The entry of forward_backward, forward, step and synchronize (Note [One caller thread]): one
   // thread at a time, and never one of the model's own threads, where a callback calling back in
@@ -413,9 +433,9 @@ int64_t RoundPipe::Impl::device_memory_budget() const {
 
 void RoundPipe::Impl::make_planner() {
   const int64_t budget = device_memory_budget();
-  // Overlapping iterations: forward_backward returns before its backward ends (Note [Overlapping
-  // iterations]); data-parallel runs wait for their gradient all-reduce.
-  const bool iterations_overlap = options.overlap_backward() && !data_parallel();
+  // Overlapping iterations: forward_backward returns before its backward (and, with data
+  // parallelism, its gradient all-reduces) ends (Note [Overlapping iterations]).
+  const bool iterations_overlap = options.overlap_backward();
   std::vector<std::string> kinds;
   for (const auto& layer : layer_set.layers) kinds.push_back(layer.ptr()->name());
   planner = std::make_unique<detail::PlanSelector>(
@@ -440,16 +460,19 @@ RoundPipe::~RoundPipe() = default;
 // forward_backward returns once its forward and fused jobs have finished: the losses are known and
 // every buffer's final value has been written back. Its backward jobs go on; the rest of the run
 // (waiting for them, handing the gradients over) is its tail, queued on the step pipeline's tail
-// thread (Note [Run tails] in step_pipeline.cpp). The GradScaler learns the number of found_inf
-// flags to expect (one per backward stage) at once, so update() works as before; a tail that
-// fails drops its flags (GradScalerAccess::drop_run), as a failed run always did. Backward stages
+// thread (Note [Run tails] in step_pipeline.cpp). With data parallelism the tail also waits for
+// the run's gradient all-reduces and averages them (Note [Gradient buckets] in grad_sync.h): they
+// overlap the next iteration's forward like the backward itself. The GradScaler learns the number
+// of found_inf flags to expect (one per backward stage; with data parallelism the one the tail
+// combines over the ranks) at once, so update() works as before; a tail that fails drops its
+// flags (GradScalerAccess::drop_run), as a failed run always did. Backward stages
 // copy buffers from the forward's snapshots, never from the model, so writing the buffers back
 // does not race them. The background jobs must not touch what the caller's thread may use
 // meanwhile: they lease no new shell (the caller leases theirs before the dispatch, since
 // cloning a layer draws from the CPU generator) and reseed no generator (Note [Draws in the
 // tail]). The run is not detached, and the caller waits for its tail, when the gradients must be
-// complete before returning (data parallelism: the average over the ranks; the call that
-// measures layer times: the planner reads them), when a layer of a backward stage drew random
+// complete before returning (the call that measures layer times: the planner reads them), when a
+// layer of a backward stage drew random
 // numbers in its forward (dropout in training mode: its recompute reseeds the device's default
 // generator, which the caller's thread may be drawing from), or with
 // RoundPipeOptions::overlap_backward off.
@@ -468,7 +491,7 @@ torch::Tensor RoundPipe::forward_backward(const std::vector<torch::Tensor>& inpu
   PendingGradSync sync = m.begin_grad_sync(ctx);  // abandoned if this call fails
   const auto [cfg, plan] = m.prepare(ctx, RunType::kFused, "forward_backward", inputs, label, config, measure);
   const int64_t fused_begin = plan.backward_stages().front().begin;
-  bool detached = m.options.overlap_backward() && m.grad_sync == nullptr && ctx.forward_ms.empty();
+  bool detached = m.options.overlap_backward() && ctx.forward_ms.empty();
   if (detached) m.prelease_backward_shells(ctx, fused_begin);
   detail::StepPipeline* steps = m.steps.get();
   ctx.on_release = [steps](int64_t l) { steps->release_layer(l); };
@@ -488,19 +511,25 @@ torch::Tensor RoundPipe::forward_backward(const std::vector<torch::Tensor>& inpu
   torch::Tensor total = ctx.losses[0].clone();
   for (int64_t j = 1; j < cfg.num_microbatch; ++j) total.add_(ctx.losses[j]);
   RunTail tail{run_ctx, jobs, steps, &m.layer_set, steps_before};
+  if (sync) tail.sync = std::make_shared<PendingGradSync>(std::move(sync));
   if (detached) {
-    // The scaler expects a flag per backward stage; a failed tail drops them.
+    // The scaler expects a flag per backward stage (with data parallelism: the one the tail
+    // combines over the ranks); a failed tail drops them.
     const bool flags = scaler != nullptr && scaler->is_enabled();
-    const int64_t expected_flags = flags ? static_cast<int64_t>(plan.backward_stages().size()) : 0;
+    const int64_t per_run = m.grad_sync ? 1 : static_cast<int64_t>(plan.backward_stages().size());
+    const int64_t expected_flags = flags ? per_run : 0;
     if (scaler != nullptr) steps->attach_scaler(*scaler, ctx.scaler_link, expected_flags);
     if (expected_flags > 0) tail.flags_announced_to = scaler;
+    if (m.grad_sync) ++m.overlapped_runs;
     steps->post_tail(tail, /*detached=*/true);
     return total;
   }
-  tail.sync = sync.release();
   steps->post_tail(tail, /*detached=*/false).get();
-  const int64_t flags_posted = m.combine_found_inf(ctx, scaler);
-  if (scaler != nullptr) steps->attach_scaler(*scaler, ctx.scaler_link, flags_posted);
+  if (scaler != nullptr) {
+    // With data parallelism the tail posted the one combined flag (when the scaler is enabled).
+    const bool combined = m.grad_sync != nullptr && scaler->is_enabled();
+    steps->attach_scaler(*scaler, ctx.scaler_link, combined ? 1 : ctx.scaler_link.flags_posted());
+  }
   if (!ctx.forward_ms.empty()) {
     const std::string plans = m.planner->use_measured_times(ctx.forward_ms, ctx.backward_stage_ms, cfg.num_microbatch);
     ROUNDPIPE_LOG(*m.log, kInfo, "RoundPipe '", m.options.name(), "': plan from measured layer times: ", plans);
@@ -508,16 +537,16 @@ torch::Tensor RoundPipe::forward_backward(const std::vector<torch::Tensor>& inpu
   return total;
 }
 
-// Data parallelism: starts the gradient sync of the run `ctx` (after every earlier run's tail),
-// whose jobs report their layers' final gradients to it and defer their found_inf flags.
+// Data parallelism: starts the gradient sync of the run `ctx` (earlier runs' tails may still be
+// running: Note [Gradient buckets]), whose jobs report their layers' final gradients to it and
+// defer their found_inf flags.
 PendingGradSync RoundPipe::Impl::begin_grad_sync(detail::RunContext& ctx) {
   detail::GradSync* sync = grad_sync.get();
-  if (sync == nullptr) return PendingGradSync(nullptr);
-  steps->wait_tails();
-  sync->begin(&ctx.grads);
-  ctx.on_grads_ready = [sync](int64_t begin, int64_t end) { sync->layers_ready(begin, end); };
+  if (sync == nullptr) return PendingGradSync();
+  auto run = sync->begin(&ctx.grads);
+  ctx.on_grads_ready = [sync, r = run.get()](int64_t begin, int64_t end) { sync->layers_ready(*r, begin, end); };
   ctx.scaler_link.defer_flags();
-  return PendingGradSync(sync);
+  return PendingGradSync(sync, std::move(run));
 }
 
 // Shells for the backward stages (layers [0, fused_begin)) of a detached run, leased here: a
@@ -534,21 +563,6 @@ void RoundPipe::Impl::fail_run(const std::shared_ptr<detail::RunContext>& ctx,
                                const std::shared_ptr<detail::RunJobs>& jobs, const std::exception_ptr& head_error) {
   steps->post_tail([ctx, jobs] { detail::finish_backward(*ctx, *jobs); }, /*detached=*/false).wait();
   std::rethrow_exception(head_error);
-}
-
-// After an attached run's tail: the number of found_inf flags its jobs posted to `scaler`. Note
-// [found_inf across ranks]: with data parallelism, the scaler's skip decision and its next scale
-// come from the found_inf flags of the run's backward jobs, computed on this rank's gradients
-// before the average. They are combined here (max over the ranks, one flag), so every rank skips
-// the same steps and keeps the same scale, exactly as one process with the whole batch would.
-int64_t RoundPipe::Impl::combine_found_inf(detail::RunContext& ctx, amp::GradScaler* scaler) {
-  if (grad_sync == nullptr || scaler == nullptr || !scaler->is_enabled()) return ctx.scaler_link.flags_posted();
-  const at::Tensor deferred = ctx.scaler_link.deferred_found_inf();
-  at::Tensor found =
-      deferred.defined() ? deferred.to(at::kFloat).reshape({1}).contiguous() : at::zeros({1}, at::kFloat);
-  grad_sync->group().all_reduce(found, comm::ReduceOp::kMax).wait();
-  ctx.scaler_link.post_combined(found.reshape({}));
-  return 1;
 }
 
 torch::Tensor RoundPipe::forward(const std::vector<torch::Tensor>& inputs, const RunConfig& config) {
@@ -669,6 +683,7 @@ DataParallelStats RoundPipe::data_parallel_stats() const {
     out.buckets = s.buckets;
     out.bytes = s.bytes;
     out.wait_ms = s.wait_ms;
+    out.overlapped_runs = impl_->overlapped_runs;
   }
   return out;
 }

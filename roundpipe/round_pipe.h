@@ -106,8 +106,12 @@ struct DataParallelStats {
   /// All-reduces launched for gradients, and their bytes (per rank).
   int64_t buckets = 0;
   int64_t bytes = 0;
-  /// Milliseconds forward_backward spent waiting for gradient all-reduces after its backward had
-  /// finished (the communication not hidden behind the backward).
+  /// forward_backward calls that returned before their gradients were averaged: the all-reduces
+  /// then run beside the next iteration (RoundPipeOptions::overlap_backward).
+  int64_t overlapped_runs = 0;
+  /// Milliseconds spent waiting for gradient all-reduces after the backward had finished (the
+  /// communication not hidden behind the backward; behind the next iteration's forward when the
+  /// run overlapped it).
   double wait_ms = 0.0;
 };
 

@@ -11,7 +11,7 @@ namespace roundpipe::detail {
 
 GradSync::GradSync(std::shared_ptr<comm::ProcessGroup> group, const LayerSet& layers,
                    const std::vector<std::vector<at::Tensor>>& params, int64_t bucket_bytes)
-    : group_(std::move(group)) {
+    : group_(group->split()) {
   TORCH_CHECK(bucket_bytes > 0, "RoundPipeOptions::grad_bucket_bytes must be > 0, got ", bucket_bytes);
   const int64_t L = static_cast<int64_t>(layers.uses.size());
   bucket_of_layer_.assign(static_cast<size_t>(L), 0);
@@ -42,68 +42,115 @@ GradSync::GradSync(std::shared_ptr<comm::ProcessGroup> group, const LayerSet& la
   }
 }
 
+struct GradSync::Run {
+  std::vector<std::vector<at::Tensor>>* grads = nullptr;
+  std::vector<int64_t> remaining;                // per bucket: layers not yet ready (GradSync::mutex_)
+  size_t next_launch = 0;                        // buckets launched (GradSync::mutex_)
+  std::vector<std::vector<at::Tensor>> buffers;  // [bucket][flat], from its launch on
+  std::vector<std::vector<comm::Work>> works;    // [bucket][flat]
+  at::Tensor found;                              // set by finish (GradSync::mutex_)
+  comm::Work found_work;
+  bool found_launched = false;  // GradSync::mutex_
+};
+
+GradSync::~GradSync() = default;
+
 void GradSync::check_usable() const {
   TORCH_CHECK(!broken_, "forward_backward: an earlier forward_backward failed on rank ", group_->rank(),
               " of this data-parallel job, so its gradient all-reduces are out of step with the other ranks'; ",
               "the job cannot continue: fix the error above and restart (resume from the last checkpoint)");
 }
 
-void GradSync::begin(std::vector<std::vector<at::Tensor>>* grads) {
-  check_usable();
+std::shared_ptr<GradSync::Run> GradSync::begin(std::vector<std::vector<at::Tensor>>* grads) {
+  auto run = std::make_shared<Run>();
+  run->grads = grads;
+  for (const auto& bucket : buckets_) {
+    run->remaining.push_back(bucket.layers);
+    run->buffers.emplace_back(bucket.flats.size());
+    run->works.emplace_back(bucket.flats.size());
+  }
   std::lock_guard<std::mutex> lock(mutex_);
-  grads_ = grads;
-  next_launch_ = 0;
-  for (auto& bucket : buckets_) bucket.remaining = bucket.layers;
+  check_usable();
+  launching_.push_back(run);
+  return run;
 }
 
 // Flattens the bucket's gradients (a gradient a rank did not compute, e.g. of a parameter unused
 // in this forward, counts as zeros: every rank must send the same sizes) and starts the
 // all-reduce. Caller holds mutex_.
-void GradSync::launch(Bucket& bucket) {
-  for (auto& flat : bucket.flats) {
+void GradSync::launch(Run& run, size_t b) {
+  const Bucket& bucket = buckets_[b];
+  for (size_t f = 0; f < bucket.flats.size(); ++f) {
+    const Flat& flat = bucket.flats[f];
     if (flat.numel == 0) continue;
-    flat.buffer = at::empty({flat.numel}, at::TensorOptions().dtype(flat.dtype));
+    at::Tensor buffer = at::empty({flat.numel}, at::TensorOptions().dtype(flat.dtype));
     for (const auto& e : flat.entries) {
-      auto slice = flat.buffer.narrow(0, e.offset, c10::multiply_integers(e.shape));
-      const at::Tensor& g = (*grads_)[e.layer].empty() ? at::Tensor() : (*grads_)[e.layer][e.use];
+      auto slice = buffer.narrow(0, e.offset, c10::multiply_integers(e.shape));
+      const auto& layer_grads = (*run.grads)[e.layer];
+      const at::Tensor& g = layer_grads.empty() ? at::Tensor() : layer_grads[e.use];
       if (g.defined()) {
         slice.copy_(g.reshape(-1));
       } else {
         slice.zero_();
       }
     }
-    flat.work = group_->all_reduce(flat.buffer);
+    run.works[b][f] = group_->all_reduce(buffer);
+    run.buffers[b][f] = std::move(buffer);
     ++stats_.buckets;
-    stats_.bytes += flat.buffer.nbytes();
+    stats_.bytes += run.buffers[b][f].nbytes();
   }
 }
 
-void GradSync::layers_ready(int64_t begin, int64_t end) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  TORCH_INTERNAL_ASSERT(grads_ != nullptr, "GradSync::layers_ready outside a run");
-  for (int64_t l = begin; l < end; ++l) --buckets_[bucket_of_layer_[l]].remaining;
-  while (next_launch_ < buckets_.size() && buckets_[next_launch_].remaining == 0) launch(buckets_[next_launch_++]);
+// Launches every collective whose turn has come (Note [Gradient buckets]). Caller holds mutex_.
+void GradSync::pump() {
+  while (!broken_ && !launching_.empty()) {
+    Run& run = *launching_.front();
+    while (run.next_launch < buckets_.size() && run.remaining[run.next_launch] == 0) {
+      launch(run, run.next_launch);
+      ++run.next_launch;
+    }
+    if (run.next_launch < buckets_.size() || !run.found.defined()) return;
+    run.found_work = group_->all_reduce(run.found, comm::ReduceOp::kMax);
+    run.found_launched = true;
+    launching_.pop_front();
+  }
 }
 
-void GradSync::finish() {
-  const auto start = std::chrono::steady_clock::now();
+void GradSync::layers_ready(Run& run, int64_t begin, int64_t end) {
   std::lock_guard<std::mutex> lock(mutex_);
-  TORCH_INTERNAL_ASSERT(next_launch_ == buckets_.size(), "GradSync::finish: ", buckets_.size() - next_launch_,
-                        " gradient buckets were never ready");
+  for (int64_t l = begin; l < end; ++l) --run.remaining[bucket_of_layer_[l]];
+  pump();
+}
+
+at::Tensor GradSync::finish(Run& run, at::Tensor found_inf) {
+  const auto start = std::chrono::steady_clock::now();
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    TORCH_INTERNAL_ASSERT(found_inf.defined() && found_inf.numel() == 1, "GradSync::finish: found_inf must be [1]");
+    run.found = std::move(found_inf);
+    pump();
+    if (!run.found_launched) {
+      check_usable();  // a later run failed after launching (so nothing launches any more)
+      TORCH_INTERNAL_ASSERT(false, "GradSync::finish: ", buckets_.size() - run.next_launch,
+                            " gradient buckets were never ready, or an earlier run is still launching");
+    }
+  }
+  // This run's collectives are all launched: its buffers and works are only touched here now.
   const double world = static_cast<double>(group_->world_size());
   try {
-    for (auto& bucket : buckets_) {
-      for (auto& flat : bucket.flats) {
-        if (flat.numel == 0) continue;
-        flat.work.wait();
-        flat.buffer.div_(world);
-        for (const auto& e : flat.entries) {
+    for (size_t b = 0; b < buckets_.size(); ++b) {
+      for (size_t f = 0; f < buckets_[b].flats.size(); ++f) {
+        at::Tensor& buffer = run.buffers[b][f];
+        if (!buffer.defined()) continue;
+        run.works[b][f].wait();
+        buffer.div_(world);
+        for (const auto& e : buckets_[b].flats[f].entries) {
           // Copied back into the run's gradient tensors, not handed over as views of the bucket:
           // an optimizer's zero_grad() detaches gradients in place, which views refuse (the same
           // reason DDP's gradient_as_bucket_view is off by default).
-          auto& grads = (*grads_)[e.layer];
+          auto& grads = (*run.grads)[e.layer];
           if (grads.empty()) continue;  // a layer whose stage sent no gradients (cannot happen after a backward)
-          auto slice = flat.buffer.narrow(0, e.offset, c10::multiply_integers(e.shape)).view(e.shape);
+          auto slice = buffer.narrow(0, e.offset, c10::multiply_integers(e.shape)).view(e.shape);
           at::Tensor& g = grads[e.use];
           if (g.defined()) {
             g.copy_(slice);
@@ -111,31 +158,37 @@ void GradSync::finish() {
             g = slice.clone();
           }
         }
-        flat.buffer = at::Tensor();
+        buffer = at::Tensor();
       }
     }
+    run.found_work.wait();
   } catch (...) {
+    std::lock_guard<std::mutex> lock(mutex_);
     broken_ = true;
-    grads_ = nullptr;
     throw;
   }
-  grads_ = nullptr;
+  std::lock_guard<std::mutex> lock(mutex_);
   ++stats_.runs;
   stats_.wait_ms += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+  return run.found;
 }
 
-void GradSync::abandon() {
+void GradSync::abandon(Run& run) {
   std::lock_guard<std::mutex> lock(mutex_);
   // Launched collectives keep their tensors alive (c10d's Work holds them); the ranks are out of
   // step from here on.
-  broken_ = broken_ || next_launch_ > 0;
-  for (auto& bucket : buckets_) {
-    for (auto& flat : bucket.flats) {
-      flat.work = comm::Work();
-      flat.buffer = at::Tensor();
-    }
+  broken_ = broken_ || run.next_launch > 0 || run.found_launched;
+  launching_.erase(std::remove_if(launching_.begin(), launching_.end(),
+                                  [&](const std::shared_ptr<Run>& r) { return r.get() == &run; }),
+                   launching_.end());
+  for (auto& works : run.works) {
+    for (auto& w : works) w = comm::Work();
   }
-  grads_ = nullptr;
+  for (auto& buffers : run.buffers) {
+    for (auto& t : buffers) t = at::Tensor();
+  }
+  run.found_work = comm::Work();
+  pump();  // a later run whose turn it now is
 }
 
 GradSyncStats GradSync::stats() const {

@@ -35,6 +35,10 @@ TEST(ProcessGroupTest, OneRank_NeedsNoNetworkAndCollectivesAreIdentity) {
   pg->broadcast(t, 0).wait();
   pg->barrier();
   EXPECT_TRUE(at::equal(t, at::arange(4, at::kFloat)));
+  auto second = pg->split();
+  EXPECT_EQ(second->world_size(), 1);
+  second->all_reduce(t).wait();
+  EXPECT_TRUE(at::equal(t, at::arange(4, at::kFloat)));
 }
 
 // The NCCL backend once compiled out silently (its file lacked base/config.h): a GPU run found it.
@@ -78,6 +82,33 @@ TEST(ProcessGroupWorker, DISABLED_Collectives) {
   pg->broadcast(b, pg->world_size() - 1).wait();
   EXPECT_TRUE(at::equal(b, at::full({5}, w - 1, at::kBFloat16)));
   pg->barrier();
+  // split(): groups whose collectives are ordered each on their own. Even ranks issue the first
+  // group's all-reduce first, odd ranks the second's: on one group the ranks would pair tensors
+  // of different sizes.
+  auto second = pg->split();
+  auto third = pg->split();
+  EXPECT_EQ(second->world_size(), pg->world_size());
+  EXPECT_EQ(third->rank(), pg->rank());
+  auto x = at::full({7}, r + 1, at::kFloat);
+  auto y = at::full({2}, 10 * (r + 1), at::kDouble);
+  auto z = at::full({3}, r + 1, at::kInt);
+  Work wx, wy, wz;
+  if (pg->rank() % 2 == 0) {
+    wx = pg->all_reduce(x);
+    wy = second->all_reduce(y);
+    wz = third->all_reduce(z, ReduceOp::kMax);
+  } else {
+    wz = third->all_reduce(z, ReduceOp::kMax);
+    wy = second->all_reduce(y);
+    wx = pg->all_reduce(x);
+  }
+  wx.wait();
+  wy.wait();
+  wz.wait();
+  EXPECT_TRUE(at::equal(x, at::full({7}, w * (w + 1) / 2, at::kFloat)));
+  EXPECT_TRUE(at::equal(y, at::full({2}, 10 * w * (w + 1) / 2, at::kDouble)));
+  EXPECT_TRUE(at::equal(z, at::full({3}, w, at::kInt)));
+  second->barrier();
 }
 
 TEST(ProcessGroupTest, ThreeRanks_CollectivesOverGloo) {

@@ -1,7 +1,8 @@
 // Data parallelism across processes (RoundPipeOptions::process_group): 2 ranks over Gloo on
 // 127.0.0.1, 2 CPU devices each. Five steps with per-rank batch B give parameters equal on both
-// ranks and equal to one process trained with batch 2B, in sync and async step modes; an inf on
-// one rank only makes both ranks skip that step and back off the scale identically.
+// ranks and equal to one process trained with batch 2B, in sync and async step modes, with the
+// all-reduces overlapping the next iteration and a collective of the caller's own after every
+// call; an inf on one rank only makes both ranks skip that step and back off the scale identically.
 #include <gtest/gtest.h>
 #include <torch/serialize.h>
 #include <torch/torch.h>
@@ -71,6 +72,12 @@ Trained train(const std::shared_ptr<comm::ProcessGroup>& group, StepMode mode, i
     auto loss = model.forward_backward({x}, y, [&](const torch::Tensor& out, const torch::Tensor& t) {
       return scaler.scale(torch::mse_loss(out, t, torch::Reduction::Sum) / n * factor);
     }, cfg);
+    if (group) {
+      // A collective of the caller's own on the same group, as the launcher's loss average: it must
+      // not interleave with the gradient all-reduces still running behind this call.
+      auto mean = loss.detach().reshape({1}).to(torch::kDouble).contiguous();
+      group->all_reduce(mean).wait();
+    }
     model.step([&, step] {
       // Clipping to a norm below the gradients' sees the averaged gradients: the global norm.
       scaler.unscale_(opt);
@@ -83,6 +90,13 @@ Trained train(const std::shared_ptr<comm::ProcessGroup>& group, StepMode mode, i
     losses.push_back(loss.item<double>());
   }
   model.synchronize();
+  if (group && group->world_size() > 1) {
+    // Every call but the first (it measures the layer times) returned before its gradients were
+    // averaged: the all-reduces overlapped the next iteration.
+    const DataParallelStats stats = model.data_parallel_stats();
+    EXPECT_EQ(stats.runs, kSteps);
+    EXPECT_EQ(stats.overlapped_runs, kSteps - 1);
+  }
   std::vector<torch::Tensor> flat;
   for (const auto& p : model.module()->parameters()) flat.push_back(p.detach().reshape(-1));
   return {torch::cat(flat), torch::tensor(scales, torch::kDouble), torch::tensor(losses, torch::kDouble),
