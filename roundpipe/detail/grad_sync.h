@@ -19,9 +19,9 @@ namespace roundpipe::detail {
 /// Cumulative counters of a GradSync (RoundPipe::data_parallel_stats).
 struct GradSyncStats {
   int64_t runs = 0;
-  int64_t buckets = 0;       // collectives launched for gradients
-  int64_t bytes = 0;         // gradient bytes all-reduced (per rank)
-  double wait_ms = 0.0;      // time finish() spent waiting for them after the backward finished
+  int64_t buckets = 0;   // collectives launched for gradients
+  int64_t bytes = 0;     // gradient bytes all-reduced (per rank)
+  double wait_ms = 0.0;  // time finish() spent waiting for them after the backward finished
 };
 
 /// Note [Gradient buckets]: the bucket layout is fixed at construction from the model alone

@@ -69,22 +69,27 @@ Trained train(const std::shared_ptr<comm::ProcessGroup>& group, StepMode mode, i
     const double n = static_cast<double>(y.numel());  // this rank's elements: the mean over the rank's rows
     RunConfig cfg;
     cfg.num_microbatch = 3;
-    auto loss = model.forward_backward({x}, y, [&](const torch::Tensor& out, const torch::Tensor& t) {
-      return scaler.scale(torch::mse_loss(out, t, torch::Reduction::Sum) / n * factor);
-    }, cfg);
+    auto loss = model.forward_backward(
+        {x}, y,
+        [&](const torch::Tensor& out, const torch::Tensor& t) {
+          return scaler.scale(torch::mse_loss(out, t, torch::Reduction::Sum) / n * factor);
+        },
+        cfg);
     if (group) {
       // A collective of the caller's own on the same group, as the launcher's loss average: it must
       // not interleave with the gradient all-reduces still running behind this call.
       auto mean = loss.detach().reshape({1}).to(torch::kDouble).contiguous();
       group->all_reduce(mean).wait();
     }
-    model.step([&, step] {
-      // Clipping to a norm below the gradients' sees the averaged gradients: the global norm.
-      scaler.unscale_(opt);
-      norms[step] = torch::nn::utils::clip_grad_norm_(opt.parameters(), 0.05);
-      scaler.step(opt);
-      opt.zero_grad();
-    }, mode);
+    model.step(
+        [&, step] {
+          // Clipping to a norm below the gradients' sees the averaged gradients: the global norm.
+          scaler.unscale_(opt);
+          norms[step] = torch::nn::utils::clip_grad_norm_(opt.parameters(), 0.05);
+          scaler.step(opt);
+          opt.zero_grad();
+        },
+        mode);
     scaler.update();
     scales.push_back(scaler.get_scale());
     losses.push_back(loss.item<double>());
@@ -115,7 +120,9 @@ Trained load(const std::string& path) {
   return {list.at(0), list.at(1), list.at(2), list.at(3)};
 }
 
-StepMode env_mode() { return std::string(std::getenv("ROUNDPIPE_TEST_MODE")) == "sync" ? StepMode::kSync : StepMode::kAsync; }
+StepMode env_mode() {
+  return std::string(std::getenv("ROUNDPIPE_TEST_MODE")) == "sync" ? StepMode::kSync : StepMode::kAsync;
+}
 
 // With ROUNDPIPE_TEST_CUDA set: the rank's GPU (testing::nccl_test_gpu) and NCCL.
 std::vector<c10::Device> env_devices() {
@@ -125,9 +132,9 @@ std::vector<c10::Device> env_devices() {
 
 TEST(DataParallelWorker, DISABLED_Train) {
   const auto devices = env_devices();
-  auto group = comm::ProcessGroup::from_env(
-      comm::ProcessGroupOptions().timeout(std::chrono::seconds(60)).device(devices.front().is_cuda() ? devices.front()
-                                                                                                      : c10::kCPU));
+  auto group = comm::ProcessGroup::from_env(comm::ProcessGroupOptions()
+                                                .timeout(std::chrono::seconds(60))
+                                                .device(devices.front().is_cuda() ? devices.front() : c10::kCPU));
   const Trained t = train(group, env_mode(), std::atoi(std::getenv("ROUNDPIPE_TEST_POISON")), devices);
   save(t, std::string(std::getenv("ROUNDPIPE_TEST_OUT")) + "/rank" + std::to_string(group->rank()) + ".pt");
 }
@@ -142,11 +149,11 @@ void two_ranks_match_one_process(StepMode mode, int64_t poison_rank, bool cuda =
   for (const auto& r : results) ASSERT_TRUE(r.passed()) << describe(results);
   const Trained r0 = load(dir + "/rank0.pt"), r1 = load(dir + "/rank1.pt");
   // The reference: one process, the whole batch; the poisoned step poisons its whole loss.
-  const Trained ref = train(nullptr, mode, poison_rank >= 0 ? 0 : -1,
-                            cuda ? std::vector<c10::Device>{c10::Device(c10::kCUDA, 0)}
-                                 : std::vector<c10::Device>{c10::kCPU, c10::kCPU});
-  EXPECT_TRUE(torch::equal(r0.params, r1.params)) << "the ranks diverged: max diff "
-                                                  << testing::max_abs_diff(r0.params, r1.params);
+  const Trained ref = train(
+      nullptr, mode, poison_rank >= 0 ? 0 : -1,
+      cuda ? std::vector<c10::Device>{c10::Device(c10::kCUDA, 0)} : std::vector<c10::Device>{c10::kCPU, c10::kCPU});
+  EXPECT_TRUE(torch::equal(r0.params, r1.params))
+      << "the ranks diverged: max diff " << testing::max_abs_diff(r0.params, r1.params);
   EXPECT_LE(testing::max_abs_diff(r0.params, ref.params), 1e-6);
   EXPECT_TRUE(torch::equal(r0.scales, r1.scales)) << r0.scales << r1.scales;
   EXPECT_TRUE(torch::equal(r0.scales, ref.scales)) << r0.scales << ref.scales;
