@@ -102,8 +102,8 @@ struct RunTail {
   detail::StepPipeline* steps = nullptr;
   const detail::LayerSet* layers = nullptr;
   int64_t steps_before = 0;
-  std::shared_ptr<PendingGradSync> sync;          // released to the tail by the caller, or null
-  amp::GradScaler* flags_announced_to = nullptr;  // a detached run's scaler, told to expect its flags
+  std::shared_ptr<PendingGradSync> sync = nullptr;  // released to the tail by the caller, or null
+  amp::GradScaler* flags_announced_to = nullptr;    // a detached run's scaler, told to expect its flags
 
   void operator()() const {
     PendingGradSync pending = sync ? std::move(*sync) : PendingGradSync();

@@ -175,9 +175,11 @@ at::Tensor GradSync::finish(Run& run, at::Tensor found_inf) {
 
 void GradSync::abandon(Run& run) {
   std::lock_guard<std::mutex> lock(mutex_);
-  // Launched collectives keep their tensors alive (c10d's Work holds them); the ranks are out of
-  // step from here on.
-  broken_ = broken_ || run.next_launch > 0 || run.found_launched;
+  // Launched collectives keep their tensors alive (c10d's Work holds them). The ranks are out of
+  // step from here on, even when this run launched nothing: the other ranks may have launched
+  // theirs, which this rank's next run would pair with, averaging gradients of different
+  // iterations without an error.
+  broken_ = true;
   launching_.erase(std::remove_if(launching_.begin(), launching_.end(),
                                   [&](const std::shared_ptr<Run>& r) { return r.get() == &run; }),
                    launching_.end());
@@ -188,7 +190,6 @@ void GradSync::abandon(Run& run) {
     for (auto& t : buffers) t = at::Tensor();
   }
   run.found_work = comm::Work();
-  pump();  // a later run whose turn it now is
 }
 
 GradSyncStats GradSync::stats() const {

@@ -66,8 +66,8 @@ class GradSync {
   /// rank's found_inf sum; max over the ranks), waits for the run's buckets and replaces the run's
   /// gradients by their average over the ranks. Returns the combined found_inf ([1]).
   at::Tensor finish(Run& run, at::Tensor found_inf);
-  /// After a failed run: unless it launched nothing, this rank's collectives are out of step with
-  /// the others'; every later call fails with an error that says so.
+  /// After a failed run: this rank's collectives are out of step with the others' (they may have
+  /// launched what this run never will); every later call fails with an error that says so.
   void abandon(Run& run);
 
   int64_t world_size() const { return group_->world_size(); }
