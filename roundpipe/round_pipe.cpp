@@ -472,10 +472,9 @@ RoundPipe::~RoundPipe() = default;
 // cloning a layer draws from the CPU generator) and reseed no generator (Note [Draws in the
 // tail]). The run is not detached, and the caller waits for its tail, when the gradients must be
 // complete before returning (the call that measures layer times: the planner reads them), when a
-// layer of a backward stage drew random
-// numbers in its forward (dropout in training mode: its recompute reseeds the device's default
-// generator, which the caller's thread may be drawing from), or with
-// RoundPipeOptions::overlap_backward off.
+// layer of a backward stage drew random numbers in its forward (dropout in training mode: its
+// recompute reseeds the device's default generator, which the caller's thread may be drawing
+// from), or with RoundPipeOptions::overlap_backward off.
 torch::Tensor RoundPipe::forward_backward(const std::vector<torch::Tensor>& inputs, const torch::Tensor& label,
                                           const LossFn& loss_fn, const RunConfig& config) {
   Impl& m = *impl_;
