@@ -261,7 +261,10 @@ class LayerLeases {
         buffers = &await(ctx_.buffer_snapshot[l]);
       }
       if (from_snapshot && l < static_cast<int64_t>(ctx_.preleased.size()) && ctx_.preleased[l]) {
-        shells_.push_back(std::move(*ctx_.preleased[l]));  // leased by the caller (Note [Run tails])
+        // Claimed by the caller (Note [Run tails]); held until a job of an earlier run or this
+        // run's forward releases a shell of the layer (Note [Shell claims]).
+        StepLabel waiting(pos_, "waiting for a copy of the layer to be released");
+        shells_.push_back(std::move(*ctx_.preleased[l]).take());
       } else {
         shells_.emplace_back(ctx_.model->shells, l);
       }

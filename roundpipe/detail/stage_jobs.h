@@ -144,10 +144,11 @@ struct RunChannels {
   /// numbers on the microbatch (Note [Draws in the tail] in stage_jobs.cpp): set by that pass
   /// before its output goes downstream, read by the recompute and by the caller.
   std::unique_ptr<std::atomic<bool>[]> rng_used;
-  /// Training runs: [layer] a shell leased by the caller for the backward stage of the layer, so
-  /// that no backward job clones a layer (which draws from the CPU generator) in the background.
-  /// Filled before posting; taken (moved out) by that one job; the rest released with the context.
-  std::vector<std::optional<ShellLease>> preleased;
+  /// Training runs: [layer] a shell claimed by the caller for the backward stage of the layer, so
+  /// that no backward job clones a layer (which draws from the CPU generator) in the background
+  /// (Note [Shell claims]). Filled before posting; taken (moved out) by that one job; the rest
+  /// withdrawn with the context.
+  std::vector<std::optional<ShellClaim>> preleased;
 };
 
 /// RunResults: each slot written by exactly one job, read by the caller after every job that

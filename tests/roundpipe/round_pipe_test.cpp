@@ -5,6 +5,7 @@
 #include <chrono>
 #include <fstream>
 #include <memory>
+#include <optional>
 #include <thread>
 
 #include "amp/autocast_guard.h"
@@ -12,6 +13,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include "roundpipe/detail/layer_shells.h"
 #include "roundpipe/devices.h"
 #include "scheduler/planner.h"
 #include "scheduler/simulator.h"
@@ -590,6 +592,96 @@ struct SlowBackwardImpl : torch::nn::Cloneable<SlowBackwardImpl> {
   double ms_;
 };
 TORCH_MODULE(SlowBackward);
+
+// Note [Shell claims]: with asynchronous steps the next iteration starts while this one's backward
+// jobs still hold their shells; its backward claims those instead of taking the free shells its
+// forward jobs need, so two shells per layer serve the overlapping iterations and every clone
+// happens in the first one (a later clone would land on the peak host memory). The results are
+// bitwise those of iterations that do not overlap.
+TEST(RoundPipeTest, LayerShells_OverlappingAsyncIterationsCloneOnlyInTheFirst) {
+  auto train = [](bool overlap, int* clones_after_first) {
+    auto resets = std::make_shared<std::atomic<int>>(0);
+    torch::manual_seed(11);
+    // Layer 1's backward sleeps: the backward job of layers [0, 2) still holds its shells when
+    // the next forward_backward starts.
+    torch::nn::Sequential model(CountingLinear(8, 16, resets), SlowBackward(20), torch::nn::Tanh(),
+                                CountingLinear(16, 4, resets));
+    RoundPipe rp(model, RoundPipeOptions().devices(cpu_devices(2)).overlap_backward(overlap));
+    auto opt = [&] {
+      OptimizerCtx ctx;
+      return torch::optim::SGD(rp.parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
+    }();
+    RunConfig cfg;
+    cfg.num_microbatch = 3;
+    cfg.execute_plan = scheduler::ExecutePlan({{0, 2}}, {{2, 4}, {0, 2}});
+    cfg.preserve_rng_state = false;
+    int after_first = 0;
+    for (int it = 0; it < 8; ++it) {
+      auto data = make_data(false, it);
+      rp.forward_backward({data.x}, data.y, mse_over(data.y.numel()), cfg);
+      if (it == 0) after_first = resets->load();
+      rp.step([&] {
+        opt.step();
+        opt.zero_grad();
+      }, StepMode::kAsync);
+    }
+    rp.synchronize();
+    *clones_after_first = resets->load() - after_first;
+    std::vector<torch::Tensor> params;
+    for (const auto& p : model->parameters()) params.push_back(p.detach().clone());
+    return params;
+  };
+  int overlapped_clones = -1, plain_clones = -1;
+  const auto overlapped = train(true, &overlapped_clones);
+  const auto plain = train(false, &plain_clones);
+  EXPECT_EQ(overlapped_clones, 0) << "a layer was cloned after the first iteration (a third shell)";
+  EXPECT_EQ(plain_clones, 0);
+  ASSERT_EQ(overlapped.size(), plain.size());
+  for (size_t i = 0; i < plain.size(); ++i) EXPECT_TRUE(overlapped[i].equal(plain[i])) << "parameter " << i;
+}
+
+// Note [Shell claims], the pool alone: a claim made while a shell is out waits for its release
+// (served before the free list), a claim with nothing out clones, a withdrawn claim leaves the
+// pool as it was.
+TEST(RoundPipeTest, LayerShells_ClaimsWaitForReleasedShells) {
+  auto resets = std::make_shared<std::atomic<int>>(0);
+  std::vector<torch::nn::AnyModule> layers{torch::nn::AnyModule(CountingLinear(4, 4, resets))};
+  const int made = resets->load();
+  detail::LayerShells pool(&layers);
+  auto first = std::make_unique<detail::ShellLease>(pool, 0);  // clones
+  EXPECT_EQ(resets->load() - made, 1);
+  detail::ShellClaim claim(pool, 0);  // waits for `first`
+  std::atomic<bool> taken{false};
+  std::optional<detail::ShellLease> lease;
+  std::thread taker([&] {
+    lease.emplace(std::move(claim).take());
+    taken = true;
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  EXPECT_FALSE(taken.load()) << "the claim took a shell before one was released";
+  {
+    detail::ShellLease second(pool, 0);  // no free shell: clones, the claim still waits
+    EXPECT_EQ(resets->load() - made, 2);
+  }  // released: goes to the claim
+  taker.join();
+  EXPECT_TRUE(taken.load());
+  first.reset();  // back to the free list
+  {
+    detail::ShellLease again(pool, 0);  // reuses it
+    EXPECT_EQ(resets->load() - made, 2);
+    detail::ShellClaim withdrawn(pool, 0);  // two out: waits, then withdrawn unserved
+  }
+  lease.reset();
+  {
+    // Nothing out, two free: a claim takes a free one; a second and a third lease reuse and clone.
+    detail::ShellClaim free_claim(pool, 0);
+    auto taken_free = std::move(free_claim).take();
+    detail::ShellLease other(pool, 0);
+    EXPECT_EQ(resets->load() - made, 2);
+    detail::ShellLease third(pool, 0);
+    EXPECT_EQ(resets->load() - made, 3);
+  }
+}
 
 TEST(RoundPipeTest, MeasuredLayerTimes_BackwardStagesAreTimedAndSharedByForwardTime) {
   const double slow_ms = 25;
