@@ -45,8 +45,8 @@ phase() {  # phase <name> <usual seconds> <command...>: runs it, records its exi
 }
 # Usual costs: docs/sanitizers.md, "Budget" (fresh clone, cold build, 2 cores).
 phase tests 0 ctest --output-on-failure -j "${ROUNDPIPE_JOBS:-$(nproc)}"
-phase tsan 1200 "$root/scripts/tsan.sh"
-phase asan 1800 "$root/scripts/asan.sh"
+phase tsan 1500 "$root/scripts/tsan.sh"
+phase asan 2400 "$root/scripts/asan.sh"
 phase fuzz 400 "$root/scripts/fuzz.sh" "${ROUNDPIPE_FUZZ_SECONDS:-60}"
 echo "=== summary"
 printf '%s\n' "${results[@]}"
