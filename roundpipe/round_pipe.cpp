@@ -188,7 +188,7 @@ struct RoundPipe::Impl {
 
   // forward_backward's steps.
   PendingGradSync begin_grad_sync(detail::RunContext& ctx);
-  void prelease_backward_shells(detail::RunContext& ctx, int64_t fused_begin);
+  void claim_backward_shells(detail::RunContext& ctx, int64_t fused_begin);
   [[noreturn]] void fail_run(const std::shared_ptr<detail::RunContext>& ctx,
                              const std::shared_ptr<detail::RunJobs>& jobs, const std::exception_ptr& head_error);
 
@@ -491,7 +491,7 @@ torch::Tensor RoundPipe::forward_backward(const std::vector<torch::Tensor>& inpu
   const auto [cfg, plan] = m.prepare(ctx, RunType::kFused, "forward_backward", inputs, label, config, measure);
   const int64_t fused_begin = plan.backward_stages().front().begin;
   bool detached = m.options.overlap_backward() && ctx.forward_ms.empty();
-  if (detached) m.prelease_backward_shells(ctx, fused_begin);
+  if (detached) m.claim_backward_shells(ctx, fused_begin);
   detail::StepPipeline* steps = m.steps.get();
   ctx.on_release = [steps](int64_t l) { steps->release_layer(l); };
   auto jobs =
@@ -551,9 +551,9 @@ PendingGradSync RoundPipe::Impl::begin_grad_sync(detail::RunContext& ctx) {
 // Shells for the backward stages (layers [0, fused_begin)) of a detached run, leased here: a
 // backward job that had to clone a layer would draw from the CPU generator in the background
 // (Note [Draws in the tail] in stage_jobs.cpp).
-void RoundPipe::Impl::prelease_backward_shells(detail::RunContext& ctx, int64_t fused_begin) {
-  ctx.preleased.resize(static_cast<size_t>(fused_begin));
-  for (int64_t l = 0; l < fused_begin; ++l) ctx.preleased[l].emplace(layer_set.shells, l);
+void RoundPipe::Impl::claim_backward_shells(detail::RunContext& ctx, int64_t fused_begin) {
+  ctx.claimed.resize(static_cast<size_t>(fused_begin));
+  for (int64_t l = 0; l < fused_begin; ++l) ctx.claimed[l].emplace(layer_set.shells, l);
 }
 
 // A forward or the fused job failed: the backward jobs fail with the same error; waits for them

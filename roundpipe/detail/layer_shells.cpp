@@ -67,6 +67,11 @@ torch::nn::AnyModule LayerShells::acquire(int64_t l) {
       free.pop_back();
     }
   }
+  return ready(l, std::move(shell));
+}
+
+// `shell` (a new clone when empty, which out_[l] already counts) in the layer's training mode.
+torch::nn::AnyModule LayerShells::ready(int64_t l, torch::nn::AnyModule shell) {
   if (shell.is_empty()) shell = clone(l);
   shell.ptr()->train((*layers_)[l].ptr()->is_training());
   return shell;
@@ -125,9 +130,7 @@ torch::nn::AnyModule LayerShells::take(int64_t l, const std::shared_ptr<ClaimSta
     released_.wait(lock, [&] { return claim->ready; });
     shell = std::move(claim->shell);
   }
-  if (shell.is_empty()) shell = clone(l);  // counted when the claim was made ready
-  shell.ptr()->train((*layers_)[l].ptr()->is_training());
-  return shell;
+  return ready(l, std::move(shell));  // empty: counted when the claim was made ready
 }
 
 void LayerShells::abandon(int64_t l, const std::shared_ptr<ClaimState>& claim) noexcept {

@@ -59,8 +59,8 @@ class LayerShells {
     torch::nn::AnyModule shell;
     bool ready = false;  // `shell` is set (or empty: the claimant clones, after a failed release)
   };
-  /// Note [Shell claims]: a free shell, else a reservation of the next release of layer `l` when
-  /// more shells are out than claims wait, else a clone made now on the calling thread.
+  /// Note [Shell claims]: a reservation of the next release of layer `l` when more shells are
+  /// out than claims wait, else a free shell, else a clone made now on the calling thread.
   std::shared_ptr<ClaimState> claim(int64_t l);
   /// The claimed shell (waits for its release); counted as leased from the claim on.
   torch::nn::AnyModule take(int64_t l, const std::shared_ptr<ClaimState>& claim);
@@ -70,6 +70,7 @@ class LayerShells {
  private:
   void resize_locked();
   torch::nn::AnyModule clone(int64_t l);
+  torch::nn::AnyModule ready(int64_t l, torch::nn::AnyModule shell);
   // One shell of layer l fewer is out, and it was not returned: claims that no remaining lease
   // can serve clone for themselves.
   void drop_lease_locked(int64_t l);

@@ -260,11 +260,11 @@ class LayerLeases {
         StepLabel waiting(pos_, "waiting for the forward's buffers");
         buffers = &await(ctx_.buffer_snapshot[l]);
       }
-      if (from_snapshot && l < static_cast<int64_t>(ctx_.preleased.size()) && ctx_.preleased[l]) {
+      if (from_snapshot && l < static_cast<int64_t>(ctx_.claimed.size()) && ctx_.claimed[l]) {
         // Claimed by the caller (Note [Run tails]); held until a job of an earlier run or this
         // run's forward releases a shell of the layer (Note [Shell claims]).
         StepLabel waiting(pos_, "waiting for a copy of the layer to be released");
-        shells_.push_back(std::move(*ctx_.preleased[l]).take());
+        shells_.push_back(std::move(*ctx_.claimed[l]).take());
       } else {
         shells_.emplace_back(ctx_.model->shells, l);
       }

@@ -148,7 +148,7 @@ struct RunChannels {
   /// that no backward job clones a layer (which draws from the CPU generator) in the background
   /// (Note [Shell claims]). Filled before posting; taken (moved out) by that one job; the rest
   /// withdrawn with the context.
-  std::vector<std::optional<ShellClaim>> preleased;
+  std::vector<std::optional<ShellClaim>> claimed;
 };
 
 /// RunResults: each slot written by exactly one job, read by the caller after every job that

@@ -641,8 +641,8 @@ TEST(RoundPipeTest, LayerShells_OverlappingAsyncIterationsCloneOnlyInTheFirst) {
 }
 
 // Note [Shell claims], the pool alone: a claim made while a shell is out waits for its release
-// (served before the free list), a claim with nothing out clones, a withdrawn claim leaves the
-// pool as it was.
+// (served before the free list), a claim with nothing out takes a free shell, a withdrawn claim
+// leaves the pool as it was.
 TEST(RoundPipeTest, LayerShells_ClaimsWaitForReleasedShells) {
   auto resets = std::make_shared<std::atomic<int>>(0);
   std::vector<torch::nn::AnyModule> layers{torch::nn::AnyModule(CountingLinear(4, 4, resets))};
