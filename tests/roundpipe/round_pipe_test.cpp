@@ -1,6 +1,9 @@
 // RoundPipe engine vs plain LibTorch on CPU devices (the *_CUDA twins run on a GPU machine).
 #include "roundpipe/round_pipe.h"
 
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
 #include <atomic>
 #include <chrono>
 #include <fstream>
@@ -9,10 +12,6 @@
 #include <thread>
 
 #include "amp/autocast_guard.h"
-
-#include <gtest/gtest.h>
-#include <torch/torch.h>
-
 #include "roundpipe/detail/layer_shells.h"
 #include "roundpipe/devices.h"
 #include "scheduler/planner.h"
@@ -34,7 +33,8 @@ using testing::make_transformer;
 enum class Opt { kSGD, kAdam };
 
 std::unique_ptr<torch::optim::Optimizer> make_optimizer(Opt opt, std::vector<torch::Tensor> params) {
-  if (opt == Opt::kSGD) return std::make_unique<torch::optim::SGD>(params, torch::optim::SGDOptions(0.05).momentum(0.9));
+  if (opt == Opt::kSGD)
+    return std::make_unique<torch::optim::SGD>(params, torch::optim::SGDOptions(0.05).momentum(0.9));
   // eps 1e-4: some transformer parameters (the attention's key bias) have a mathematically zero
   // gradient, so their gradients are rounding noise (~1e-10) that Adam with a tiny eps would
   // amplify to full-size steps in either implementation.
@@ -55,8 +55,8 @@ Data make_data(bool transformer, int64_t step, int64_t batch = 12) {
 void check_equivalence(bool transformer, int num_devices, int64_t num_micro, RecomputeGrain grain, Opt opt,
                        std::optional<scheduler::ExecutePlan> plan = std::nullopt,
                        std::vector<c10::Device> devices = {}) {
-  SCOPED_TRACE(::testing::Message() << (transformer ? "transformer" : "mlp") << " devices=" << num_devices
-                                    << " M=" << num_micro << " grain=" << (grain == RecomputeGrain::kStage ? "stage" : "layer")
+  SCOPED_TRACE(::testing::Message() << (transformer ? "transformer" : "mlp") << " devices=" << num_devices << " M="
+                                    << num_micro << " grain=" << (grain == RecomputeGrain::kStage ? "stage" : "layer")
                                     << " opt=" << (opt == Opt::kSGD ? "SGD" : "Adam") << (plan ? " hand plan" : ""));
   auto model = transformer ? make_transformer(7, 0.0) : make_mlp(7);
   auto reference = deep_copy(model);
@@ -75,10 +75,12 @@ void check_equivalence(bool transformer, int num_devices, int64_t num_micro, Rec
     auto data = make_data(transformer, step);
     auto loss_fn = mse_over(data.y.numel());
     auto loss = rp.forward_backward({data.x.to(devices[0])}, data.y.to(devices[0]), loss_fn, cfg);
-    rp.step([&] {
-      optimizer->step();
-      optimizer->zero_grad();
-    }, StepMode::kSync);
+    rp.step(
+        [&] {
+          optimizer->step();
+          optimizer->zero_grad();
+        },
+        StepMode::kSync);
 
     ref_optimizer->zero_grad();
     auto ref_loss = loss_fn(reference->forward(data.x), data.y);
@@ -147,10 +149,12 @@ void sgd_steps(RoundPipe& rp, const RunConfig& cfg, int first, int count) {
   for (int step = first; step < first + count; ++step) {
     auto data = make_data(true, step);
     rp.forward_backward({data.x}, data.y, mse_over(data.y.numel()), cfg);
-    rp.step([&] {
-      optimizer.step();
-      optimizer.zero_grad();
-    }, StepMode::kSync);
+    rp.step(
+        [&] {
+          optimizer.step();
+          optimizer.zero_grad();
+        },
+        StepMode::kSync);
   }
 }
 
@@ -198,7 +202,8 @@ TEST(RoundPipeTest, Dropout_MatchesSeededMicrobatchLoopOnAnyDeviceCount) {
       if (first.empty()) {
         first = params;
       } else {
-        for (size_t k = 0; k < params.size(); ++k) EXPECT_TRUE(testing::tensors_equal(params[k], first[k])) << "param " << k;
+        for (size_t k = 0; k < params.size(); ++k)
+          EXPECT_TRUE(testing::tensors_equal(params[k], first[k])) << "param " << k;
       }
     }
   }
@@ -284,8 +289,14 @@ TEST(RoundPipeTest, GradientAccumulation_TwoCallsEqualOneCallOnConcatenatedBatch
   auto p2 = two_calls.module()->parameters(), p1 = one_call.module()->parameters();
   for (size_t k = 0; k < p1.size(); ++k) EXPECT_TRUE(testing::tensors_close(p2[k].grad(), p1[k].grad(), 1e-6)) << k;
   // And the step applies the accumulated gradient once.
-  auto o2 = [&] { OptimizerCtx ctx; return torch::optim::SGD(two_calls.parameters(), 0.1); }();
-  auto o1 = [&] { OptimizerCtx ctx; return torch::optim::SGD(one_call.parameters(), 0.1); }();
+  auto o2 = [&] {
+    OptimizerCtx ctx;
+    return torch::optim::SGD(two_calls.parameters(), 0.1);
+  }();
+  auto o1 = [&] {
+    OptimizerCtx ctx;
+    return torch::optim::SGD(one_call.parameters(), 0.1);
+  }();
   two_calls.step([&] { o2.step(); }, StepMode::kSync);
   one_call.step([&] { o1.step(); }, StepMode::kSync);
   EXPECT_TRUE(testing::tensor_lists_close(two_calls.module()->parameters(), one_call.module()->parameters(), 1e-6));
@@ -295,13 +306,21 @@ TEST(RoundPipeTest, DeviceCountInvariance_BitwiseForFixedMicrobatches) {
   std::vector<torch::Tensor> first;
   for (int devices : {1, 2, 3}) {
     RoundPipe rp(make_transformer(4, 0.0), RoundPipeOptions().devices(cpu_devices(devices)).seed(5));
-    auto opt = [&] { OptimizerCtx ctx; return torch::optim::Adam(rp.parameters(), 1e-2); }();
+    auto opt = [&] {
+      OptimizerCtx ctx;
+      return torch::optim::Adam(rp.parameters(), 1e-2);
+    }();
     RunConfig cfg;
     cfg.num_microbatch = 4;
     for (int step = 0; step < 3; ++step) {
       auto data = make_data(true, step);
       rp.forward_backward({data.x}, data.y, mse_over(data.y.numel()), cfg);
-      rp.step([&] { opt.step(); opt.zero_grad(); }, StepMode::kSync);
+      rp.step(
+          [&] {
+            opt.step();
+            opt.zero_grad();
+          },
+          StepMode::kSync);
     }
     auto params = rp.module()->parameters();
     if (first.empty()) {
@@ -389,10 +408,12 @@ TEST(RoundPipeTest, LayerShells_ReusedAcrossIterationsAndFollowTrainingMode) {
   for (int it = 0; it < 10; ++it) {
     auto data = make_data(false, it);
     rp.forward_backward({data.x}, data.y, mse_over(data.y.numel()), cfg);
-    rp.step([&] {
-      opt.step();
-      opt.zero_grad();
-    }, StepMode::kSync);
+    rp.step(
+        [&] {
+          opt.step();
+          opt.zero_grad();
+        },
+        StepMode::kSync);
   }
   // Layer 0 runs in a forward and a backward job, layer 3 in the fused job: at most 2 + 1 shells.
   EXPECT_LE(resets->load() - after_construction, 3) << "layers re-cloned per job";
@@ -428,12 +449,10 @@ scheduler::SimulateOptions runtime_rules() { return engine_simulate_options(kDef
 // enumerates every plan, so that is the optimum for `objective`.
 void expect_simulation_optimum(const RoundPipe& rp, const std::vector<scheduler::LayerCost>& costs,
                                scheduler::PlanObjective objective = scheduler::PlanObjective::kIsolated) {
-  const auto planned = scheduler::plan_by_simulation(costs, scheduler::RunType::kFused,
-                                                     scheduler::PlannerOptions()
-                                                         .set_num_devices(2)
-                                                         .set_num_microbatch(3)
-                                                         .set_objective(objective)
-                                                         .set_simulate(runtime_rules()));
+  const auto planned = scheduler::plan_by_simulation(
+      costs, scheduler::RunType::kFused,
+      scheduler::PlannerOptions().set_num_devices(2).set_num_microbatch(3).set_objective(objective).set_simulate(
+          runtime_rules()));
   ASSERT_TRUE(planned.exhaustive);
   EXPECT_EQ(rp.plan().to_string(), planned.plan.to_string());
 }
@@ -620,10 +639,12 @@ TEST(RoundPipeTest, LayerShells_OverlappingAsyncIterationsCloneOnlyInTheFirst) {
       auto data = make_data(false, it);
       rp.forward_backward({data.x}, data.y, mse_over(data.y.numel()), cfg);
       if (it == 0) after_first = resets->load();
-      rp.step([&] {
-        opt.step();
-        opt.zero_grad();
-      }, StepMode::kAsync);
+      rp.step(
+          [&] {
+            opt.step();
+            opt.zero_grad();
+          },
+          StepMode::kAsync);
     }
     rp.synchronize();
     *clones_after_first = resets->load() - after_first;
@@ -779,7 +800,8 @@ TEST(RoundPipeTest, Errors_ReachCallerNamingLayerAndPhase_ModelStaysUsable) {
   auto fail = std::make_shared<std::atomic<bool>>(true);
   torch::manual_seed(1);
   // Layer 2 sits in forward stage 1 and throws on microbatch 2 of 3.
-  torch::nn::Sequential model(torch::nn::Linear(8, 8), torch::nn::Tanh(), testing::Faulty(fail, 3, 2), torch::nn::Linear(8, 4));
+  torch::nn::Sequential model(torch::nn::Linear(8, 8), torch::nn::Tanh(), testing::Faulty(fail, 3, 2),
+                              torch::nn::Linear(8, 4));
   auto reference = deep_copy(model);
   RoundPipe rp(model, RoundPipeOptions().devices(cpu_devices(3)).name("faulty"));
   auto data = make_data(false, 0);
@@ -845,8 +867,9 @@ TEST(RoundPipeTest, Construction_RejectsBadModelsAndOptions) {
   EXPECT_NO_THROW(RoundPipe(make_mlp(1), RoundPipeOptions().devices({})).forward({torch::randn({2, 8})}));
   // A module held by two layers is one parameter set with two uses (shared_params_test.cpp).
   torch::nn::Linear shared(4, 4);
-  EXPECT_EQ(RoundPipe(torch::nn::Sequential(shared, shared), RoundPipeOptions().devices(cpu_devices(1))).parameters().size(),
-            2u);
+  EXPECT_EQ(
+      RoundPipe(torch::nn::Sequential(shared, shared), RoundPipeOptions().devices(cpu_devices(1))).parameters().size(),
+      2u);
   RunConfig bad;
   bad.execute_plan = scheduler::ExecutePlan({{0, 2}}, {{2, 3}, {0, 2}});
   RoundPipe rp(make_mlp(1), RoundPipeOptions().devices(cpu_devices(1)));
