@@ -6,7 +6,8 @@
 
 Protocol (issue 31's): `roundpipe train configs/default.yaml` with a 194M-parameter Llama
 (hidden 1024, 10 blocks, vocab 32000, untied, float32), AdamW, `--steps` steps, a final checkpoint,
-on 2 CPU devices (and 1), sync and async steps; bf16 compute, 8-bit moments, and bf16 masters
+on 2 CPU devices (and 1), sync and async steps; bf16 compute (its gradients read by AdamW as they
+are; with amp.scaler cast into float32 buffers first), 8-bit moments, and bf16 masters
 with Kahan compensation (the compute copies, sync steps), with and without 8-bit moments; LoRA
 (rank 8 on every linear projection) over a frozen bf16 base: the same Llama with random weights,
 saved by transformers as a pretrained directory (`model.pretrained`). Peak RSS is the process's
@@ -17,9 +18,9 @@ parameter of the model (LoRA: the frozen base and the adapters). Reported per ru
 
   peak      peak RSS (ru_maxrss, as `roundpipe train` prints it after its final checkpoint) minus
             the tiny run's, per parameter
-  steps     the highest RSS sampled (every 50 ms) before the final checkpoint starts, per parameter
-  ckpt      the highest RSS sampled while the final checkpoint is written, minus the RSS when it
-            started, per parameter (what writing a checkpoint adds)
+  steps     the highest RSS sampled (every 50 ms) until the last step's log line, per parameter
+  ckpt      the highest RSS sampled after that line (the final evaluation, then the final
+            checkpoint; column "checkpoint adds"), minus the RSS at that line, per parameter
   plan      what `roundpipe plan` predicts for the same overrides (its "estimated host memory"
             peak), per parameter
   cpu       user + system CPU seconds of the run (system in brackets): giving memory back to the
@@ -55,6 +56,9 @@ RUNS = {  # name -> overrides
     "async, 2 devices": ["run.step_mode=async"],
     "sync, 1 device": ["run.step_mode=sync", "run.devices=1"],
     "bf16 compute, async, 2 devices": ["model.dtype=bfloat16", "run.step_mode=async"],
+    "bf16 compute, sync, 2 devices": ["model.dtype=bfloat16", "run.step_mode=sync"],
+    # amp.scaler keeps the float32 gradient buffers (Note [Gradients in the compute dtype])
+    "bf16 compute, amp.scaler, async, 2 devices": ["model.dtype=bfloat16", "run.step_mode=async", "amp.scaler=true"],
     "int8 states, sync, 2 devices": ["run.step_mode=sync", "optimizer.state_dtype=int8"],
     "bf16 masters + Kahan, sync, 2 devices": BF16_MASTERS,
     "bf16 masters + Kahan + int8, sync, 2 devices": BF16_MASTERS + ["optimizer.state_dtype=int8"],

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <utility>
 
 #include "base/logging.h"
 #include "optim/detail/adam_kernel.h"
@@ -357,6 +358,24 @@ void Adam::set_compute_copy(const torch::Tensor& param, torch::Tensor copy) {
   compute_copies_[param.unsafeGetTensorImpl()] = std::move(copy);
 }
 
+std::vector<std::pair<const void*, int64_t>> Adam::gradient_identities() const {
+  std::vector<std::pair<const void*, int64_t>> gradients;
+  for (const auto& group : param_groups_) {
+    for (const auto& p : group.params()) {
+      if (p.grad().defined()) {
+        gradients.emplace_back(p.grad().unsafeGetTensorImpl(), static_cast<int64_t>(p.grad()._version()));
+      }
+    }
+  }
+  return gradients;
+}
+
+void Adam::scale_next_gradients(float factor) { gradient_factor_ = GradientFactor{factor, gradient_identities()}; }
+
+std::optional<float> Adam::next_gradient_factor() const {
+  return gradient_factor_ ? std::optional<float>(gradient_factor_->factor) : std::nullopt;
+}
+
 torch::Tensor Adam::step(LossClosure closure) {
   torch::NoGradGuard no_grad;
   torch::Tensor loss = {};
@@ -364,6 +383,14 @@ torch::Tensor Adam::step(LossClosure closure) {
     at::AutoGradMode enable_grad(true);
     loss = closure();
   }
+  // scale_next_gradients(): used by this step only, and only on the gradients it was set for.
+  const std::optional<GradientFactor> factor = std::exchange(gradient_factor_, std::nullopt);
+  TORCH_CHECK(!factor || factor->gradients == gradient_identities(), kWho, "::step: scale_next_gradients(",
+              factor ? factor->factor : 1.0f,
+              ") was called for other gradients than the parameters have now (a gradient was replaced, modified, "
+              "added or removed since, e.g. a step GradScaler skipped followed by a new iteration); call it (or "
+              "clip_grad_norm) again right before step(). Nothing was updated; the factor is dropped");
+  const float grad_factor = factor ? factor->factor : 1.0f;
 
   std::vector<detail::AdamTensor> jobs;
   std::vector<torch::Tensor> keep_alive;  // contiguous copies of non-contiguous grads
@@ -393,6 +420,7 @@ torch::Tensor Adam::step(LossClosure closure) {
       job.numel = p.numel();
       job.streaming_stores = streaming_stores_ && job.numel >= kStreamingMinElements;
       job.scalars = adam_scalars(options, state.step());
+      job.scalars.grad_factor = grad_factor;
       if (auto copy = compute_copies_.find(p.unsafeGetTensorImpl()); copy != compute_copies_.end()) {
         bind_compute_copy(copy->second, p, job);
       }
@@ -409,6 +437,26 @@ torch::Tensor Adam::step(LossClosure closure) {
   // each (Note [Why not at::parallel_for]).
   last_step_threads_ = detail::run_split_jobs(jobs, num_threads_, detail::adam_update_fn(isa_));
   return loss;
+}
+
+double clip_grad_norm(Adam& optimizer, double max_norm) {
+  torch::NoGradGuard no_grad;
+  std::vector<torch::Tensor> norms;
+  for (const auto& group : optimizer.param_groups()) {
+    for (const auto& p : group.params()) {
+      if (p.grad().defined()) {  // float32 accumulation and result for every gradient dtype
+        norms.push_back(at::linalg_vector_norm(p.grad(), 2, std::nullopt, false, torch::kFloat));
+      }
+    }
+  }
+  if (norms.empty()) {
+    return 0.0;
+  }
+  // As torch::nn::utils::clip_grad_norm_, operation for operation (float32 tensors throughout).
+  const torch::Tensor total = norms.size() == 1 ? norms[0] : torch::stack(norms).norm(2);
+  const torch::Tensor coefficient = torch::clamp(max_norm / (total + 1e-6), std::nullopt, 1.0);
+  optimizer.scale_next_gradients(coefficient.item<float>());
+  return total.item<double>();
 }
 
 template <typename Self, typename Archive>

@@ -8,9 +8,11 @@
 #include <torch/optim/optimizer.h>
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <tuple>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "optim/cpu_isa.h"
@@ -159,6 +161,20 @@ class Adam : public torch::optim::Optimizer {
   /// own compute copy).
   void set_compute_copy(const torch::Tensor& param, torch::Tensor copy);
 
+  /// Multiplies every gradient by `factor` in the next step(), inside its fused pass (in float32,
+  /// after widening bf16/fp16 gradients, before weight decay): bitwise what `grad.mul_(factor)` on
+  /// float32 gradients followed by step() gives, without a pass over the gradients and, for
+  /// bf16/fp16 gradients (RoundPipeOptions::master_grad_dtype), without rounding the products back
+  /// to 16 bits. clip_grad_norm(Adam&, ...) below uses it. The factor belongs to the gradients
+  /// present now: the next step() consumes it, and throws (updating nothing) if a parameter's
+  /// gradient was replaced, added or removed in between (e.g. GradScaler skipped the step this
+  /// factor was for and a new iteration's gradients arrived), or modified in place by an operation
+  /// that bumps its version counter (writes through `.data()` do not). Any float is accepted, as
+  /// by mul_ (a non-finite factor poisons the update, as torch's clipping of a non-finite norm does).
+  void scale_next_gradients(float factor);
+  /// The factor scale_next_gradients() set for the next step(), if any.
+  std::optional<float> next_gradient_factor() const;
+
   /// Caps the threads one step uses (0 = at::get_num_threads() of the calling thread, capped by
   /// the thread's base::thread_budget where one is set, as on RoundPipe's optimizer thread when it
   /// drives GPUs: half the cores; a larger request is also capped by at::get_num_threads()).
@@ -184,12 +200,30 @@ class Adam : public torch::optim::Optimizer {
   template <typename Self, typename Archive>
   static void serialize(Self& self, Archive& archive);
   void check_param(const torch::Tensor& param, const AdamOptions& options) const;
+  std::vector<std::pair<const void*, int64_t>> gradient_identities() const;
 
   int64_t num_threads_ = 0;
   int64_t last_step_threads_ = 0;
   bool streaming_stores_ = false;
   CpuIsa isa_;
   std::unordered_map<const void*, torch::Tensor> compute_copies_;  // TensorImpl* -> copy
+  // scale_next_gradients(): the factor and, per parameter with a gradient then (in group order),
+  // its gradient's TensorImpl and version, which the next step() checks before using the factor.
+  struct GradientFactor {
+    float factor = 1;
+    std::vector<std::pair<const void*, int64_t>> gradients;
+  };
+  std::optional<GradientFactor> gradient_factor_;
 };
+
+/// Clips the gradients of `optimizer`'s parameters to a global L2 norm of at most `max_norm` as
+/// torch::nn::utils::clip_grad_norm_ does (the same total norm, coefficient max_norm / (norm +
+/// 1e-6) clamped to 1), but applies the coefficient inside the next step()
+/// (Adam::scale_next_gradients) instead of writing it into the gradients: bf16/fp16 gradients are
+/// reduced in float32 and never rounded back, and float32 ones are left as they are, saving a pass.
+/// With float32 gradients the step's result is bitwise that of clip_grad_norm_ + step().
+/// Returns the total norm before clipping (0 without gradients). Call it where clip_grad_norm_
+/// would go: after GradScaler::unscale_, right before step().
+double clip_grad_norm(Adam& optimizer, double max_norm);
 
 }  // namespace roundpipe::optim

@@ -63,7 +63,9 @@ namespace roundpipe::scheduler {
 //  - masters: m (the master dtype's bytes): a separate copy even when m == s
 //    (StepPipeline::masters clones);
 //  - gradients: s (the compute gradients handed over, which become the master's .grad when the
-//    dtypes match) + m when they differ (the persistent cast buffer, Note [Gradient hand-over])
+//    dtypes match) + m when they differ (the persistent cast buffer, Note [Gradient hand-over]),
+//    unless the optimizer reads the compute dtype (RoundPipeOptions::master_grad_dtype:
+//    grads_in_compute_dtype, the launcher's default for bf16/fp16 compute with Adam)
 //    + s in async mode (the next iteration's gradients while the step holds the previous ones);
 //  - optimizer state: Adam/AdamW 2 m; int8 states 2 + 8 / 256 (one fp32 scale per 256 values
 //    per moment); Lion m; SGD with momentum m; SGD 0; Adafactor 4 (rows + cols) per matrix, 4
@@ -491,7 +493,7 @@ HostMemory host_memory(const ParameterCount& params, const HostMemoryOptions& o)
   HostMemory h;
   h.compute_copies = params.total * s;
   h.masters = o.in_place_masters ? 0 : n * m;
-  h.grads = n * s + (s != m ? n * m : 0) + (o.async_step ? n * s : 0);
+  h.grads = n * s + (s != m && !o.grads_in_compute_dtype ? n * m : 0) + (o.async_step ? n * s : 0);
   switch (o.optimizer) {
     case OptimizerStateKind::kNone:
       break;

@@ -171,6 +171,9 @@ struct HostMemoryOptions {
   /// RoundPipeOptions::in_place_masters: the compute copy is the master (master_bytes must equal
   /// compute_bytes; sync steps only).
   bool in_place_masters = false;
+  /// RoundPipeOptions::master_grad_dtype set to the compute dtype: the step hands the compute
+  /// gradients to the optimizer as they are, with no master-dtype gradient buffers.
+  bool grads_in_compute_dtype = false;
   /// optim::AdamOptions::kahan_sum: a compensation buffer in the master dtype per trainable
   /// parameter (bf16 masters).
   bool kahan_sum = false;

@@ -34,6 +34,7 @@ struct AdamScalars {
   float eps = 0;
   float weight_decay = 0;  ///< L2 term added to the gradient (used when !decoupled)
   float decay_factor = 1;  ///< 1 - lr * weight_decay (used when decoupled)
+  float grad_factor = 1;   ///< g *= grad_factor right after loading (Adam::scale_next_gradients)
   bool has_weight_decay = false;
   bool decoupled = false;
   bool amsgrad = false;

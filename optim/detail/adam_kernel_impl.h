@@ -13,7 +13,9 @@
 // weight-1), mul_ + addcmul_, sqrt / bias_correction2_sqrt + eps, addcdiv_ (value*m/denom).
 // Every ISA performs the same IEEE operations in the same order (fma where ATen's vector code
 // fuses, explicit std::fma in scalar code, -ffp-contract=off everywhere), so all ISAs produce
-// bitwise-identical results.
+// bitwise-identical results. A gradient factor (Adam::scale_next_gradients) multiplies the widened
+// gradient first, the one float32 multiply that clip_grad_norm_'s mul_ would have applied to a
+// float32 gradient before the step (skipped when the factor is 1, which changes no value).
 //
 // Note [Streaming stores]: for parameters much larger than the last-level cache, ordinary stores
 // make the core read every written line first (write-allocate): 12 extra bytes per parameter on
@@ -121,6 +123,9 @@ inline void adam_element(const AdamTensor& t, int64_t i, float lerp_coeff, bool 
                          float one_minus_beta2, float neg_step, float bc2_sqrt, float eps) {
   const AdamScalars& s = t.scalars;
   float g = grad_element<V>(t, i);
+  if (s.grad_factor != 1.0f) {
+    g = g * s.grad_factor;
+  }
   if (s.maximize) {
     g = -g;
   }
@@ -200,8 +205,13 @@ int64_t adam_vector_loop(const AdamTensor& t, int64_t i, int64_t end, float lerp
   const reg eps = V::set1(s.eps);
   const reg wd = V::set1(s.weight_decay);
   const reg decay = V::set1(s.decay_factor);
+  const bool scaled = s.grad_factor != 1.0f;
+  const reg grad_factor = V::set1(s.grad_factor);
   for (; i + V::kWidth <= end; i += V::kWidth) {
     reg g = load_grad<V, G>(t, i);
+    if (scaled) {
+      g = V::mul(g, grad_factor);
+    }
     if (s.maximize) {
       g = V::neg(g);
     }

@@ -167,6 +167,61 @@ TEST(CliTest, Bf16MastersWithKahan_TrainAndResumeBitwise) {
   EXPECT_NE(plan.out.find("masters 0 (the compute copies)"), std::string::npos) << plan.out;
 }
 
+// "estimated host memory: peak 1.00 MiB (1048576 B) = ..." -> 1048576; -1 if absent.
+int64_t host_peak_bytes(const std::string& out) {
+  const std::string key = "estimated host memory: peak ";
+  const size_t at = out.find(key);
+  if (at == std::string::npos) return -1;
+  const size_t open = out.find('(', at + key.size());
+  return open == std::string::npos ? -1 : std::stoll(out.substr(open + 1));
+}
+
+// bf16 compute copies with float32 masters and AdamW (Note [Gradients in the compute dtype] in
+// setup.cpp): the optimizer reads the bf16 gradients as they are, so `plan` counts no float32
+// gradient buffers (4 B per parameter less than with amp.scaler or SGD, which keep them), and a
+// run whose every step clips (optim::clip_grad_norm inside the step) trains about like float32
+// and resumes bitwise.
+TEST(CliTest, Bf16ComputeAdamW_GradientsReadInBf16_ClippedTrainAndResumeBitwise) {
+  ScratchDir dir;
+  const std::string bf16 = " model.dtype=bfloat16 model.master_dtype=float32";
+  const std::string common =
+      " train.clip_grad_norm=0.05 train.steps=6 checkpoint.every=3 checkpoint.keep=5 eval.every=0";
+  dir.write("run.yaml", tiny_config("straight"));
+  CliResult fp32 = run_cli(dir, "train run.yaml out_dir=fp32" + common);
+  ASSERT_EQ(fp32.code, 0) << fp32.err;
+  CliResult straight = run_cli(dir, "train run.yaml" + bf16 + common);
+  ASSERT_EQ(straight.code, 0) << straight.err;
+  CliResult resumed =
+      run_cli(dir, "train run.yaml out_dir=resumed" + bf16 + common + " --resume straight/checkpoints/step-000003");
+  ASSERT_EQ(resumed.code, 0) << resumed.err;
+  expect_same_weights(dir.file("straight/checkpoints/step-000006"), dir.file("resumed/checkpoints/step-000006"));
+  const MetricsLog log = read_metrics(dir.file("straight/metrics.jsonl"));
+  ASSERT_EQ(log.train.size(), 6u);
+  int measured = 0;  // async steps: a record has the norm of the last finished step, none at first
+  for (const TrainRecord& record : log.train) {
+    if (!record.grad_norm) continue;
+    ++measured;
+    EXPECT_GT(*record.grad_norm, 0.05) << "step " << record.step << " did not clip";
+  }
+  EXPECT_GE(measured, 4);
+  const double lf = read_metrics(dir.file("fp32/metrics.jsonl")).train.back().loss;
+  EXPECT_NEAR(log.train.back().loss, lf, 0.05 * lf);
+
+  CliResult plan = run_cli(dir, "plan run.yaml" + bf16);
+  ASSERT_EQ(plan.code, 0) << plan.err;
+  EXPECT_NE(plan.out.find("(bfloat16, read by the optimizer as they are)"), std::string::npos) << plan.out;
+  const size_t x = plan.out.find(" B/param x ");
+  ASSERT_NE(x, std::string::npos) << plan.out;
+  const int64_t params = std::stoll(plan.out.substr(x + 11));
+  for (const std::string other : {" amp.scaler=true", " optimizer.name=sgd optimizer.momentum=0.9"}) {
+    CliResult cast = run_cli(dir, "plan run.yaml" + bf16 + other);
+    ASSERT_EQ(cast.code, 0) << cast.err;
+    EXPECT_EQ(cast.out.find("read by the optimizer as they are"), std::string::npos) << other << "\n" << cast.out;
+    const int64_t extra = other.find("sgd") != std::string::npos ? -4 * params : 0;  // momentum 4 instead of Adam's 8
+    EXPECT_EQ(host_peak_bytes(cast.out) - host_peak_bytes(plan.out), 4 * params + extra) << other << "\n" << cast.out;
+  }
+}
+
 // optimizer.state_dtype: int8 (block-wise 8-bit Adam moments): the option reaches the optimizer
 // (the weights differ from float32 states' after a few steps, but the loss stays close), and the
 // 8-bit states round-trip through the checkpoint (resume == straight, bitwise).

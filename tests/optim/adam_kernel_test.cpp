@@ -2,13 +2,15 @@
 // path (odd lengths exercise the vector tails), the thread count does not change results, the
 // compute copy written in the same pass equals PyTorch's own dtype conversion, fp16/bf16
 // gradients read directly equal their fp32 values, and bf16 masters with Kahan compensation
-// (float32 and 8-bit moments) give the same bits on every ISA and thread count.
+// (float32 and 8-bit moments) give the same bits on every ISA and thread count; a gradient factor
+// (Adam::scale_next_gradients) equals a mul_ of the float32 gradients.
 #include "optim/detail/adam_kernel.h"
 
 #include <ATen/Parallel.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -31,8 +33,10 @@ const std::vector<int64_t> kLengths = {
 
 // `grad_dtype`: the gradients are rounded to it; `widen` hands them to the optimizer widened back
 // to float32 (the reference for the kernel's own widening of fp16/bf16 gradients).
+// `factor`: every step's gradients are multiplied by it, by Adam::scale_next_gradients, or with
+// `widen` by mul_ on the widened float32 gradients (the reference).
 AdamRun run_adam(const AdamOptions& options, CpuIsa isa, int64_t threads, bool with_copies, bool streaming = false,
-                 torch::Dtype grad_dtype = torch::kFloat, bool widen = false) {
+                 torch::Dtype grad_dtype = torch::kFloat, bool widen = false, std::optional<float> factor = {}) {
   torch::manual_seed(11);
   AdamRun run;
   for (size_t i = 0; i < kLengths.size(); ++i) {
@@ -66,7 +70,9 @@ AdamRun run_adam(const AdamOptions& options, CpuIsa isa, int64_t threads, bool w
   for (const auto& step_grads : grads) {
     for (size_t i = 0; i < run.params.size(); ++i) {
       run.params[i].mutable_grad() = step_grads[i];
+      if (factor && widen) run.params[i].mutable_grad().mul_(*factor);
     }
+    if (factor && !widen) opt.scale_next_gradients(*factor);
     opt.step();
   }
   return run;
@@ -134,6 +140,35 @@ TEST(AdamKernelTest, LowPrecisionGradsEqualTheirFp32Values_EveryIsa) {
               << cpu_isa_name(isa) << ", " << dtype << ", length " << kLengths[i];
           EXPECT_TENSOR_EQ(low.copies[i], ref.copies[i])
               << cpu_isa_name(isa) << ", " << dtype << ", length " << kLengths[i];
+        }
+      }
+    }
+  }
+}
+
+// Adam::scale_next_gradients multiplies the widened gradient in the fused pass: bitwise a mul_ of
+// the float32 gradients before the step, on every ISA, for float32 / fp16 / bf16 gradients, float32
+// and 8-bit states (clip_grad_norm's coefficient, and a factor above 1 that makes fp16 values
+// overflow float16 range if they were rounded back).
+TEST(AdamKernelTest, GradientFactorEqualsMulOfFp32Grads_EveryIsa) {
+  std::vector<AdamOptions> options = option_sets();
+  options.push_back(
+      AdamOptions(1e-2).weight_decay(0.01).decoupled_weight_decay(true).state_dtype(AdamStateDtype::kInt8));
+  for (const auto& isa : supported_cpu_isas()) {
+    for (auto dtype : {torch::kFloat, torch::kHalf, torch::kBFloat16}) {
+      for (size_t o = 0; o < options.size(); ++o) {
+        const float factor = o % 2 == 0 ? 0.3183099f : 7.5e4f;
+        const AdamRun scaled = run_adam(options[o], isa, 2, /*with_copies=*/true, false, dtype, false, factor);
+        const AdamRun ref = run_adam(options[o], isa, 2, /*with_copies=*/true, false, dtype, /*widen=*/true, factor);
+        const AdamRun unscaled = run_adam(options[o], isa, 2, /*with_copies=*/true, false, dtype);
+        for (size_t i = 0; i < kLengths.size(); ++i) {
+          const std::string where = std::string(cpu_isa_name(isa)) + ", " + c10::toString(dtype) + ", options " +
+                                    std::to_string(o) + ", length " + std::to_string(kLengths[i]);
+          EXPECT_TENSOR_EQ(scaled.params[i], ref.params[i]) << where;
+          EXPECT_TENSOR_EQ(scaled.copies[i], ref.copies[i]) << where;
+          if (kLengths[i] > 100) {  // the factor is used at all
+            EXPECT_FALSE(torch::equal(scaled.params[i], unscaled.params[i])) << where;
+          }
         }
       }
     }

@@ -1,10 +1,12 @@
 // roundpipe::optim::Adam against PyTorch's torch.optim.Adam/AdamW (Python oracle), state-dict
-// round trips (ours and torch::optim::Adam's archives), option validation and LR schedulers.
+// round trips (ours and torch::optim::Adam's archives), option validation, LR schedulers, and
+// clip_grad_norm against torch::nn::utils::clip_grad_norm_.
 #include "optim/adam.h"
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <functional>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -326,6 +328,84 @@ TEST(AdamTest, RejectsInvalidOptionsAndParams_WithClearMessages) {
                "not one of this optimizer's parameters");
   expect_error([&] { opt.set_compute_copy(p, torch::zeros({3}, torch::kDouble)); }, "float16 or bfloat16");
   expect_error([&] { opt.set_compute_copy(p, torch::zeros({4})); }, "has shape [4]");
+}
+
+// clip_grad_norm(Adam&) == torch::nn::utils::clip_grad_norm_ followed by step(): the same total
+// norm and bitwise the same parameters, for float32 gradients and for bf16 ones (against clipping
+// their float32 values), clipping (a small max_norm) or not (a large one), over 4 steps with two
+// param groups and a parameter without a gradient.
+TEST(AdamTest, ClipGradNorm_EqualsTorchClipGradNormThenStep) {
+  for (const auto grad_dtype : {torch::kFloat, torch::kBFloat16}) {
+    for (const double max_norm : {0.5, 1e6}) {
+      torch::manual_seed(3);
+      const std::vector<std::vector<int64_t>> shapes = {{300, 7}, {1000003}, {17}, {5}};
+      std::vector<torch::Tensor> ours, ref;
+      for (const auto& shape : shapes) {
+        ours.push_back(torch::randn(shape));
+        ref.push_back(ours.back().clone());
+      }
+      const auto make = [&](std::vector<torch::Tensor>& p) {
+        std::vector<torch::optim::OptimizerParamGroup> groups;
+        groups.emplace_back(std::vector<torch::Tensor>{p[0], p[1]},
+                            std::make_unique<AdamOptions>(AdamOptions(1e-2).weight_decay(0.1)));
+        groups.emplace_back(std::vector<torch::Tensor>{p[2], p[3]});
+        return std::make_unique<Adam>(groups, AdamOptions(3e-3).decoupled_weight_decay(true).weight_decay(0.01));
+      };
+      auto our_opt = make(ours);
+      auto ref_opt = make(ref);
+      for (int step = 0; step < 4; ++step) {
+        for (size_t i = 0; i + 1 < shapes.size(); ++i) {  // the last parameter never gets a gradient
+          const torch::Tensor g = (torch::randn(shapes[i]) * (i + 1)).to(grad_dtype);
+          ours[i].mutable_grad() = g;
+          ref[i].mutable_grad() = g.to(torch::kFloat, /*non_blocking=*/false, /*copy=*/true);  // torch's clip writes it
+        }
+        const double our_norm = clip_grad_norm(*our_opt, max_norm);
+        const double ref_norm = torch::nn::utils::clip_grad_norm_(ref, max_norm);
+        EXPECT_EQ(our_norm, ref_norm) << grad_dtype << ", max_norm " << max_norm << ", step " << step;
+        ASSERT_TRUE(our_opt->next_gradient_factor().has_value());
+        EXPECT_EQ(*our_opt->next_gradient_factor() == 1.0f, max_norm > 1e5);
+        our_opt->step();
+        ref_opt->step();
+        EXPECT_FALSE(our_opt->next_gradient_factor().has_value());
+        for (size_t i = 0; i < shapes.size(); ++i) {
+          EXPECT_TENSOR_EQ(ours[i], ref[i])
+              << grad_dtype << ", max_norm " << max_norm << ", step " << step << ", parameter " << i;
+        }
+      }
+    }
+  }
+  Adam empty({torch::zeros({3})});
+  EXPECT_EQ(clip_grad_norm(empty, 1.0), 0.0);  // no gradient: nothing to clip, as torch's
+}
+
+// The factor belongs to the gradients it was set for: a replaced, modified, added or removed
+// gradient makes the next step() refuse (and update nothing); the factor is gone afterwards.
+TEST(AdamTest, ScaleNextGradients_RefusesOtherGradients) {
+  auto a = torch::ones({8});
+  auto b = torch::ones({4});
+  Adam opt({a, b}, AdamOptions(0.1));
+  const std::vector<std::function<void()>> changes = {
+      [&] { a.mutable_grad() = torch::ones({8}); },  // replaced
+      [&] { a.mutable_grad().mul_(2); },             // modified in place
+      [&] { b.mutable_grad() = torch::ones({4}); },  // added
+  };
+  for (size_t c = 0; c < changes.size(); ++c) {
+    a.mutable_grad() = torch::ones({8});
+    b.mutable_grad() = torch::Tensor();
+    opt.scale_next_gradients(0.5f);
+    changes[c]();
+    const auto before = a.clone();
+    expect_error([&] { opt.step(); }, "scale_next_gradients(0.5) was called for other gradients");
+    EXPECT_TENSOR_EQ(a, before) << "change " << c;
+    EXPECT_FALSE(opt.next_gradient_factor().has_value()) << "change " << c;
+  }
+  a.mutable_grad() = torch::ones({8});
+  b.mutable_grad() = torch::ones({4});
+  opt.scale_next_gradients(0.5f);
+  b.mutable_grad() = torch::Tensor();  // removed
+  expect_error([&] { opt.step(); }, "other gradients");
+  opt.step();  // without a factor: a normal step
+  EXPECT_TENSOR_CLOSE(a, torch::full({8}, 0.9), 1e-6);
 }
 
 TEST(AdamTest, LrSchedulerAndClosure_WorkThroughOptimizerInterface) {

@@ -152,44 +152,58 @@ TEST(AsyncStepTest, GradientHandOver_AccumulatesWithoutCopies) {
 }
 
 // RoundPipeOptions::master_grad_dtype(kBFloat16): bf16 compute gradients reach roundpipe::optim::Adam
-// uncast (no fp32 buffer), and training is bitwise the same as with fp32 master gradients.
+// uncast (no fp32 buffer), and training is bitwise the same as with fp32 master gradients; also
+// with gradient clipping, optim::clip_grad_norm on the bf16 gradients against torch's
+// clip_grad_norm_ on the fp32 ones (what the launcher does in each case), norms included.
 TEST(AsyncStepTest, MasterGradDtype_Bf16GradsReachAdamUncast_SameResult) {
-  for (StepMode mode : {StepMode::kSync, StepMode::kAsync}) {
-    SCOPED_TRACE(mode == StepMode::kSync ? "kSync" : "kAsync");
-    std::vector<std::vector<torch::Tensor>> finals;
-    for (bool uncast : {false, true}) {
-      auto model = testing::make_mlp(41);
-      model->to(torch::kBFloat16);
-      auto options = RoundPipeOptions().devices({c10::kCPU, c10::kCPU}).optim_dtype(torch::kFloat);
-      if (uncast) options.master_grad_dtype(torch::kBFloat16);
-      RoundPipe rp(model, options);
-      auto opt = [&] {
-        OptimizerCtx ctx;
-        return optim::Adam(rp.parameters(), optim::AdamOptions(1e-2).weight_decay(0.01));
-      }();
-      const auto masters = rp.optim_parameters();
-      std::atomic<int> wrong_dtype{0};
-      for (int it = 0; it < 6; ++it) {
-        torch::manual_seed(900 + it);
-        auto x = torch::randn({6, 8}).to(torch::kBFloat16), y = torch::randn({6, 4}).to(torch::kBFloat16);
-        rp.forward_backward({x}, y, mse_over(y.numel()));
-        rp.step(
-            [&] {
-              for (const auto& p : masters) {
-                if (p.grad().scalar_type() != (uncast ? torch::kBFloat16 : torch::kFloat)) ++wrong_dtype;
-              }
-              opt.step();
-              opt.zero_grad();
-            },
-            mode);
+  for (const bool clip : {false, true}) {
+    for (StepMode mode : {StepMode::kSync, StepMode::kAsync}) {
+      SCOPED_TRACE(::testing::Message() << (mode == StepMode::kSync ? "kSync" : "kAsync") << (clip ? ", clipped" : ""));
+      std::vector<std::vector<torch::Tensor>> finals;
+      std::vector<std::vector<double>> norms(2);
+      for (bool uncast : {false, true}) {
+        auto model = testing::make_mlp(41);
+        model->to(torch::kBFloat16);
+        auto options = RoundPipeOptions().devices({c10::kCPU, c10::kCPU}).optim_dtype(torch::kFloat);
+        if (uncast) options.master_grad_dtype(torch::kBFloat16);
+        RoundPipe rp(model, options);
+        auto opt = [&] {
+          OptimizerCtx ctx;
+          return optim::Adam(rp.parameters(), optim::AdamOptions(1e-2).weight_decay(0.01));
+        }();
+        const auto masters = rp.optim_parameters();
+        std::atomic<int> wrong_dtype{0};
+        for (int it = 0; it < 6; ++it) {
+          torch::manual_seed(900 + it);
+          auto x = torch::randn({6, 8}).to(torch::kBFloat16), y = torch::randn({6, 4}).to(torch::kBFloat16);
+          rp.forward_backward({x}, y, mse_over(y.numel()));
+          rp.step(
+              [&] {
+                for (const auto& p : masters) {
+                  if (p.grad().scalar_type() != (uncast ? torch::kBFloat16 : torch::kFloat)) ++wrong_dtype;
+                }
+                if (clip) {  // max_norm well below the gradients' norm: every step clips
+                  norms[uncast].push_back(uncast ? optim::clip_grad_norm(opt, 0.05)
+                                                 : torch::nn::utils::clip_grad_norm_(masters, 0.05));
+                }
+                opt.step();
+                opt.zero_grad();
+              },
+              mode);
+        }
+        rp.synchronize();
+        EXPECT_EQ(wrong_dtype.load(), 0);
+        finals.emplace_back();
+        for (const auto& p : masters) finals.back().push_back(p.detach().clone());
       }
-      rp.synchronize();
-      EXPECT_EQ(wrong_dtype.load(), 0);
-      finals.emplace_back();
-      for (const auto& p : masters) finals.back().push_back(p.detach().clone());
+      ASSERT_EQ(finals[0].size(), finals[1].size());
+      for (size_t i = 0; i < finals[0].size(); ++i) EXPECT_TENSOR_EQ(finals[1][i], finals[0][i]) << "param " << i;
+      EXPECT_EQ(norms[1], norms[0]);
+      if (clip) {
+        ASSERT_EQ(norms[0].size(), 6u);
+        for (double n : norms[0]) EXPECT_GT(n, 0.05);
+      }
     }
-    ASSERT_EQ(finals[0].size(), finals[1].size());
-    for (size_t i = 0; i < finals[0].size(); ++i) EXPECT_TENSOR_EQ(finals[1][i], finals[0][i]) << "param " << i;
   }
 }
 

@@ -12,6 +12,7 @@
 #include "roundpipe/devices.h"
 #include "roundpipe/launcher/cli/setup.h"
 #include "roundpipe/models/architecture.h"
+#include "roundpipe/models/model_config.h"
 #include "roundpipe/run_config.h"
 
 namespace roundpipe::launcher {
@@ -129,6 +130,7 @@ scheduler::HostMemory host_of(const LauncherConfig& config, const MemoryPlan& me
   }
   o.async_step = config.run.step_mode == StepMode::kAsync;
   o.in_place_masters = in_place_masters(config);
+  o.grads_in_compute_dtype = master_grad_dtype(config).has_value();
   o.kahan_sum = config.optimizer.kahan_sum;
   if (memory.cpu_devices) {
     o.cpu_device_bytes = scheduler::cpu_device_bytes(
@@ -235,7 +237,11 @@ void print_memory_plan(const LauncherConfig& config, const MemoryPlan& memory, s
   out << "estimated host memory: peak " << exact(h.total()) << " = " << per_param(h.total(), memory.params.total)
       << " x " << memory.params.total << " parameters: compute copies " << gib(h.compute_copies) << " + masters "
       << (in_place_masters(config) ? std::string("0 (the compute copies)") : gib(h.masters)) << " + gradients "
-      << gib(h.grads) << " + optimizer state " << gib(h.optimizer_state);
+      << gib(h.grads);
+  if (const auto grad_dtype = master_grad_dtype(config)) {
+    out << " (" << models::dtype_name(*grad_dtype) << ", read by the optimizer as they are)";
+  }
+  out << " + optimizer state " << gib(h.optimizer_state);
   if (h.cpu_devices > 0) out << " + CPU devices' stages " << gib(h.cpu_devices);
   if (h.saved_inputs > 0) out << " + layer inputs kept for the recompute " << gib(h.saved_inputs);
   if (const auto available = available_host_bytes()) out << " (MemAvailable " << gib(*available) << ")";

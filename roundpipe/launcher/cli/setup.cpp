@@ -265,6 +265,27 @@ bool in_place_masters(const LauncherConfig& config) {
   return config.model.master_dtype == config.model.dtype && config.run.step_mode == StepMode::kSync;
 }
 
+// Note [Gradients in the compute dtype]:
+// With bf16 (or fp16) compute copies and float32 masters, RoundPipe's step would cast each
+// iteration's 16-bit gradients into a float32 buffer per master (4 B/param that live all run) for
+// the step function. roundpipe::optim::Adam reads 16-bit gradients directly and widens them
+// exactly in its fused pass, so the launcher hands them over as they are
+// (RoundPipeOptions::master_grad_dtype). What else reads the master gradients must not round
+// them: train.clip_grad_norm computes the norm in float32 and applies the coefficient inside the
+// step (optim::clip_grad_norm), so the update is the one the float32 buffers gave (bitwise, as the
+// norms of widened values are the same); GradScaler would unscale in 16 bits, so with amp.scaler
+// the buffers stay, as they do for SGD, Lion and Adafactor.
+std::optional<c10::ScalarType> master_grad_dtype(const LauncherConfig& config) {
+  const c10::ScalarType compute = config.model.dtype;
+  const bool sixteen_bit = compute == at::kBFloat16 || compute == at::kHalf;
+  const bool adam = config.optimizer.name == OptimizerName::kAdam || config.optimizer.name == OptimizerName::kAdamW;
+  if (!sixteen_bit || !adam || config.amp.scaler || in_place_masters(config) ||
+      config.model.master_dtype != at::kFloat) {
+    return std::nullopt;
+  }
+  return compute;
+}
+
 RoundPipeOptions round_pipe_options(const LauncherConfig& config) {
   RunConfig run;
   run.num_microbatch = config.run.num_microbatch;
@@ -276,6 +297,7 @@ RoundPipeOptions round_pipe_options(const LauncherConfig& config) {
       .devices(devices_of_rank(config))
       .optim_dtype(in_place ? std::nullopt : std::optional<c10::ScalarType>(config.model.master_dtype))
       .in_place_masters(in_place)
+      .master_grad_dtype(master_grad_dtype(config))
       .run_config(run)
       .seed(config.train.seed)
       .label_to_last_layer(true)    // the LmHead computes the loss, chunked (models::linear_cross_entropy)

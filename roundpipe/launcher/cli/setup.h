@@ -69,6 +69,13 @@ RoundPipeOptions round_pipe_options(const LauncherConfig& config);
 /// Whether the config's masters are its compute copies (RoundPipeOptions::in_place_masters):
 /// model.master_dtype == model.dtype with run.step_mode sync.
 bool in_place_masters(const LauncherConfig& config);
+/// The 16-bit dtype whose gradients the optimizer reads as they are (RoundPipeOptions::
+/// master_grad_dtype), if any: model.dtype when it is float16/bfloat16 with float32 masters that
+/// are not the compute copies, optimizer adam/adamw (roundpipe::optim::Adam widens them in its
+/// fused pass; clipping goes through optim::clip_grad_norm) and amp.scaler off (GradScaler
+/// unscales gradients in their own dtype). Saves the float32 gradient buffers (4 B/param) and a
+/// cast pass per step; bitwise the same training (Note [Gradients in the compute dtype]).
+std::optional<c10::ScalarType> master_grad_dtype(const LauncherConfig& config);
 
 /// The data-parallel group of a job started by `roundpipe launch` or torchrun (RANK and
 /// WORLD_SIZE set, WORLD_SIZE > 1), with the config's distributed.backend and timeout; null for a

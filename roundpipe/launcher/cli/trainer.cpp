@@ -271,7 +271,13 @@ void Trainer::optimizer_step(double lr) {
   std::optional<double> norm;
   if (config_.train.clip_grad_norm > 0.0) {
     if (scaler_->is_enabled()) scaler_->unscale_(*optimizer_);
-    norm = torch::nn::utils::clip_grad_norm_(masters_, config_.train.clip_grad_norm);
+    // Adam: the coefficient is applied inside the step (16-bit gradients are never rounded back;
+    // Note [Gradients in the compute dtype] in setup.cpp), bitwise clip_grad_norm_'s result.
+    if (auto* adam = dynamic_cast<optim::Adam*>(optimizer_.get())) {
+      norm = optim::clip_grad_norm(*adam, config_.train.clip_grad_norm);
+    } else {
+      norm = torch::nn::utils::clip_grad_norm_(masters_, config_.train.clip_grad_norm);
+    }
   }
   if (scaler_->is_enabled()) {
     scaler_->step(*optimizer_);
