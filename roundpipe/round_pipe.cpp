@@ -323,7 +323,7 @@ RoundPipe::Impl::Impl(torch::nn::Sequential model_in, RoundPipeOptions options_i
   // Note [Optimizer thread budget] (step_pipeline.cpp): half the cores when driving GPUs.
   const int64_t optimizer_threads = drives_gpus() ? std::max<int64_t>(1, std::thread::hardware_concurrency() / 2) : 0;
   steps = std::make_unique<detail::StepPipeline>(&params, options.optim_dtype(), options.master_grad_dtype(),
-                                                 optimizer_threads, options.in_place_masters());
+                                                 optimizer_threads, options.in_place_masters(), options.sync_steps());
   for (const auto& device : devices) workers.push_back(std::make_unique<detail::DeviceWorker>(device));
   ROUNDPIPE_LOG(*log, kInfo, "RoundPipe '", options.name(), "': ", num_layers(), " layers on ", devices.size(),
                 " device(s)");

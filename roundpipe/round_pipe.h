@@ -50,6 +50,13 @@ struct RoundPipeOptions {
   /// themselves instead of a copy of each stage's layers per job (at the peak, one copy of each
   /// device's largest stage less: 1.3 B/param measured with 2 devices, 3.9 with 1; docs/benchmarks.md).
   TORCH_ARG(bool, in_place_masters) = false;
+  /// Every step is StepMode::kSync (step(fn, StepMode::kAsync) is refused): the compute copies then
+  /// change only between runs, so CPU devices compute on them instead of a copy of each stage's
+  /// trainable layers per job, as with in_place_masters (docs/architecture.md); for
+  /// separate masters, e.g. bf16 compute copies with fp32 masters: one bf16 copy of the model
+  /// less at the peak with 2 CPU devices (docs/benchmarks.md). No effect on GPUs, whose jobs copy
+  /// the layers into device memory anyway. in_place_masters implies it.
+  TORCH_ARG(bool, sync_steps) = false;
   /// Devices of the pool; each entry is one worker thread (CPU entries may repeat). Default:
   /// every visible CUDA device, else one CPU device.
   TORCH_ARG(std::vector<c10::Device>, devices) = {};

@@ -111,7 +111,7 @@ struct CpuDeviceBytes {
 };
 /// Which parameters CPU devices' stage jobs copy, computing on the host parameters themselves for
 /// the rest: the trainable ones (the default; frozen parameters such as LoRA's base are shared in
-/// any step mode) or none (RoundPipeOptions::in_place_masters). docs/benchmarks.md, "Host memory
+/// any step mode) or none (RoundPipeOptions::in_place_masters or sync_steps). docs/benchmarks.md, "Host memory
 /// per parameter and the allocator".
 enum class CpuDeviceLayers { kTrainableCopied, kShared };
 CpuDeviceBytes cpu_device_bytes(const ExecutePlan& plan, const TransformerShape& shape,

@@ -213,8 +213,9 @@ DeviceIo::~DeviceIo() {
 // writer can exist, the shell shares the layer's parameter tensor instead (set_data(src.detach()):
 // same storage, the shell's own Variable, so gradients still accumulate in the shell). The caller
 // decides per parameter (StepPipeline::shareable_parameters, RunContext::cpu_shared_parameters):
-//  - with RoundPipeOptions::in_place_masters every parameter: steps are sync only (Note [In-place
-//    masters]), so the parameters change only between runs;
+//  - with RoundPipeOptions::in_place_masters or sync_steps every parameter: steps are sync only
+//    (Note [In-place masters]; a sync step waits for every run's tail before it publishes), so the
+//    compute copies change only between runs;
 //  - otherwise, in any step mode, the frozen parameters without a master (LoRA's base weights,
 //    Note [Frozen parameters]): no step ever publishes into them. One that was shared while it was
 //    frozen and is trainable when the masters are created (at the first step) gets a master that

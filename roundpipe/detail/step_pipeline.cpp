@@ -76,11 +76,12 @@ namespace roundpipe::detail {
 
 StepPipeline::StepPipeline(const std::vector<std::vector<at::Tensor>>* params,
                            std::optional<c10::ScalarType> optim_dtype, std::optional<c10::ScalarType> master_grad_dtype,
-                           int64_t optimizer_threads, bool in_place_masters)
+                           int64_t optimizer_threads, bool in_place_masters, bool sync_steps)
     : params_(params),
       optim_dtype_(optim_dtype),
       master_grad_dtype_(master_grad_dtype),
       in_place_(in_place_masters),
+      sync_only_(in_place_masters || sync_steps),
       optimizer_threads_(optimizer_threads),
       published_(params->size(), 0),
       consumed_(params->size(), 0),
@@ -271,11 +272,11 @@ bool StepPipeline::runs_may_share_new_masters() const {
 std::vector<std::vector<bool>> StepPipeline::shareable_parameters() {
   std::vector<std::vector<bool>> out(params_->size());
   const bool before_masters = masters_.empty();
-  if (before_masters && !in_place_) shared_before_masters_.resize(params_->size());
+  if (before_masters && !sync_only_) shared_before_masters_.resize(params_->size());
   for (size_t l = 0; l < params_->size(); ++l) {
     const auto& layer = (*params_)[l];
-    out[l].assign(layer.size(), in_place_);  // in place: nothing writes them during a run
-    if (in_place_) continue;
+    out[l].assign(layer.size(), sync_only_);  // sync steps only: nothing writes them during a run
+    if (sync_only_) continue;
     for (size_t k = 0; k < layer.size(); ++k) {
       // Frozen without a master: no step publishes into it (publish_layer skips it).
       out[l][k] = !layer[k].requires_grad() && (before_masters || !masters_[l][k].defined());
@@ -370,6 +371,10 @@ void StepPipeline::step(std::function<void()> step_fn, StepMode mode) {
               "RoundPipeOptions::in_place_masters: the optimizer would update the parameters while the next "
               "iteration computes with them. Call step(fn, StepMode::kSync), or keep separate master copies "
               "(in_place_masters(false)) for async steps");
+  TORCH_CHECK(!sync_only_ || mode == StepMode::kSync,
+              "RoundPipe::step(..., StepMode::kAsync) with RoundPipeOptions::sync_steps: CPU devices compute on "
+              "the compute copies the step would publish into while the next iteration runs. Call step(fn, "
+              "StepMode::kSync), or construct the RoundPipe without sync_steps for async steps");
   rethrow_async_error();
   masters();
   const int64_t k = ++steps_;

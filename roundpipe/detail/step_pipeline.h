@@ -47,9 +47,10 @@ class StepPipeline {
   /// as this object. `optimizer_threads`: the optimizer thread's base::thread_budget (0: none;
   /// Note [Optimizer thread budget]). `in_place_masters`: the compute copies are the masters
   /// (RoundPipeOptions::in_place_masters; Note [In-place masters]); needs both dtypes unset.
+  /// `sync_steps`: RoundPipeOptions::sync_steps (implied by `in_place_masters`).
   StepPipeline(const std::vector<std::vector<at::Tensor>>* params, std::optional<c10::ScalarType> optim_dtype,
                std::optional<c10::ScalarType> master_grad_dtype, int64_t optimizer_threads = 0,
-               bool in_place_masters = false);
+               bool in_place_masters = false, bool sync_steps = false);
   ~StepPipeline();
   StepPipeline(const StepPipeline&) = delete;
   StepPipeline& operator=(const StepPipeline&) = delete;
@@ -89,8 +90,8 @@ class StepPipeline {
   const std::vector<std::vector<at::Tensor>>& masters();
   /// Caller: [layer][param] whether no step can write the compute copy while a run is in flight,
   /// so a CPU device's stage job may compute on it instead of a copy (Note [Shared host
-  /// parameters] in device_io.cpp): every parameter with in-place masters (sync steps only), else
-  /// the frozen parameters without a master. A frozen parameter shared before the masters exist
+  /// parameters] in device_io.cpp): every parameter with in-place masters or sync_steps (sync
+  /// steps only), else the frozen parameters without a master. A frozen parameter shared before the masters exist
   /// that has become trainable when they are created makes masters() wait for the runs' tails.
   std::vector<std::vector<bool>> shareable_parameters();
 
@@ -123,6 +124,9 @@ class StepPipeline {
   const std::optional<c10::ScalarType> optim_dtype_;
   const std::optional<c10::ScalarType> master_grad_dtype_;
   const bool in_place_;  // masters_ hold the compute copies themselves (Note [In-place masters])
+  // RoundPipeOptions::sync_steps (or in_place_): async steps are refused, so no step writes a
+  // compute copy while a run is in flight (Note [Shared host parameters]).
+  const bool sync_only_;
   std::vector<std::vector<at::Tensor>> masters_;  // lazy
   // Per master: the gradient buffer (in master_grad_dtype()) reused by every step whose compute
   // copy grads have another dtype (Note [Gradient hand-over]); lazy.

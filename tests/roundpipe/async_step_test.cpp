@@ -338,6 +338,61 @@ TEST(AsyncStepTest, InPlaceMasters_CpuDevicesComputeOnTheParameters) {
   }
 }
 
+// Note [Shared host parameters]: with RoundPipeOptions::sync_steps and separate masters (bf16
+// compute copies, fp32 masters) the CPU devices' stage jobs compute on the compute copies
+// themselves, and training is bitwise that of the same RoundPipe copying them; async steps are
+// refused.
+TEST(AsyncStepTest, SyncSteps_CpuDevicesComputeOnTheComputeCopies_SameTraining) {
+  std::vector<std::vector<torch::Tensor>> finals;
+  for (const bool sync_steps : {false, true}) {
+    SCOPED_TRACE(::testing::Message() << "sync_steps=" << sync_steps);
+    auto log = std::make_shared<AddressLog>();
+    torch::manual_seed(66);
+    auto model =
+        torch::nn::Sequential(AddressProbe(log), AddressProbe(log), AddressProbe(log), torch::nn::Linear(8, 4));
+    model->to(torch::kBFloat16);
+    RunConfig two_microbatches;
+    two_microbatches.num_microbatch = 2;
+    RoundPipe rp(model, RoundPipeOptions()
+                            .devices({c10::kCPU, c10::kCPU})
+                            .run_config(two_microbatches)
+                            .optim_dtype(torch::kFloat)
+                            .sync_steps(sync_steps));
+    auto opt = [&] {
+      OptimizerCtx ctx;
+      return optim::Adam(rp.parameters(), optim::AdamOptions(1e-2));
+    }();
+    std::set<const void*> weights;
+    for (const auto& p : rp.module()->parameters()) weights.insert(p.const_data_ptr());
+    for (int it = 0; it < 4; ++it) {
+      torch::manual_seed(700 + it);
+      auto x = torch::randn({6, 8}).to(torch::kBFloat16), y = torch::randn({6, 4}).to(torch::kBFloat16);
+      rp.forward_backward({x}, y, mse_over(y.numel()));
+      rp.step(
+          [&] {
+            opt.step();
+            opt.zero_grad();
+          },
+          StepMode::kSync);
+    }
+    const std::set<const void*> seen = log->addresses();
+    ASSERT_FALSE(seen.empty());
+    for (const void* address : seen) {
+      EXPECT_EQ(weights.count(address), sync_steps ? 1u : 0u) << "a pass read the weight at " << address;
+    }
+    if (sync_steps) {
+      EXPECT_EQ(seen.size(), 3u);  // one address per probe layer
+      rp.forward_backward({torch::randn({6, 8}).to(torch::kBFloat16)}, torch::zeros({6, 4}, torch::kBFloat16),
+                          mse_over(24));
+      EXPECT_THROW_WITH(rp.step([] {}, StepMode::kAsync), "RoundPipeOptions::sync_steps");
+    }
+    finals.emplace_back();
+    for (const auto& p : rp.optim_parameters()) finals.back().push_back(p.detach().clone());
+  }
+  ASSERT_EQ(finals[0].size(), finals[1].size());
+  for (size_t i = 0; i < finals[0].size(); ++i) EXPECT_TENSOR_EQ(finals[1][i], finals[0][i]) << "param " << i;
+}
+
 // Note [Shared host parameters]: in every step mode, CPU devices' stage jobs compute on frozen
 // parameters without a master (LoRA's base weights) and copy the others, including a parameter
 // frozen after its master exists (steps still publish into it). Losses match the staleness-one

@@ -135,7 +135,8 @@ scheduler::HostMemory host_of(const LauncherConfig& config, const MemoryPlan& me
   if (memory.cpu_devices) {
     o.cpu_device_bytes = scheduler::cpu_device_bytes(
         memory.plan, memory.shape, memory.device_options, memory.num_devices,
-        o.in_place_masters ? scheduler::CpuDeviceLayers::kShared : scheduler::CpuDeviceLayers::kTrainableCopied);
+        config.run.step_mode == StepMode::kSync ? scheduler::CpuDeviceLayers::kShared
+                                                : scheduler::CpuDeviceLayers::kTrainableCopied);
   }
   o.saved_inputs =
       scheduler::saved_input_bytes(memory.plan, memory.shape, memory.device_options, memory.num_microbatch);

@@ -297,6 +297,7 @@ RoundPipeOptions round_pipe_options(const LauncherConfig& config) {
       .devices(devices_of_rank(config))
       .optim_dtype(in_place ? std::nullopt : std::optional<c10::ScalarType>(config.model.master_dtype))
       .in_place_masters(in_place)
+      .sync_steps(config.run.step_mode == StepMode::kSync)  // CPU devices share the compute copies
       .master_grad_dtype(master_grad_dtype(config))
       .run_config(run)
       .seed(config.train.seed)
