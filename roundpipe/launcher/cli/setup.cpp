@@ -279,10 +279,8 @@ std::optional<c10::ScalarType> master_grad_dtype(const LauncherConfig& config) {
   const c10::ScalarType compute = config.model.dtype;
   const bool sixteen_bit = compute == at::kBFloat16 || compute == at::kHalf;
   const bool adam = config.optimizer.name == OptimizerName::kAdam || config.optimizer.name == OptimizerName::kAdamW;
-  if (!sixteen_bit || !adam || config.amp.scaler || in_place_masters(config) ||
-      config.model.master_dtype != at::kFloat) {
-    return std::nullopt;
-  }
+  // float32 masters of 16-bit compute copies are never the compute copies (in_place_masters).
+  if (!sixteen_bit || !adam || config.amp.scaler || config.model.master_dtype != at::kFloat) return std::nullopt;
   return compute;
 }
 
