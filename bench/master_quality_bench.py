@@ -15,6 +15,8 @@ cosine schedule, 2 CPU devices, sync steps. Runs (same data order, seed and sche
   bf16, fp32 masters   bfloat16 compute copies, float32 masters: what bf16 compute alone costs
   bf16 masters + Kahan bfloat16 weights that are the masters, Kahan-compensated (optimizer.kahan_sum)
   bf16 + Kahan + int8  the 8.5 B/param configuration of issue 31
+  bf16 masters, plain  bfloat16 weights that are the masters, no compensation (each step rounded
+                       once): what the compensation buys
 
 Prints the final train loss (mean of the last 10% of steps) and eval loss of each run with its
 difference from the baseline, and writes an SVG of the train-loss curves (a moving average over
@@ -27,6 +29,7 @@ import pathlib
 import subprocess
 import sys
 import tempfile
+import time
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 MODEL_DIR = ROOT / "runs" / "models" / "SmolLM2-135M-Instruct"
@@ -39,8 +42,9 @@ RUNS = {  # name -> overrides
     "bf16, fp32 masters": ["model.dtype=bfloat16"],
     "bf16 masters + Kahan": BF16_MASTERS,
     "bf16 + Kahan + int8": BF16_MASTERS + ["optimizer.state_dtype=int8"],
+    "bf16 masters, plain": ["model.dtype=bfloat16", "model.master_dtype=bfloat16"],
 }
-COLORS = ["#222222", "#1f77b4", "#2ca02c", "#d62728", "#ff7f0e"]
+COLORS = ["#222222", "#1f77b4", "#2ca02c", "#d62728", "#ff7f0e", "#9467bd"]
 
 
 def prepare(python: str) -> None:
@@ -77,6 +81,7 @@ def train(roundpipe: str, tmp: str, name: str, overrides: list, steps: int, lr: 
     path = out_dir + ".yaml"
     pathlib.Path(path).write_text(config(out_dir, steps, lr))
     print(f"== {name}: roundpipe train {' '.join(overrides)}", flush=True)
+    start = time.monotonic()
     proc = subprocess.run([roundpipe, "train", path, *overrides], cwd=ROOT, capture_output=True, text=True)
     if proc.returncode != 0:
         sys.exit(f"roundpipe train ({name}) failed:\n{proc.stderr[-3000:]}")
@@ -87,6 +92,8 @@ def train(roundpipe: str, tmp: str, name: str, overrides: list, steps: int, lr: 
             eval_loss = record["eval_loss"]
         elif "loss" in record:
             train_loss.append(record["loss"])
+    print(f"   {len(train_loss)} steps in {time.monotonic() - start:.0f} s, last loss {train_loss[-1]:.4f}, "
+          f"eval loss {eval_loss}", flush=True)
     return {"train": train_loss, "eval": eval_loss}
 
 

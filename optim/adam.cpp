@@ -130,14 +130,19 @@ void bind_moments(AdamParamState& state, const torch::Tensor& p, const AdamOptio
   q.exp_avg_sq_map = &unsigned_map;
 }
 
-// Points `job` at `p`: a float32 master, or a bf16 master and its Kahan compensation (created
-// zero on the first step; Note [Kahan-compensated bf16 masters] in detail/adam_kernel_impl.h).
-void bind_param(AdamParamState& state, const torch::Tensor& p, detail::AdamTensor& job) {
-  if (p.scalar_type() != torch::kBFloat16) {
-    TORCH_CHECK(!state.kahan_compensation().defined(), kWho, ": a float32 parameter of shape ", p.sizes(),
-                " has a state 'kahan_compensation' (made for a bfloat16 parameter); the loaded state dict does not "
-                "match the parameters");
-    job.param = p.data_ptr<float>();
+// Points `job` at `p`: a float32 master, or a bf16 master and, with kahan_sum, its Kahan
+// compensation (created zero on the first step; Note [Kahan-compensated bf16 masters] in
+// detail/adam_kernel_impl.h).
+void bind_param(AdamParamState& state, const torch::Tensor& p, const AdamOptions& options, detail::AdamTensor& job) {
+  if (p.scalar_type() != torch::kBFloat16 || !options.kahan_sum()) {
+    TORCH_CHECK(!state.kahan_compensation().defined(), kWho, ": a ", p.scalar_type(), " parameter of shape ", p.sizes(),
+                " in a group without kahan_sum has a state 'kahan_compensation' (made for a "
+                "Kahan-compensated bfloat16 parameter); the loaded state dict does not match the parameters");
+    if (p.scalar_type() == torch::kBFloat16) {
+      job.param_bf16 = static_cast<uint16_t*>(p.data_ptr());  // plain rounding, no compensation
+    } else {
+      job.param = p.data_ptr<float>();
+    }
     return;
   }
   if (!state.kahan_compensation().defined() && state.step() == 0) {
@@ -304,9 +309,6 @@ Adam::Adam(std::vector<torch::Tensor> params, AdamOptions defaults)
 
 void Adam::check_param(const torch::Tensor& p, const AdamOptions& options) const {
   if (p.defined() && p.scalar_type() == torch::kBFloat16) {
-    TORCH_CHECK(options.kahan_sum(), kWho, ": a bfloat16 parameter of shape ", p.sizes(),
-                " needs AdamOptions().kahan_sum(true) (bf16 master weights with Kahan-compensated updates; plain bf16 "
-                "rounding drops updates below half an ulp of the weight), or keep float32 master weights");
     detail::check_bf16_master_param(p, kWho);
     return;
   }
@@ -341,7 +343,7 @@ void Adam::set_compute_copy(const torch::Tensor& param, torch::Tensor copy) {
               " is not one of this optimizer's parameters");
   TORCH_CHECK(param.scalar_type() != torch::kBFloat16 || !copy.defined(),
               "roundpipe::optim::Adam::set_compute_copy: the parameter of shape ", param.sizes(),
-              " is a bfloat16 master (AdamOptions::kahan_sum), which is its own compute copy; use the parameter "
+              " is a bfloat16 master, which is its own compute copy; use the parameter "
               "itself (e.g. upload it directly) instead of registering a copy");
   if (!copy.defined()) {
     compute_copies_.erase(param.unsafeGetTensorImpl());
@@ -412,7 +414,7 @@ torch::Tensor Adam::step(LossClosure closure) {
       auto& state = static_cast<AdamParamState&>(*slot);
       detail::AdamTensor job;
       bind_moments(state, p, options, job);
-      bind_param(state, p, job);
+      bind_param(state, p, options, job);
       state.step(state.step() + 1);
 
       job.grad = grad.const_data_ptr();

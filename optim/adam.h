@@ -61,10 +61,12 @@ struct AdamOptions : public torch::optim::OptimizerCloneableOptions<AdamOptions>
   /// Storage of the moments. kInt8 is written to archives as "state_dtype" (kFloat32 is not,
   /// so float32 archives keep torch's layout); loading an archive of the other dtype throws.
   TORCH_ARG(AdamStateDtype, state_dtype) = AdamStateDtype::kFloat32;
-  /// Accept bfloat16 parameters (bf16 master weights) and update them with Kahan-compensated
-  /// summation: a bf16 compensation buffer per such parameter (AdamParamState::kahan_compensation)
-  /// carries the part of each update that rounding to bf16 drops (docs/optimizer.md, "bf16
-  /// masters with Kahan summation"). float32 parameters of the group are updated as without it.
+  /// Update bfloat16 parameters (bf16 master weights) with Kahan-compensated summation: a bf16
+  /// compensation buffer per such parameter (AdamParamState::kahan_compensation) carries the part
+  /// of each update that rounding to bf16 drops (docs/optimizer.md, "bf16 masters with Kahan
+  /// summation"). Without it a bf16 parameter gets the float32 step of its widened value rounded
+  /// to nearest once, which loses every update below half an ulp of the weight. float32
+  /// parameters of the group are updated as without it.
   /// Written to archives as "kahan_sum" when true; loading an archive with the other value throws.
   TORCH_ARG(bool, kahan_sum) = false;
 
@@ -104,10 +106,12 @@ struct AdamParamState : public torch::optim::OptimizerCloneableParamState<AdamPa
 /// Adam / AdamW for fp32 CPU parameters, numerically equal (to float rounding, <= 1e-6 in tests)
 /// to PyTorch's `torch.optim.Adam` / `torch.optim.AdamW` (single-tensor path).
 ///
-/// With `AdamOptions::kahan_sum(true)` parameters may also be bfloat16 (bf16 master weights): the
-/// float32 update is computed from the widened parameter as for an fp32 master, then added with
+/// Parameters may also be bfloat16 (bf16 master weights): the float32 update is computed from the
+/// widened parameter as for an fp32 master, then, with `AdamOptions::kahan_sum(true)`, added with
 /// Kahan compensation (a bf16 buffer per parameter in its state; docs/optimizer.md, "bf16 masters
-/// with Kahan summation"): 2 + 2 + 8 B/param with float32 moments instead of 4 + 8.
+/// with Kahan summation"): 2 + 2 + 8 B/param with float32 moments instead of 4 + 8. Without
+/// kahan_sum the new float32 weight is rounded to bf16 (2 + 8 B/param; updates below half an ulp
+/// of the weight are lost, so small learning rates stall: prefer kahan_sum).
 ///
 /// With `AdamOptions::state_dtype(AdamStateDtype::kInt8)` the moments of parameters of at least
 /// kMin8bitNumel elements are stored block-wise in 8 bits (2 + 8/256 instead of 8 B/param;
@@ -140,8 +144,8 @@ struct AdamParamState : public torch::optim::OptimizerCloneableParamState<AdamPa
 ///   }
 class Adam : public torch::optim::Optimizer {
  public:
-  /// Throws c10::Error for invalid options or parameters that are not contiguous fp32 CPU tensors
-  /// (or bf16 ones in a group with kahan_sum).
+  /// Throws c10::Error for invalid options or parameters that are not contiguous fp32 or bf16 CPU
+  /// tensors.
   explicit Adam(const std::vector<torch::optim::OptimizerParamGroup>& param_groups, AdamOptions defaults = {});
   explicit Adam(std::vector<torch::Tensor> params, AdamOptions defaults = {});
 

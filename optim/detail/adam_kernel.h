@@ -56,11 +56,12 @@ struct QuantizedMoments {
 /// amsgrad; `copy` is null unless a compute copy of dtype `copy_dtype` is to be written. With
 /// 8-bit states `quantized.exp_avg_codes` is set and exp_avg / exp_avg_sq / max_exp_avg_sq are
 /// null (no amsgrad). A bfloat16 master (Note [Kahan-compensated bf16 masters] in
-/// adam_kernel_impl.h) sets `param_bf16` and `compensation` instead of `param` (and no copy).
+/// adam_kernel_impl.h) sets `param_bf16` and, with AdamOptions::kahan_sum, `compensation` instead
+/// of `param` (and no copy).
 struct AdamTensor {
   float* param = nullptr;
   uint16_t* param_bf16 = nullptr;    ///< bf16 bits of the master; null for a float32 master
-  uint16_t* compensation = nullptr;  ///< bf16 bits of the Kahan compensation; with param_bf16
+  uint16_t* compensation = nullptr;  ///< bf16 bits of the Kahan compensation; null: plain rounding
   const void* grad = nullptr;        ///< `numel` elements of `grad_dtype`
   GradDtype grad_dtype = GradDtype::kFloat;
   float* exp_avg = nullptr;

@@ -51,6 +51,12 @@
 // kQuantBlock widened elements with write_update (it stores u where it would store p; for 8-bit
 // states these are the quantization blocks), then kahan_add applies the last three lines with the
 // same widening loads and RNE stores as the bf16 compute copy, so every ISA gives the same bits.
+// Without kahan_sum (plain bf16 masters, no compensation buffer) the float32 pass updates the
+// widened p as it would a float32 master, and the result is rounded to nearest even once:
+//   p_bf16 = bf16(float32 Adam step of float(p_bf16))
+// i.e. exactly a float32 master that is re-read from its bf16 rounding before every step, which
+// is also what torch's fused AdamW computes for bf16 parameters (math in float32, one rounding),
+// here with float32 (or 8-bit) moments. Every |update| below half an ulp of p is lost.
 #pragma once
 
 #ifndef ROUNDPIPE_ADAM_ISA
@@ -399,10 +405,37 @@ void kahan_add(const float* u, uint16_t* p, uint16_t* c, int64_t n) {
   }
 }
 
+/// Plain bf16 masters (Note [Kahan-compensated bf16 masters], last paragraph): rounds the updated
+/// widened weights p32[0, n) into the bf16 master `p`.
+template <typename V>
+void narrow_bf16(const float* p32, uint16_t* p, int64_t n) {
+  int64_t j = 0;
+  if constexpr (V::kWidth > 0) {
+    for (; j + V::kWidth <= n; j += V::kWidth) {
+      V::store_bf16(p + j, V::load(p32 + j));
+    }
+  }
+  for (; j < n; ++j) {
+    p[j] = bf16_from_float(p32[j]);
+  }
+}
+
+/// Finishes a bf16 master's block after adam_update_fp32 ran on element_block's `widened`: Kahan
+/// addition of the updates, or the rounding of the new weights without compensation.
+template <typename V>
+void finish_bf16_block(const AdamTensor& t, const float* widened, int64_t lo, int64_t n) {
+  if (t.compensation != nullptr) {
+    kahan_add<V>(widened, t.param_bf16 + lo, t.compensation + lo, n);
+  } else {
+    narrow_bf16<V>(widened, t.param_bf16 + lo, n);
+  }
+}
+
 /// Elements [lo, lo + n) of `t` as a tensor of their own for adam_update_fp32 (moments and
 /// gradient offset; the caller may point the moments elsewhere). A bf16 master is widened into
 /// `widened` (n floats), which that pass overwrites with the updates u (Note [Kahan-compensated
-/// bf16 masters]); a float32 master is updated in place.
+/// bf16 masters]), or without compensation with the new float32 weights; a float32 master is
+/// updated in place.
 template <typename V>
 AdamTensor element_block(const AdamTensor& t, int64_t lo, int64_t n, float* widened) {
   const auto at = [lo](float* x) { return x == nullptr ? nullptr : x + lo; };
@@ -420,7 +453,7 @@ AdamTensor element_block(const AdamTensor& t, int64_t lo, int64_t n, float* wide
     block.param = widened;
     block.param_bf16 = nullptr;
     block.compensation = nullptr;
-    block.write_update = true;
+    block.write_update = t.compensation != nullptr;
   } else {
     block.param = at(t.param);
   }
@@ -447,22 +480,23 @@ void adam_update_quantized(const AdamTensor& t, int64_t begin, int64_t end) {
     block.max_exp_avg_sq = nullptr;
     adam_update_fp32<V>(block, 0, n);
     if (t.param_bf16 != nullptr) {
-      kahan_add<V>(u, t.param_bf16 + lo, t.compensation + lo, n);
+      finish_bf16_block<V>(t, u, lo, n);
     }
     V::quantize_pair(m, v, n, *q.exp_avg_map, *q.exp_avg_sq_map, q.exp_avg_codes + lo, q.exp_avg_sq_codes + lo,
                      q.exp_avg_absmax + b, q.exp_avg_sq_absmax + b);
   }
 }
 
-/// Note [Kahan-compensated bf16 masters] with float32 moments: elements [begin, end), in blocks of
-/// kQuantBlock from `begin` (results are per element, so they do not depend on where ranges split).
+/// Note [Kahan-compensated bf16 masters] (with or without compensation) with float32 moments:
+/// elements [begin, end), in blocks of kQuantBlock from `begin` (results are per element, so they
+/// do not depend on where ranges split).
 template <typename V>
-void adam_update_kahan(const AdamTensor& t, int64_t begin, int64_t end) {
+void adam_update_bf16(const AdamTensor& t, int64_t begin, int64_t end) {
   alignas(64) float u[kQuantBlock];
   for (int64_t lo = begin; lo < end; lo += kQuantBlock) {
     const int64_t n = std::min<int64_t>(kQuantBlock, end - lo);
     adam_update_fp32<V>(element_block<V>(t, lo, n, u), 0, n);
-    kahan_add<V>(u, t.param_bf16 + lo, t.compensation + lo, n);
+    finish_bf16_block<V>(t, u, lo, n);
   }
 }
 
@@ -471,7 +505,7 @@ void adam_update(const AdamTensor& t, int64_t begin, int64_t end) {
   if (t.quantized.exp_avg_codes != nullptr) {
     adam_update_quantized<V>(t, begin, end);
   } else if (t.param_bf16 != nullptr) {
-    adam_update_kahan<V>(t, begin, end);
+    adam_update_bf16<V>(t, begin, end);
   } else {
     adam_update_fp32<V>(t, begin, end);
   }

@@ -139,10 +139,21 @@ TEST(CliTest, Adafactor_TrainsAndResumesBitwise) {
   for (const TrainRecord& record : log.train) EXPECT_TRUE(std::isfinite(record.loss)) << record.step;
 }
 
+// "estimated host memory: peak 1.00 MiB (1048576 B) = ..." -> 1048576; -1 if absent.
+int64_t host_peak_bytes(const std::string& out) {
+  const std::string key = "estimated host memory: peak ";
+  const size_t at = out.find(key);
+  if (at == std::string::npos) return -1;
+  const size_t open = out.find('(', at + key.size());
+  return open == std::string::npos ? -1 : std::stoll(out.substr(open + 1));
+}
+
 // model.master_dtype: bfloat16 with optimizer.kahan_sum (the bf16 compute copies are the masters,
 // sync steps): trains as close to fp32 masters as bf16 compute allows, the checkpointed weights
 // are bf16, the compensation round-trips through the checkpoint (resume == straight, bitwise),
-// and `roundpipe plan` counts no master copy.
+// and `roundpipe plan` counts no master copy. Without kahan_sum (plain bf16 masters) `train`
+// warns, trains other weights than with it, resumes bitwise too, and `plan` counts 2 B/param less
+// (no compensation).
 TEST(CliTest, Bf16MastersWithKahan_TrainAndResumeBitwise) {
   ScratchDir dir;
   const std::string bf16 = " model.dtype=bfloat16 run.step_mode=sync optimizer.lr=3.0e-3";
@@ -165,15 +176,29 @@ TEST(CliTest, Bf16MastersWithKahan_TrainAndResumeBitwise) {
   CliResult plan = run_cli(dir, "plan run.yaml" + bf16 + masters);
   ASSERT_EQ(plan.code, 0) << plan.err;
   EXPECT_NE(plan.out.find("masters 0 (the compute copies)"), std::string::npos) << plan.out;
-}
 
-// "estimated host memory: peak 1.00 MiB (1048576 B) = ..." -> 1048576; -1 if absent.
-int64_t host_peak_bytes(const std::string& out) {
-  const std::string key = "estimated host memory: peak ";
-  const size_t at = out.find(key);
-  if (at == std::string::npos) return -1;
-  const size_t open = out.find('(', at + key.size());
-  return open == std::string::npos ? -1 : std::stoll(out.substr(open + 1));
+  const std::string plain_masters = " model.master_dtype=bfloat16";
+  CliResult plain = run_cli(dir, "train run.yaml out_dir=plain" + bf16 + plain_masters + common);
+  ASSERT_EQ(plain.code, 0) << plain.err;
+  EXPECT_NE(plain.err.find("model.master_dtype: bfloat16 without optimizer.kahan_sum"), std::string::npos) << plain.err;
+  CliResult plain_resumed = run_cli(dir, "train run.yaml out_dir=plain_resumed" + bf16 + plain_masters + common +
+                                             " --resume plain/checkpoints/step-000003");
+  ASSERT_EQ(plain_resumed.code, 0) << plain_resumed.err;
+  expect_same_weights(dir.file("plain/checkpoints/step-000006"), dir.file("plain_resumed/checkpoints/step-000006"));
+  auto plain_weights = models::CheckpointReader::open(dir.file("plain/checkpoints/step-000006"));
+  const std::string key = "model.layers.0.mlp.up_proj.weight";
+  EXPECT_FALSE(torch::equal(plain_weights.get(key), weights.get(key))) << "plain rounding == Kahan";
+  const double lp = read_metrics(dir.file("plain/metrics.jsonl")).train.back().loss;
+  EXPECT_NEAR(lp, lf, 0.05 * lf);  // lr 3e-3 moves bf16 weights: it trains
+  CliResult plain_plan = run_cli(dir, "plan run.yaml" + bf16 + plain_masters);
+  ASSERT_EQ(plain_plan.code, 0) << plain_plan.err;
+  const int64_t with_kahan = host_peak_bytes(plan.out), without = host_peak_bytes(plain_plan.out);
+  ASSERT_GT(without, 0) << plain_plan.out;
+  // "... B/param x N parameters: ..." -> N; every parameter trains, each has a bf16 compensation.
+  const size_t x = plan.out.find(" x ", plan.out.find("estimated host memory: peak "));
+  ASSERT_NE(x, std::string::npos) << plan.out;
+  const int64_t parameters = std::stoll(plan.out.substr(x + 3));
+  EXPECT_EQ(with_kahan - without, 2 * parameters) << plan.out << plain_plan.out;
 }
 
 // bf16 compute copies with float32 masters and AdamW (Note [Gradients in the compute dtype] in

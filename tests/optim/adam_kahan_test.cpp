@@ -1,8 +1,8 @@
 // roundpipe::optim::Adam with bfloat16 master weights and Kahan compensation
 // (AdamOptions::kahan_sum): bitwise against a Python reference of Note [Kahan-compensated bf16
 // masters] written with torch ops on bf16/fp32 tensors (every ISA, 1 and 2 threads), tracking of an
-// fp32-master run over many tiny updates where plain bf16 rounding stalls, bitwise resume through
-// state dicts, and bad input.
+// fp32-master run over many tiny updates where plain bf16 rounding stalls, plain bf16 masters (no
+// compensation) == the float32 step rounded once, bitwise resume through state dicts, and bad input.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -170,6 +170,87 @@ TEST(AdamKahanTest, MatchesPythonReferenceBitwise_EveryOptionIsaAndThreadCount) 
   }
 }
 
+// Plain bf16 masters (no kahan_sum; Note [Kahan-compensated bf16 masters], last paragraph): each
+// step is the float32 step of the widened weights rounded to bf16 once. Reference: the same Adam
+// on float32 copies (== torch.optim.Adam/AdamW, adam_test.cpp) that are rounded to bf16 and
+// widened back after every step; weights and moments bitwise, float32 and 8-bit moments, every
+// option set, ISA and thread count. 5000 elements (a partial 8-bit block) beside the shapes above.
+TEST(AdamKahanTest, PlainBf16_IsTheFloat32StepRoundedOnce_EveryOptionIsaStateDtypeAndThreadCount) {
+  const Config configs[] = {{1e-2, 0.9, 0.999, 1e-8, 0.01, false, false, false},
+                            {3e-3, 0.9, 0.95, 1e-8, 0.1, true, false, true},
+                            {1e-3, 0.4, 0.99, 1e-6, 0.0, false, true, false}};
+  std::vector<std::vector<int64_t>> shapes = kShapes;
+  shapes.push_back({5000});
+  torch::manual_seed(29);
+  std::vector<torch::Tensor> init;
+  std::vector<std::vector<torch::Tensor>> grads(shapes.size());
+  for (size_t i = 0; i < shapes.size(); ++i) {
+    init.push_back(torch::randn(shapes[i]).to(torch::kBFloat16));
+    for (int s = 0; s < kSteps; ++s) {
+      auto g = torch::randn(shapes[i]) * torch::exp(torch::randn(shapes[i]) * 2);
+      grads[i].push_back(i == kBf16GradParam ? g.to(torch::kBFloat16) : g);
+    }
+  }
+  for (const auto& c : configs) {
+    for (const AdamStateDtype state_dtype : {AdamStateDtype::kFloat32, AdamStateDtype::kInt8}) {
+      if (state_dtype == AdamStateDtype::kInt8 && c.amsgrad) continue;  // 8-bit states have no amsgrad
+      const auto options = AdamOptions(c.lr)
+                               .betas({c.beta1, c.beta2})
+                               .eps(c.eps)
+                               .weight_decay(c.weight_decay)
+                               .decoupled_weight_decay(c.decoupled)
+                               .maximize(c.maximize)
+                               .amsgrad(c.amsgrad)
+                               .state_dtype(state_dtype);
+      for (const auto& isa : supported_cpu_isas()) {
+        for (int threads : {1, 2}) {
+          std::vector<torch::Tensor> params, widened;
+          for (const auto& t : init) {
+            params.push_back(t.clone());
+            widened.push_back(t.to(torch::kFloat));
+          }
+          Adam opt(params, options);
+          Adam ref(widened, options);
+          for (Adam* o : {&opt, &ref}) {
+            o->set_kernel_isa(isa);
+            o->set_num_threads(threads);
+          }
+          const std::string what = "lr " + std::to_string(c.lr) + ", int8 " +
+                                   std::to_string(state_dtype == AdamStateDtype::kInt8) + ", isa " + cpu_isa_name(isa) +
+                                   ", threads " + std::to_string(threads);
+          for (int s = 0; s < kSteps; ++s) {
+            for (size_t i = 0; i < params.size(); ++i) {
+              params[i].mutable_grad() = grads[i][s];
+              widened[i].mutable_grad() = grads[i][s];
+            }
+            opt.step();
+            ref.step();
+            for (size_t i = 0; i < params.size(); ++i) {
+              torch::NoGradGuard no_grad;
+              widened[i].copy_(widened[i].to(torch::kBFloat16));  // the reference's bf16 master
+              const auto where = what + ", step " + std::to_string(s) + ", param " + std::to_string(i);
+              const auto& st = static_cast<const AdamParamState&>(*opt.state().at(params[i].unsafeGetTensorImpl()));
+              const auto& rst = static_cast<const AdamParamState&>(*ref.state().at(widened[i].unsafeGetTensorImpl()));
+              ASSERT_EQ(params[i].scalar_type(), torch::kBFloat16) << where;
+              ASSERT_FALSE(st.kahan_compensation().defined()) << where;
+              ASSERT_TRUE(torch::equal(params[i], widened[i].to(torch::kBFloat16))) << where << ": parameter";
+              ASSERT_TRUE(torch::equal(st.exp_avg(), rst.exp_avg())) << where << ": exp_avg";
+              ASSERT_TRUE(torch::equal(st.exp_avg_sq(), rst.exp_avg_sq())) << where << ": exp_avg_sq";
+              if (state_dtype == AdamStateDtype::kInt8 && params[i].numel() >= kMin8bitNumel) {
+                ASSERT_EQ(st.exp_avg().scalar_type(), torch::kUInt8) << where;
+                ASSERT_TRUE(torch::equal(st.exp_avg_absmax(), rst.exp_avg_absmax())) << where << ": absmax";
+                ASSERT_TRUE(torch::equal(st.exp_avg_sq_absmax(), rst.exp_avg_sq_absmax())) << where << ": absmax";
+              }
+            }
+          }
+          EXPECT_GT((params[1].to(torch::kFloat) - init[1].to(torch::kFloat)).abs().max().item<float>(), 3e-3)
+              << what << ": parameters did not move";
+        }
+      }
+    }
+  }
+}
+
 // With 8-bit moments: the int8 test's numpy reference of the block-wise quantization
 // (tests/optim/adam_int8_reference.h) around the same Kahan update; 38700 elements (two threads'
 // worth, bf16 gradients) and 5000 (a partial last block). Parameters, compensations, codes and
@@ -267,20 +348,24 @@ TEST(AdamKahanTest, TinyUpdates_KahanTracksFloat32MasterWherePlainBf16Stalls) {
   const auto p0 = (torch::randn({kNumel}) + 1).to(torch::kBFloat16).to(torch::kFloat);
   const auto direction = torch::randn({kNumel}).sign();
   const auto options = AdamOptions(2e-5).weight_decay(0.01).decoupled_weight_decay(true);
-  auto fp32 = p0.clone(), plain = p0.clone(), kahan = p0.to(torch::kBFloat16);
+  auto fp32 = p0.clone(), plain = p0.clone(), kahan = p0.to(torch::kBFloat16), plain16 = p0.to(torch::kBFloat16);
   Adam fp32_opt({fp32}, options);
   Adam plain_opt({plain}, options);
   Adam kahan_opt({kahan}, AdamOptions(options).kahan_sum(true));
+  Adam plain16_opt({plain16}, options);  // a bf16 master without kahan_sum
   for (int s = 0; s < kStepCount; ++s) {
     const auto g = direction + 0.5 * torch::randn({kNumel});
     fp32.mutable_grad() = g;
     plain.mutable_grad() = g;
     kahan.mutable_grad() = g;
+    plain16.mutable_grad() = g;
     fp32_opt.step();
     plain_opt.step();
     plain.copy_(plain.to(torch::kBFloat16));
     kahan_opt.step();
+    plain16_opt.step();
   }
+  EXPECT_TRUE(torch::equal(plain16.to(torch::kFloat), plain)) << "plain bf16 master != float32 step rounded";
   const double moved = (fp32 - p0).abs().mean().item<double>();
   const double plain_err = (plain - fp32).abs().mean().item<double>();
   const double kahan_err = (kahan.to(torch::kFloat) - fp32).abs().mean().item<double>();
@@ -401,13 +486,21 @@ void expect_error(Fn fn, const std::string& needle) {
 
 TEST(AdamKahanTest, BadInput_ClearErrors) {
   const auto bf16 = torch::zeros({3}, torch::kBFloat16);
-  expect_error([&] { Adam({bf16}); }, "a bfloat16 parameter of shape [3] needs AdamOptions().kahan_sum(true)");
+  EXPECT_NO_THROW(Adam({bf16}));  // plain bf16 masters
+  {                               // a compensation in a group without kahan_sum (a state dict of another optimizer)
+    auto plain = torch::zeros({3}, torch::kBFloat16);
+    Adam opt({plain});
+    plain.mutable_grad() = torch::ones({3});
+    opt.step();
+    static_cast<AdamParamState&>(*opt.state().at(plain.unsafeGetTensorImpl()))
+        .kahan_compensation(torch::zeros({3}, torch::kBFloat16));
+    expect_error([&] { opt.step(); },
+                 "a BFloat16 parameter of shape [3] in a group without kahan_sum has a state 'kahan_compensation'");
+  }
   std::vector<torch::optim::OptimizerParamGroup> groups;
   groups.emplace_back(std::vector<torch::Tensor>{torch::zeros({2})});
   groups.emplace_back(std::vector<torch::Tensor>{bf16}, std::make_unique<AdamOptions>(AdamOptions().kahan_sum(true)));
   EXPECT_NO_THROW(Adam opt(groups));
-  groups[1].set_options(std::make_unique<AdamOptions>());
-  expect_error([&] { Adam opt(groups); }, "kahan_sum(true)");
   expect_error([&] { Adam({torch::zeros({3}, torch::kHalf)}, AdamOptions().kahan_sum(true)); }, "dense float32 CPU");
   expect_error(
       [&] {

@@ -119,6 +119,13 @@ void Trainer::setup() {
   rank_ = group_ ? group_->rank() : 0;
   lead_ = rank_ == 0;
   check_memory_fits(config_);  // refuses, before loading anything, what will not fit (memory_plan.h)
+  if (lead_ && config_.model.master_dtype == c10::kBFloat16 && !config_.optimizer.kahan_sum) {
+    ROUNDPIPE_LOG(launcher_log(), kWarn,
+                  "model.master_dtype: bfloat16 without optimizer.kahan_sum: every update is rounded to bf16, so "
+                  "updates below half an ulp of their weight (about 1/512 of it) are lost and training with a "
+                  "small learning rate stalls (docs/optimizer.md, \"Quality on real text\"); add "
+                  "optimizer.kahan_sum: true (2 B/param) to keep them");
+  }
   train_data_ = open_data(config_, config_.data.train, 0);
   if (!config_.data.valid.empty() || config_.data.format == DataFormat::kSynthetic) {
     valid_data_ = open_data(config_, config_.data.valid, 1);

@@ -187,8 +187,9 @@ std::vector<KeySpec> build_schema() {
                   .enum_field([](C& c) -> c10::ScalarType& { return c.model.dtype; }, kDtypeValues));
   t.push_back(Key("model.master_dtype", KeyKind::kChoice, "float32",
                   "dtype of the weights the optimizer updates: `float32`, or `bfloat16` with "
-                  "model.dtype bfloat16, optimizer.kahan_sum and run.step_mode sync (the compute "
-                  "copies are then the masters; docs/optimizer.md, \"bf16 masters with Kahan "
+                  "model.dtype bfloat16, adam / adamw and run.step_mode sync (the compute copies are "
+                  "then the masters; add optimizer.kahan_sum: true, without it small updates are "
+                  "lost and `train` warns; docs/optimizer.md, \"bf16 masters with Kahan "
                   "summation\"). Equal to model.dtype with sync steps, the masters are the compute "
                   "copies (no second copy).")
                   .one_of(kDtypes)
@@ -331,10 +332,11 @@ std::vector<KeySpec> build_schema() {
           .enum_field([](C& c) -> OptimizerStateDtype& { return c.optimizer.state_dtype; },
                       std::vector<OptimizerStateDtype>{OptimizerStateDtype::kFloat32, OptimizerStateDtype::kInt8}));
   t.push_back(Key("optimizer.kahan_sum", KeyKind::kBool, "false",
-                  "adam / adamw with model.master_dtype bfloat16 (required there): each update is "
+                  "adam / adamw with model.master_dtype bfloat16 (recommended there): each update is "
                   "added with Kahan compensation, a bf16 buffer per parameter (2 B/param) that "
                   "carries what rounding to bf16 drops, so small updates accumulate as with fp32 "
-                  "masters.")
+                  "masters. Without it bf16 masters are plain bf16 weights: each float32 step is "
+                  "rounded once, updates below half an ulp of the weight are lost.")
                   .field([](C& c) -> bool& { return c.optimizer.kahan_sum; }));
 
   // ---- schedule ----
