@@ -95,6 +95,23 @@ struct Config {
   bool decoupled, maximize, amsgrad;
 };
 
+// Adam with L2; AdamW with amsgrad; beta1 = 0.4 (lerp weight >= 0.5, ATen's other branch) with
+// maximize; each with lr large enough that some updates cross bf16 ulps and gradients of mixed
+// magnitude so that others do not.
+const Config kConfigs[] = {{1e-2, 0.9, 0.999, 1e-8, 0.01, false, false, false},
+                           {3e-3, 0.9, 0.95, 1e-8, 0.1, true, false, true},
+                           {1e-3, 0.4, 0.99, 1e-6, 0.0, false, true, false}};
+
+AdamOptions options_of(const Config& c) {
+  return AdamOptions(c.lr)
+      .betas({c.beta1, c.beta2})
+      .eps(c.eps)
+      .weight_decay(c.weight_decay)
+      .decoupled_weight_decay(c.decoupled)
+      .maximize(c.maximize)
+      .amsgrad(c.amsgrad);
+}
+
 // 37 (vector tails), 1000, and 300 x 129 = 38700 (two threads' worth; bf16 gradients).
 const std::vector<std::vector<int64_t>> kShapes = {{37}, {1000}, {300, 129}};
 constexpr size_t kBf16GradParam = 2;
@@ -102,12 +119,6 @@ constexpr int kSteps = 6;
 
 TEST(AdamKahanTest, MatchesPythonReferenceBitwise_EveryOptionIsaAndThreadCount) {
   ROUNDPIPE_REQUIRE_ORACLE();
-  // Adam with L2; AdamW with amsgrad; beta1 = 0.4 (lerp weight >= 0.5, ATen's other branch) with
-  // maximize; each with lr large enough that some updates cross bf16 ulps and gradients of mixed
-  // magnitude so that others do not.
-  const Config configs[] = {{1e-2, 0.9, 0.999, 1e-8, 0.01, false, false, false},
-                            {3e-3, 0.9, 0.95, 1e-8, 0.1, true, false, true},
-                            {1e-3, 0.4, 0.99, 1e-6, 0.0, false, true, false}};
   torch::manual_seed(17);
   std::vector<torch::Tensor> init;
   TensorMap inputs;
@@ -120,7 +131,7 @@ TEST(AdamKahanTest, MatchesPythonReferenceBitwise_EveryOptionIsaAndThreadCount) 
     }
   }
   const auto isas = supported_cpu_isas();
-  for (const auto& c : configs) {
+  for (const auto& c : kConfigs) {
     inputs["config"] = torch::tensor(
         {c.lr, c.beta1, c.beta2, c.eps, c.weight_decay, double(c.decoupled), double(c.maximize), double(c.amsgrad)},
         torch::kDouble);
@@ -131,14 +142,7 @@ TEST(AdamKahanTest, MatchesPythonReferenceBitwise_EveryOptionIsaAndThreadCount) 
         for (const auto& t : init) {
           params.push_back(t.clone());
         }
-        Adam opt(params, AdamOptions(c.lr)
-                             .betas({c.beta1, c.beta2})
-                             .eps(c.eps)
-                             .weight_decay(c.weight_decay)
-                             .decoupled_weight_decay(c.decoupled)
-                             .maximize(c.maximize)
-                             .amsgrad(c.amsgrad)
-                             .kahan_sum(true));
+        Adam opt(params, options_of(c).kahan_sum(true));
         opt.set_kernel_isa(isa);
         opt.set_num_threads(threads);
         const std::string what = "lr " + std::to_string(c.lr) + ", decoupled " + std::to_string(c.decoupled) +
@@ -176,9 +180,6 @@ TEST(AdamKahanTest, MatchesPythonReferenceBitwise_EveryOptionIsaAndThreadCount) 
 // widened back after every step; weights and moments bitwise, float32 and 8-bit moments, every
 // option set, ISA and thread count. 5000 elements (a partial 8-bit block) beside the shapes above.
 TEST(AdamKahanTest, PlainBf16_IsTheFloat32StepRoundedOnce_EveryOptionIsaStateDtypeAndThreadCount) {
-  const Config configs[] = {{1e-2, 0.9, 0.999, 1e-8, 0.01, false, false, false},
-                            {3e-3, 0.9, 0.95, 1e-8, 0.1, true, false, true},
-                            {1e-3, 0.4, 0.99, 1e-6, 0.0, false, true, false}};
   std::vector<std::vector<int64_t>> shapes = kShapes;
   shapes.push_back({5000});
   torch::manual_seed(29);
@@ -191,17 +192,10 @@ TEST(AdamKahanTest, PlainBf16_IsTheFloat32StepRoundedOnce_EveryOptionIsaStateDty
       grads[i].push_back(i == kBf16GradParam ? g.to(torch::kBFloat16) : g);
     }
   }
-  for (const auto& c : configs) {
+  for (const auto& c : kConfigs) {
     for (const AdamStateDtype state_dtype : {AdamStateDtype::kFloat32, AdamStateDtype::kInt8}) {
       if (state_dtype == AdamStateDtype::kInt8 && c.amsgrad) continue;  // 8-bit states have no amsgrad
-      const auto options = AdamOptions(c.lr)
-                               .betas({c.beta1, c.beta2})
-                               .eps(c.eps)
-                               .weight_decay(c.weight_decay)
-                               .decoupled_weight_decay(c.decoupled)
-                               .maximize(c.maximize)
-                               .amsgrad(c.amsgrad)
-                               .state_dtype(state_dtype);
+      const auto options = options_of(c).state_dtype(state_dtype);
       for (const auto& isa : supported_cpu_isas()) {
         for (int threads : {1, 2}) {
           std::vector<torch::Tensor> params, widened;
@@ -289,7 +283,7 @@ for i in range()PY" + std::to_string(shapes.size()) +
         outputs[f'c1{i}_{s}'] = torch.from_numpy(c1.copy()); outputs[f'a1{i}_{s}'] = torch.from_numpy(a1.copy())
         outputs[f'c2{i}_{s}'] = torch.from_numpy(c2.copy()); outputs[f'a2{i}_{s}'] = torch.from_numpy(a2.copy())
 )PY";
-  for (const auto& c : configs) {
+  for (const auto& c : kConfigs) {
     inputs["config"] = torch::tensor(
         {c.lr, c.beta1, c.beta2, c.eps, c.weight_decay, double(c.decoupled), double(c.maximize), double(c.amsgrad)},
         torch::kDouble);
