@@ -165,7 +165,8 @@ int main(int argc, char** argv) {
   rm::init_weights(*dense, 0.05);
   const at::Tensor x = torch::randn({1, s.tokens, s.hidden}).requires_grad_(true);
 
-  // Minor page faults per forward + backward (the allocator's cost: Note [Expert workspaces]).
+  // Minor page faults per forward + backward: the allocator handing out fresh pages (docs/benchmarks.md,
+  // "Mixture of experts").
   auto minor_faults = [] {
     rusage usage{};
     getrusage(RUSAGE_SELF, &usage);
