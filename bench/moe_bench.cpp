@@ -8,9 +8,12 @@
 //   - a dense SwiGLU MLP with the same active parameters (width top_k * expert width), the cost a
 //     perfectly balanced MoE layer cannot beat by much.
 // After the table: the minor page faults per forward + backward of each (getrusage), i.e. how much
-// of the time is the allocator handing out fresh pages.
+// of the time is the allocator handing out fresh pages, and the bytes per token each forward keeps
+// for its backward (malloc's bytes in use while the output is held, less the output), beside the
+// memory model's count (scheduler/memory_model.cpp, "saved activations").
 // Usage: moe_bench [--tokens 2048] [--hidden 512] [--width 192] [--experts 64] [--top-k 8]
 //                  [--reps 5] [--threads N] [--python PATH | --no-python]
+#include <malloc.h>
 #include <sys/resource.h>
 #include <torch/torch.h>
 
@@ -189,6 +192,24 @@ int main(int argc, char** argv) {
   const double dense_ms = run("dense", [&] { return dense(x); });
   const auto hf = python_times(python, s, threads);
 
+  // Bytes per token a forward keeps for the backward (the graph's saved tensors and small
+  // bookkeeping): malloc's bytes in use with the output held, less before and less the output.
+  // mallinfo2 counts the main arena, where the calling thread's tensors live.
+  auto in_use = [] {
+    const struct mallinfo2 m = ::mallinfo2();
+    return static_cast<double>(m.uordblks + m.hblkhd);
+  };
+  auto saved_per_token = [&](auto forward) {
+    block->zero_grad();
+    dense->zero_grad();
+    x.mutable_grad() = at::Tensor();
+    const double before = in_use();
+    const at::Tensor y = forward();
+    return (in_use() - before - static_cast<double>(y.nbytes())) / static_cast<double>(s.tokens);
+  };
+  const double ours_saved = saved_per_token([&] { return block(x)[0]; });
+  const double dense_saved = saved_per_token([&] { return dense(x); });
+
   std::printf(
       "Qwen3-MoE-shaped layer, forward + backward, CPU, %lld thread(s): %lld tokens, hidden %lld, "
       "%lld experts of width %lld, top-%lld (median of %lld)\n",
@@ -207,5 +228,11 @@ int main(int argc, char** argv) {
   std::printf("minor page faults per forward + backward:");
   for (const auto& [name, count] : faults) std::printf(" %s %.0f;", name, count);
   std::printf("\n");
+  // The memory model's counts (fp32, s = 4): sparse s 2 k I_e + 32 k + 8 E (the experts' x G^T |
+  // x U^T rows; the routing's int64 indices, orders and rows, fp32 weights; the router's
+  // probabilities), dense s 4 I.
+  const double model_sparse = 4.0 * 2 * s.top_k * s.width + 32.0 * s.top_k + 8.0 * s.experts;
+  std::printf("bytes per token kept for the backward: ours %.0f (memory model %.0f); dense %.0f (memory model %.0f)\n",
+              ours_saved, model_sparse, dense_saved, 4.0 * 4 * s.top_k * s.width);
   return 0;
 }

@@ -32,8 +32,11 @@ namespace roundpipe::scheduler {
 //    product; 4 heads: the attention's fp32 log-sum-exp (flash/efficient kernels: no [t, t]
 //    score matrix). Qwen3's q/k norms keep their inputs too: + s (q + kv). CPU devices
 //    repeat k and v to the query heads before attention (CUDA's SDPA broadcasts them):
-//    + s 2 (q - kv). An MoE layer replaces 4I by s (4 k I_e + k h) + 8 E (the k experts' four
-//    MLP tensors, the tokens gathered per expert, fp32 router logits and probabilities). LoRA:
+//    + s 2 (q - kv). An MoE layer replaces 4I by s 2 k I_e + 32 k + 8 E (the k experts' x G^T | x U^T
+//    rows; the routing's int64 top-k indices, sort order and row tokens and its fp32 weights;
+//    the router's probabilities: Note [Sorted experts] in roundpipe/models/detail/moe_experts.h
+//    keeps no [t k, h] tensor; bench/moe_bench measures 12,807 B/token against this count's
+//    13,056 for 8 experts of width 192 per token in fp32). LoRA:
 //    + s r per adapted projection (the A output B's gradient needs). Embeddings keep the token
 //    ids (8 B/token), the head's final norm its input and output (2 h s).
 //    This is the reference's count (../shared/reference/longseq-memory.md §2: ~88 KiB per token
@@ -190,7 +193,7 @@ int64_t decoder_saved_per_token(const TransformerShape& shape, int64_t index, co
   if (o.repeat_kv) bytes += s * 2 * (q - kv);
   if (is_sparse(shape, index)) {
     bytes +=
-        s * (4 * shape.experts_per_token * shape.moe_intermediate + shape.experts_per_token * h) + 8 * shape.experts;
+        s * 2 * shape.experts_per_token * shape.moe_intermediate + 32 * shape.experts_per_token + 8 * shape.experts;
   } else {
     bytes += s * 4 * shape.intermediate;
   }

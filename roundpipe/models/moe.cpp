@@ -1,6 +1,7 @@
 #include "roundpipe/models/moe.h"
 
 #include <ATen/core/grad_mode.h>
+#include <ATen/ops/arange.h>
 #include <ATen/ops/argsort.h>
 #include <ATen/ops/baddbmm.h>
 #include <ATen/ops/bincount.h>
@@ -153,15 +154,17 @@ void ExpertsImpl::merge_lora() {
 
 at::Tensor ExpertsImpl::forward(const at::Tensor& x, const std::vector<int64_t>& counts,
                                 const at::Tensor& row_weights) {
+  TORCH_CHECK(x.dim() == 2, "Experts: expected sorted rows [M, ", config_.hidden_size, "], got ", x.sizes());
+  return forward_tokens(x, at::arange(x.size(0), x.options().dtype(at::kLong)), counts, row_weights);
+}
+
+at::Tensor ExpertsImpl::forward_tokens(const at::Tensor& x, const at::Tensor& token_of_row,
+                                       const std::vector<int64_t>& counts, const at::Tensor& row_weights) {
   const at::Tensor gate_up = adapted(gate_up_proj, lora_A_gate_up_proj, lora_B_gate_up_proj);
   const at::Tensor down = adapted(down_proj, lora_A_down_proj, lora_B_down_proj);
-  if (gate_up_proj_bias.defined()) {
-    const at::Tensor y = detail::sorted_clamped_glu_experts(x, gate_up, gate_up_proj_bias, down, down_proj_bias, counts,
-                                                            config_.swiglu_alpha, config_.swiglu_limit);
-    if (!row_weights.defined()) return y;
-    return (y.to(row_weights.scalar_type()) * row_weights.unsqueeze(1)).to(x.scalar_type());
-  }
-  return detail::sorted_swiglu_experts(x, gate_up, down, counts, row_weights);
+  if (!gate_up_proj_bias.defined()) return detail::swiglu_experts(x, token_of_row, gate_up, down, counts, row_weights);
+  return detail::clamped_glu_experts(x, token_of_row, gate_up, gate_up_proj_bias, down, down_proj_bias, counts,
+                                     config_.swiglu_alpha, config_.swiglu_limit, row_weights);
 }
 
 // ---- SparseMoeBlock ------------------------------------------------------------------------------
@@ -224,12 +227,10 @@ std::vector<at::Tensor> SparseMoeBlockImpl::forward(const at::Tensor& x) {
   const at::Tensor flat_experts = routing.indices.reshape({-1});
   const at::Tensor order = at::argsort(flat_experts, /*stable=*/true);
   const at::Tensor token_of_row = at::floor_divide(order, k);
-  const at::Tensor rows = flat.index_select(0, token_of_row);
   // Each row's expert output times its routing weight, in the weights' dtype (fp32 for Mixtral),
-  // computed inside the experts' loop (Note [Routing weights in the experts]).
+  // added into its token inside the experts' loop (Note [Routing weights in the experts]).
   const at::Tensor row_weights = weights.reshape({-1}).index_select(0, order);
-  const at::Tensor contributions = experts(rows, routing.counts, row_weights);  // [N k, H], x's dtype
-  const at::Tensor out = at::zeros({tokens, h}, x.options()).index_add(0, token_of_row, contributions);
+  const at::Tensor out = experts->forward_tokens(flat, token_of_row, routing.counts, row_weights);  // [N, H]
 
   // This layer's router statistics (Note [Router statistics]): assignment counts (no gradient)
   // and probabilities as transformers' load_balancing_loss_func computes them.

@@ -54,6 +54,12 @@ class ExpertsImpl : public torch::nn::Cloneable<ExpertsImpl> {
   /// `row_weights` [M], each output row is multiplied by its routing weight (in the weights'
   /// dtype, then cast to x's), as transformers weighs an expert's output.
   at::Tensor forward(const at::Tensor& x, const std::vector<int64_t>& counts, const at::Tensor& row_weights = {});
+  /// The same on the tokens x [N, H], the rows being gathered: row r of the expert-sorted order
+  /// is token token_of_row[r] (int64 [M]); returns [N, H], each token's (weighted) expert outputs
+  /// summed expert by expert, as transformers' loop. What SparseMoeBlock calls: no [M, H] tensor
+  /// is made (docs/models.md, "Mixture of experts": experts, fast).
+  at::Tensor forward_tokens(const at::Tensor& x, const at::Tensor& token_of_row, const std::vector<int64_t>& counts,
+                            const at::Tensor& row_weights = {});
 
   /// Expert LoRA in PEFT's `target_parameters` format (PEFT's ParamWrapper on a 3-D expert
   /// weight), on gate_up_proj and/or down_proj. For a target with in/out features (gate_up_proj:

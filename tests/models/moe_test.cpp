@@ -389,60 +389,95 @@ TEST(SparseMoeBlockTest, ExpertWithoutTokensGetsZeroGradient) {
   EXPECT_TRUE(torch::isfinite(g).all().item<bool>());
 }
 
-// Note [Routing weights in the experts]: the sorted experts with row weights == plain autograd
-// (expert by expert: x G^T | x U^T, silu(g) u, D^T, then (y.to(w) * w).to(x)) on the output and on
-// the gradients of x, both weights and the row weights; an expert without rows included. fp32
-// tightly; bf16 rows with fp32 weights (Mixtral's fp32 products) against the fp32 reference within
-// bf16 rounding.
-TEST(SortedExpertsTest, RowWeightsMatchPlainAutograd) {
-  torch::manual_seed(11);
-  const int64_t H = 16, I = 8, E = 4;
+// Note [Sorted experts], Note [Routing weights in the experts]: the experts over gathered token
+// rows (tokens repeated across rows, as top-k makes them; an expert without rows; a token without
+// rows) == plain autograd expert by expert (index_select, the expert's MLP, (y.to(w) * w).to(x),
+// index_add_) on the output and on the gradients of x, every weight and the row weights. SwiGLU
+// and gpt-oss's clamped GLU (with biases and a clamp that engages); fp32 tightly, bf16 rows with
+// fp32 weights (Mixtral's fp32 products) against the fp32 reference within bf16 rounding.
+TEST(SortedExpertsTest, GatheredRowsWithRowWeightsMatchPlainAutograd) {
+  const int64_t N = 7, H = 16, I = 8, E = 4;
   const std::vector<int64_t> counts = {3, 0, 5, 2};
-  const int64_t M = 10;
-  const at::Tensor x0 = torch::randn({M, H}), gu0 = torch::randn({E, 2 * I, H}) * 0.3;
-  const at::Tensor dn0 = torch::randn({E, H, I}) * 0.3, w0 = torch::rand({M}) + 0.1, gy = torch::randn({M, H});
-  struct Result {
-    at::Tensor y, gx, ggu, gdn, gw;
-  };
-  auto run = [&](bool ours, at::ScalarType dtype) {
-    auto leaf = [&](const at::Tensor& t) { return t.to(dtype, false, /*copy=*/true).requires_grad_(); };
-    const at::Tensor x = leaf(x0), gu = leaf(gu0), dn = leaf(dn0), w = w0.clone().requires_grad_();
-    at::Tensor y;
-    if (ours) {
-      y = models::detail::sorted_swiglu_experts(x, gu, dn, counts, w);
+  const at::Tensor token_of_row = torch::tensor({0, 2, 5, 1, 2, 3, 5, 0, 3, 5}, torch::kLong);  // token 4 has none
+  const int64_t M = token_of_row.size(0);
+  for (const bool clamped : {false, true}) {
+    SCOPED_TRACE(clamped ? "clamped GLU (gpt-oss)" : "SwiGLU");
+    torch::manual_seed(11);
+    const double alpha = 1.702, limit = 0.7;
+    std::vector<at::Tensor> init = {torch::randn({N, H})};
+    if (clamped) {
+      init.push_back(torch::randn({E, H, 2 * I}) * 0.3);
+      init.push_back(torch::randn({E, 2 * I}) * 0.3);
+      init.push_back(torch::randn({E, I, H}) * 0.3);
+      init.push_back(torch::randn({E, H}) * 0.3);
     } else {
-      std::vector<at::Tensor> parts;
-      int64_t offset = 0;
-      for (int64_t e = 0; e < E; ++e) {
-        const int64_t n = counts[static_cast<size_t>(e)];
-        const at::Tensor h = at::mm(x.narrow(0, offset, n), gu[e].t());
-        const at::Tensor ye = at::mm(at::silu(h.narrow(1, 0, I)) * h.narrow(1, I, I), dn[e].t());
-        parts.push_back((ye.to(at::kFloat) * w.narrow(0, offset, n).unsqueeze(1)).to(dtype));
-        offset += n;
-      }
-      y = at::cat(parts);
+      init.push_back(torch::randn({E, 2 * I, H}) * 0.3);
+      init.push_back(torch::randn({E, H, I}) * 0.3);
     }
-    (y.to(at::kFloat) * gy).sum().backward();
-    return Result{y.detach().to(at::kFloat), x.grad().to(at::kFloat), gu.grad().to(at::kFloat),
-                  dn.grad().to(at::kFloat), w.grad()};
-  };
-  const Result ref = run(false, at::kFloat), ours = run(true, at::kFloat);
-  EXPECT_TRUE(tensors_close(ours.y, ref.y, 1e-5));
-  EXPECT_TRUE(tensors_close(ours.gx, ref.gx, 1e-5));
-  EXPECT_TRUE(tensors_close(ours.ggu, ref.ggu, 1e-5));
-  EXPECT_TRUE(tensors_close(ours.gdn, ref.gdn, 1e-5));
-  EXPECT_TRUE(tensors_close(ours.gw, ref.gw, 1e-5));
-  EXPECT_TRUE(ours.ggu[1].eq(0).all().item<bool>());  // expert 1 has no rows
-  EXPECT_TRUE(ours.gdn[1].eq(0).all().item<bool>());
-  const Result bf16 = run(true, at::kBFloat16);
-  for (const auto& [got, want] : {std::pair{bf16.y, ref.y}, std::pair{bf16.gx, ref.gx}, std::pair{bf16.ggu, ref.ggu},
-                                  std::pair{bf16.gdn, ref.gdn}, std::pair{bf16.gw, ref.gw}}) {
-    EXPECT_LT((got - want).abs().max().item<double>(), 3e-2 * want.abs().max().item<double>());
+    const at::Tensor w0 = torch::rand({M}) + 0.1, g_out = torch::randn({N, H});
+    // [out, grad x, grad of each weight..., grad w]
+    auto run = [&](bool ours, at::ScalarType dtype) {
+      std::vector<at::Tensor> leaves;
+      for (const at::Tensor& t : init) leaves.push_back(t.to(dtype, false, /*copy=*/true).requires_grad_());
+      const at::Tensor w = w0.clone().requires_grad_();
+      const at::Tensor& x = leaves[0];
+      at::Tensor out;
+      if (ours) {
+        out = clamped ? models::detail::clamped_glu_experts(x, token_of_row, leaves[1], leaves[2], leaves[3], leaves[4],
+                                                            counts, alpha, limit, w)
+                      : models::detail::swiglu_experts(x, token_of_row, leaves[1], leaves[2], counts, w);
+      } else {
+        out = torch::zeros({N, H}, x.options());
+        int64_t offset = 0;
+        for (int64_t e = 0; e < E; ++e) {
+          const int64_t n = counts[static_cast<size_t>(e)];
+          const at::Tensor idx = token_of_row.narrow(0, offset, n);
+          const at::Tensor xe = x.index_select(0, idx);
+          at::Tensor ye;
+          if (clamped) {
+            const at::Tensor h = at::mm(xe, leaves[1][e]) + leaves[2][e];
+            const at::Tensor g = h.slice(1, 0, 2 * I, 2).clamp_max(limit);
+            const at::Tensor u = h.slice(1, 1, 2 * I, 2).clamp(-limit, limit);
+            ye = at::mm((u + 1) * (g * at::sigmoid(g * alpha)), leaves[3][e]) + leaves[4][e];
+          } else {
+            const at::Tensor h = at::mm(xe, leaves[1][e].t());
+            ye = at::mm(at::silu(h.narrow(1, 0, I)) * h.narrow(1, I, I), leaves[2][e].t());
+          }
+          out = out.index_add(0, idx, (ye.to(at::kFloat) * w.narrow(0, offset, n).unsqueeze(1)).to(dtype));
+          offset += n;
+        }
+      }
+      (out.to(at::kFloat) * g_out).sum().backward();
+      std::vector<at::Tensor> result = {out.detach().to(at::kFloat)};
+      for (const at::Tensor& leaf : leaves) result.push_back(leaf.grad().to(at::kFloat));
+      result.push_back(w.grad());
+      return result;
+    };
+    const auto ref = run(false, at::kFloat), ours = run(true, at::kFloat);
+    ASSERT_EQ(ours.size(), ref.size());
+    for (size_t i = 0; i < ref.size(); ++i) EXPECT_TRUE(tensors_close(ours[i], ref[i], 1e-5)) << "tensor " << i;
+    EXPECT_TRUE(ours[0][4].eq(0).all().item<bool>());  // token 4 has no rows
+    EXPECT_TRUE(ours[2][1].eq(0).all().item<bool>());  // expert 1 has no rows
+    EXPECT_TRUE(ours[clamped ? 4 : 3][1].eq(0).all().item<bool>());
+    if (clamped) {  // the clamp engages on both halves, so its masks are exercised
+      const at::Tensor h = at::mm(init[0].index_select(0, token_of_row.narrow(0, 0, 3)), init[1][0]) + init[2][0];
+      EXPECT_TRUE(h.slice(1, 0, 2 * I, 2).gt(limit).any().item<bool>());
+      EXPECT_TRUE(h.slice(1, 1, 2 * I, 2).lt(-limit).any().item<bool>());
+    }
+    const auto bf16 = run(true, at::kBFloat16);
+    for (size_t i = 0; i < ref.size(); ++i) {
+      EXPECT_LT((bf16[i] - ref[i]).abs().max().item<double>(), 3e-2 * ref[i].abs().max().item<double>())
+          << "tensor " << i;
+    }
   }
-  // Without row weights the rows come out unweighted.
+  // Rows already sorted (Experts::forward): each row is its own token, unweighted without weights.
+  torch::manual_seed(12);
+  const at::Tensor x = torch::randn({M, H}), gu = torch::randn({E, 2 * I, H}) * 0.3, dn = torch::randn({E, H, I}) * 0.3;
+  const at::Tensor w = torch::rand({M}) + 0.1;
   at::NoGradGuard no_grad;
-  const at::Tensor plain = models::detail::sorted_swiglu_experts(x0, gu0, dn0, counts);
-  EXPECT_TRUE(tensors_close(plain * w0.unsqueeze(1), ref.y, 1e-5));
+  const at::Tensor sorted = models::detail::sorted_swiglu_experts(x, gu, dn, counts);
+  EXPECT_TRUE(
+      tensors_close(models::detail::sorted_swiglu_experts(x, gu, dn, counts, w), sorted * w.unsqueeze(1), 1e-6));
 }
 
 // RoundPipe: the oracle's gradients through 3 CPU devices with the sparse layers in forward stages

@@ -93,8 +93,8 @@ TEST(MemoryModelTest, LayerMemory_MixtureOfExperts) {
   EXPECT_EQ(layers[1].param_bytes, kDecoderParams * 4);
   // Attention and norms 3,136, router 4 x 32, experts 3 x 4 x 32 x 16.
   EXPECT_EQ(layers[2].param_bytes, (3136 + 4 * 32 + 3 * 4 * 32 * 16) * 4);
-  // 4 (4h + 3q + 3kv) + 4 heads + 4 (4 k I_e + k h) + 8 E.
-  EXPECT_EQ(layers[2].saved_per_token, 4 * (4 * 32 + 3 * 32 + 3 * 16) + 16 + 4 * (4 * 2 * 16 + 2 * 32) + 8 * 4);
+  // 4 (4h + 3q + 3kv) + 4 heads + 4 (2 k I_e) + 32 k + 8 E.
+  EXPECT_EQ(layers[2].saved_per_token, 4 * (4 * 32 + 3 * 32 + 3 * 16) + 16 + 4 * (2 * 2 * 16) + 32 * 2 + 8 * 4);
   EXPECT_EQ(count_parameters(moe).total, kParams - 3 * 32 * 64 + 4 * 32 + 3 * 4 * 32 * 16);
 
   // Expert LoRA rank 2 (PEFT's target_parameters): gate_up_proj r E (h + 2 I_e), down_proj
