@@ -10,7 +10,9 @@
 // After the table: the minor page faults per forward + backward of each (getrusage), i.e. how much
 // of the time is the allocator handing out fresh pages, and the bytes per token each forward keeps
 // for its backward (malloc's bytes in use while the output is held, less the output), beside the
-// memory model's count (scheduler/memory_model.cpp, "saved activations").
+// memory model's count (scheduler/memory_model.cpp, "saved activations"); the same for a whole
+// Qwen3-MoE decoder layer (attention with q/k norms, 8 heads of 64, 4 kv heads, and the sparse
+// block) against the memory model's per-token count for that layer, which plans use.
 // Usage: moe_bench [--tokens 2048] [--hidden 512] [--width 192] [--experts 64] [--top-k 8]
 //                  [--reps 5] [--threads N] [--python PATH | --no-python]
 #include <malloc.h>
@@ -27,6 +29,7 @@
 
 #include "roundpipe/models/layers.h"
 #include "roundpipe/models/moe.h"
+#include "scheduler/memory_model.h"
 
 #ifndef ROUNDPIPE_PYTHON_DEFAULT
 #define ROUNDPIPE_PYTHON_DEFAULT ""
@@ -203,6 +206,7 @@ int main(int argc, char** argv) {
     block->zero_grad();
     dense->zero_grad();
     x.mutable_grad() = at::Tensor();
+    forward();  // a first call (its graph freed at once), so one-time allocations are not counted
     const double before = in_use();
     const at::Tensor y = forward();
     return (in_use() - before - static_cast<double>(y.nbytes())) / static_cast<double>(s.tokens);
@@ -234,5 +238,57 @@ int main(int argc, char** argv) {
   const double model_sparse = 4.0 * 2 * s.top_k * s.width + 32.0 * s.top_k + 8.0 * s.experts;
   std::printf("bytes per token kept for the backward: ours %.0f (memory model %.0f); dense %.0f (memory model %.0f)\n",
               ours_saved, model_sparse, dense_saved, 4.0 * 4 * s.top_k * s.width);
+
+  // Whole decoder layers, Qwen3-MoE's and Qwen3's (the same attention with the dense MLP), in
+  // fp32 and bf16, and the sparse block alone. The layer input, allocated before, is added: the
+  // model counts it.
+  rm::ModelConfig layer_config = config;
+  layer_config.num_attention_heads = 8;
+  layer_config.num_key_value_heads = 4;
+  layer_config.head_dim = s.hidden / 8;
+  layer_config.max_position_embeddings = std::max<int64_t>(s.tokens, 2048);
+  rm::ModelConfig dense_config = layer_config;
+  dense_config.architecture = rm::Architecture::kQwen3;
+  roundpipe::scheduler::TransformerShape shape;
+  shape.vocab = 256;
+  shape.hidden = s.hidden;
+  shape.intermediate = s.top_k * s.width;
+  shape.num_layers = 1;
+  shape.heads = layer_config.num_attention_heads;
+  shape.kv_heads = layer_config.num_key_value_heads;
+  shape.head_dim = layer_config.head_dim;
+  shape.qk_norm = true;
+  shape.experts = s.experts;
+  shape.experts_per_token = s.top_k;
+  shape.moe_intermediate = s.width;
+  roundpipe::scheduler::DeviceMemoryOptions options;
+  options.seq_len = s.tokens;
+  options.repeat_kv = true;  // CPU attention repeats k and v to the query heads
+  std::printf("bytes per token kept for the backward, whole decoder layer (8 heads of %lld, 4 kv heads):\n",
+              static_cast<long long>(layer_config.head_dim));
+  for (const at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
+    const auto tensor_options = at::TensorOptions().dtype(dtype);
+    options.dtype_bytes = static_cast<int64_t>(c10::elementSize(dtype));
+    const at::Tensor xl = x.detach().to(dtype).requires_grad_(true);
+    const double input = static_cast<double>(options.dtype_bytes * s.hidden);
+    rm::MoeDecoderLayer moe_layer(layer_config, 0, tensor_options);
+    rm::init_weights(*moe_layer, 0.05);
+    const double moe_measured = saved_per_token([&] { return moe_layer(xl, at::Tensor())[0]; }) + input;
+    rm::DecoderLayer dense_layer(dense_config, 0, tensor_options);
+    rm::init_weights(*dense_layer, 0.05);
+    const double dense_measured = saved_per_token([&] { return dense_layer(xl); }) + input;
+    rm::SparseMoeBlock moe_block(config, 0, tensor_options);
+    rm::init_weights(*moe_block, 0.05);
+    const double block_measured = saved_per_token([&] { return moe_block(xl)[0]; });
+    std::printf("  %s: sparse block alone %.0f (memory model %.0f)\n", c10::toString(dtype), block_measured,
+                static_cast<double>(options.dtype_bytes) * 2 * s.top_k * s.width + 32.0 * s.top_k + 8.0 * s.experts);
+    shape.sparse_layers = {true};
+    const auto moe_model = roundpipe::scheduler::layer_memory(shape, options)[1].saved_per_token;
+    shape.sparse_layers = {false};
+    const auto dense_model = roundpipe::scheduler::layer_memory(shape, options)[1].saved_per_token;
+    std::printf("  %s: Qwen3-MoE layer %.0f (memory model %lld); Qwen3 layer %.0f (memory model %lld)\n",
+                c10::toString(dtype), moe_measured, static_cast<long long>(moe_model), dense_measured,
+                static_cast<long long>(dense_model));
+  }
   return 0;
 }
