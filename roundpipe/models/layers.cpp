@@ -10,7 +10,6 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/linear.h>
 #include <ATen/ops/matmul.h>
-#include <ATen/ops/rsqrt.h>
 #include <ATen/ops/scaled_dot_product_attention.h>
 #include <ATen/ops/silu.h>
 #include <ATen/ops/softmax.h>
@@ -26,6 +25,7 @@
 #include <vector>
 
 #include "roundpipe/models/detail/param_options.h"
+#include "roundpipe/models/detail/rms_norm.h"
 #include "roundpipe/models/detail/rotary.h"
 #include "roundpipe/models/detail/token_embedding.h"
 #include "roundpipe/models/linear_cross_entropy.h"
@@ -262,11 +262,8 @@ RMSNormImpl::RMSNormImpl(int64_t dim, double eps, const at::TensorOptions& optio
 void RMSNormImpl::reset() { weight = register_parameter("weight", at::empty({dim_}, param_options(weight, options_))); }
 
 at::Tensor RMSNormImpl::forward(const at::Tensor& x) {
-  const auto input_dtype = x.scalar_type();
-  const at::Tensor h = x.to(at::kFloat);
-  const at::Tensor variance = h.pow(2).mean(-1, /*keepdim=*/true);
-  if (weight_in_fp32_) return (weight * (h * at::rsqrt(variance + eps_))).to(input_dtype);
-  return weight * (h * at::rsqrt(variance + eps_)).to(input_dtype);
+  // Note [RMSNorm saved tensors]: autograd's expression, keeping only x and the per-row rsqrt.
+  return detail::rms_norm(x, weight, eps_, weight_in_fp32_);
 }
 
 RMSNorm make_rms_norm(const ModelConfig& config, int64_t dim, const at::TensorOptions& options) {
