@@ -61,7 +61,7 @@ if wants test; then
   [ -n "${ROUNDPIPE_BUILD_TARGETS:-}" ] || [ $prebuilt = 1 ] || ctest --test-dir "$build" --output-on-failure -j 4 > "$out/ctest.log" 2>&1
   [ $prebuilt = 1 ] || log "ctest: $(grep -E 'tests passed|tests failed' "$out/ctest.log" | tail -1)"
   : > "$out/cuda_tests.log"
-  for t in roundpipe/runtime_tests amp/amp_tests reliability/reliability_tests errors/errors_tests comm/comm_tests models/models_tests; do
+  for t in roundpipe/runtime_tests amp/amp_tests reliability/reliability_tests errors/errors_tests comm/comm_tests models/models_tests models/moe_tests; do
     [ -x "$build/tests/$t" ] || continue
     timeout 300 "$build/tests/$t" --gtest_filter='*_CUDA' >> "$out/cuda_tests.log" 2>&1
     log "$t *_CUDA: exit $?"
