@@ -7,6 +7,17 @@
 #include <malloc.h>
 #include <torch/torch.h>
 
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+#define ROUNDPIPE_TEST_SANITIZER_ALLOCATOR 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
+#define ROUNDPIPE_TEST_SANITIZER_ALLOCATOR 1
+#endif
+#endif
+#ifdef ROUNDPIPE_TEST_SANITIZER_ALLOCATOR
+#include <sanitizer/allocator_interface.h>
+#endif
+
 #include <vector>
 
 #include "roundpipe/models/layers.h"
@@ -73,21 +84,28 @@ TEST(RmsNormTest, BitwiseAutogradsGradients_EveryDtypeOrderShapeAndFrozenInput) 
   }
 }
 
-// What a forward keeps for the backward (malloc's bytes in use with the output held, after a
+// Bytes the process's heap has in use: glibc's count, or the sanitizer's under ASan/TSan, whose
+// allocator replaces glibc's (mallinfo2 would not move).
+double heap_in_use() {
+#ifdef ROUNDPIPE_TEST_SANITIZER_ALLOCATOR
+  return static_cast<double>(__sanitizer_get_current_allocated_bytes());
+#else
+  const struct mallinfo2 m = ::mallinfo2();
+  return static_cast<double>(m.uordblks + m.hblkhd);
+#endif
+}
+
+// What a forward keeps for the backward (the heap's bytes in use with the output held, after a
 // warm-up call): in bf16 the expression keeps x's float32 copy and the bf16 normalized product
 // (6 bytes an element beyond x); ours keeps one float per row.
 TEST(RmsNormTest, KeepsOnlyTheInputAndOneFloatPerRow) {
   const at::Tensor x = torch::randn({4, 512, 256}).to(at::kBFloat16).requires_grad_();
   models::RMSNorm norm(256, 1e-6, at::TensorOptions().dtype(at::kBFloat16));
-  auto in_use = [] {
-    const struct mallinfo2 m = ::mallinfo2();
-    return static_cast<double>(m.uordblks + m.hblkhd);
-  };
   auto kept = [&](auto forward) {
     forward();
-    const double before = in_use();
+    const double before = heap_in_use();
     const at::Tensor y = forward();
-    return in_use() - before - static_cast<double>(y.nbytes());
+    return heap_in_use() - before - static_cast<double>(y.nbytes());
   };
   const double elements = static_cast<double>(x.numel());
   const double ref = kept([&] { return reference(x, norm->weight, 1e-6, false); });
