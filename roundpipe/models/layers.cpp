@@ -15,6 +15,7 @@
 #include <ATen/ops/softmax.h>
 #include <ATen/ops/stack.h>
 #include <c10/util/Exception.h>
+#include <torch/nn/modules/dropout.h>
 
 #include <algorithm>
 #include <cmath>
@@ -585,6 +586,29 @@ void LmHeadImpl::set_loss_chunk_bytes(int64_t bytes) {
 void LmHeadImpl::set_router_aux_loss_coef(double coef) {
   TORCH_CHECK(coef >= 0 && std::isfinite(coef), "LmHead: router_aux_loss_coef must be finite and >= 0, got ", coef);
   router_aux_loss_coef_ = coef;
+}
+
+// ---- randomness ----------------------------------------------------------------------------------
+
+bool draws_in_training(const torch::nn::Module& module) {
+  for (const auto& m : module.modules(/*include_self=*/true)) {
+    if (const auto* attention = dynamic_cast<const AttentionImpl*>(m.get())) {
+      if (attention->dropout() > 0) return true;
+    } else if (const auto* linear = dynamic_cast<const LinearImpl*>(m.get())) {
+      if (linear->lora_dropout() > 0) return true;
+    } else if (const auto* d = dynamic_cast<const torch::nn::DropoutImpl*>(m.get())) {
+      if (d->options.p() > 0) return true;
+    } else if (const auto* d2 = dynamic_cast<const torch::nn::Dropout2dImpl*>(m.get())) {
+      if (d2->options.p() > 0) return true;
+    } else if (const auto* d3 = dynamic_cast<const torch::nn::Dropout3dImpl*>(m.get())) {
+      if (d3->options.p() > 0) return true;
+    } else if (const auto* alpha = dynamic_cast<const torch::nn::AlphaDropoutImpl*>(m.get())) {
+      if (alpha->options.p() > 0) return true;
+    } else if (const auto* feature = dynamic_cast<const torch::nn::FeatureAlphaDropoutImpl*>(m.get())) {
+      if (feature->options.p() > 0) return true;
+    }
+  }
+  return false;
 }
 
 // ---- init ----------------------------------------------------------------------------------------

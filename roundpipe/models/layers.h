@@ -163,6 +163,8 @@ class AttentionImpl : public torch::nn::Cloneable<AttentionImpl> {
   /// layer), then appends its keys and values to `cache`. Inference only (no dropout). Into an
   /// empty cache without left padding it computes exactly as forward(x).
   at::Tensor forward_cached(const at::Tensor& x, LayerKvCache& cache);
+  /// The attention dropout a training forward applies (config.json's attention_dropout).
+  double dropout() const { return config_.attention_dropout; }
 
   Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
   RMSNorm q_norm{nullptr}, k_norm{nullptr};  ///< Qwen3 and Qwen3-MoE only
@@ -288,5 +290,13 @@ TORCH_MODULE(LmHead);
 /// in `module`: Linear, TokenEmbedding and expert weights ~ normal(0, std), biases zero, the
 /// padding row zero, RMSNorm weights one. Draws from the default generator of each parameter's device.
 void init_weights(torch::nn::Module& module, double std);
+
+/// Whether a training forward of `module` can draw random numbers: an Attention with
+/// attention_dropout > 0, a Linear with LoRA dropout > 0, or a torch::nn dropout module with
+/// p > 0 anywhere in the tree. Other modules are taken not to draw: true of every layer in this
+/// file and moe.h (a new layer that draws must be added here). The launcher runs RoundPipe without
+/// preserve_rng_state when this is false: seeding would change nothing, and on CPU devices its
+/// lock serializes the workers' forwards (docs/launcher.md, "Resume": Dropout).
+bool draws_in_training(const torch::nn::Module& module);
 
 }  // namespace roundpipe::models

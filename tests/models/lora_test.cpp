@@ -120,6 +120,29 @@ TEST(LoraTest, ApplyLora_InitLikePeftAndErrors) {
   EXPECT_THROW_WITH(save_pretrained(pre.model, pre.config, "/nonexistent/x"), "save_lora_adapter");
 }
 
+// draws_in_training (the launcher's preserve_rng_state): only dropout draws: attention dropout,
+// LoRA dropout, a torch::nn dropout module with p > 0; not a plain preset, LoRA without dropout or
+// a dropout of p = 0.
+TEST(LoraTest, DrawsInTraining_OnlyWithDropout) {
+  using namespace roundpipe::models;
+  const std::string json =
+      R"({"model_type": "qwen3", "vocab_size": 32, "hidden_size": 16, "intermediate_size": 32,
+          "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 8)";
+  const ModelConfig config = parse_model_config(json + "}");
+  auto plain = build(config);
+  EXPECT_FALSE(draws_in_training(*plain.model));
+  EXPECT_TRUE(draws_in_training(*build(parse_model_config(json + R"(, "attention_dropout": 0.1})")).model));
+  apply_lora(plain.model, LoraOptions().rank(2));
+  EXPECT_FALSE(draws_in_training(*plain.model));
+  auto lora = build(config);
+  apply_lora(lora.model, LoraOptions().rank(2).dropout(0.05));
+  EXPECT_TRUE(draws_in_training(*lora.model));
+  torch::nn::ModuleList extra(torch::nn::Linear(4, 4), torch::nn::Dropout(0.0));
+  EXPECT_FALSE(draws_in_training(*extra));
+  extra->push_back(torch::nn::ModuleList(torch::nn::Dropout(0.2)));
+  EXPECT_TRUE(draws_in_training(*extra));
+}
+
 // A LoRA model in RoundPipe: no master, gradient or optimizer state for the frozen base; SGD on
 // the adapters equals a plain loop.
 TEST(LoraTest, RoundPipe_FrozenBaseCostsOnlyItsComputeCopy) {

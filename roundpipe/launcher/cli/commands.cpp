@@ -20,6 +20,7 @@
 #include "roundpipe/launcher/cli/memory_plan.h"
 #include "roundpipe/launcher/cli/setup.h"
 #include "roundpipe/launcher/metrics.h"
+#include "roundpipe/models/layers.h"
 #include "roundpipe/models/lora.h"
 #include "roundpipe/models/model_config.h"
 #include "roundpipe/run_config.h"
@@ -261,7 +262,7 @@ void run_eval(const LauncherConfig& config, std::ostream& out) {
   const std::string& path = config.data.valid.empty() ? config.data.train : config.data.valid;
   const LauncherData data = open_data(config, path, config.data.valid.empty() ? 0 : 1);  // bad data: before loading
   LauncherModel pre = make_launcher_model(config);
-  RoundPipe model(pre.model, round_pipe_options(config));
+  RoundPipe model(pre.model, round_pipe_options(config, models::draws_in_training(*pre.model)));
   const EvalResult result = evaluate(model, config, data);
   make_directories(config.out_dir);
   MetricsWriter metrics(config.out_dir, std::numeric_limits<int64_t>::max());

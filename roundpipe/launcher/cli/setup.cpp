@@ -284,10 +284,11 @@ std::optional<c10::ScalarType> master_grad_dtype(const LauncherConfig& config) {
   return compute;
 }
 
-RoundPipeOptions round_pipe_options(const LauncherConfig& config) {
+RoundPipeOptions round_pipe_options(const LauncherConfig& config, bool model_draws) {
   RunConfig run;
   run.num_microbatch = config.run.num_microbatch;
   run.recompute_grain = config.run.recompute;
+  run.preserve_rng_state = model_draws;
   // Masters in the compute dtype with sync steps: the compute copies are the masters (no second
   // copy; RoundPipeOptions::in_place_masters). bf16 masters are only allowed this way (config rules).
   const bool in_place = in_place_masters(config);

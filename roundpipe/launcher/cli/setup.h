@@ -64,8 +64,10 @@ std::string lora_base_model_path(const LauncherConfig& config);
 /// RoundPipe options of the config: devices (run.devices, else default_devices(); under a
 /// multi-rank launch on one node, the GPUs are dealt out to the local ranks), master dtype (or
 /// in-place masters), microbatches, recompute, seed = train.seed, and a size-based
-/// (deterministic) plan; see Note [Deterministic plans].
-RoundPipeOptions round_pipe_options(const LauncherConfig& config);
+/// (deterministic) plan; see Note [Deterministic plans]. RunConfig::preserve_rng_state is
+/// `model_draws` (models::draws_in_training of the model): a model without dropout has no masks
+/// to replay, and on CPU devices the seeding's lock would serialize the workers' forwards.
+RoundPipeOptions round_pipe_options(const LauncherConfig& config, bool model_draws = true);
 /// Whether the config's masters are its compute copies (RoundPipeOptions::in_place_masters):
 /// model.master_dtype == model.dtype with run.step_mode sync.
 bool in_place_masters(const LauncherConfig& config);

@@ -141,7 +141,8 @@ void Trainer::load_model() {
   pre_ = make_launcher_model(config_);
   parameter_line_ = describe_parameter_counts(count_parameters(*pre_->model));
   if (lead_) prepare_out_dir();
-  model_ = std::make_unique<RoundPipe>(pre_->model, round_pipe_options(config_).process_group(group_));
+  model_ = std::make_unique<RoundPipe>(
+      pre_->model, round_pipe_options(config_, models::draws_in_training(*pre_->model)).process_group(group_));
   optimizer_ = make_optimizer(*model_, config_);
   scaler_.emplace(amp::GradScalerOptions()
                       .enabled(config_.amp.scaler)
