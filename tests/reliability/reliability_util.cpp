@@ -12,6 +12,17 @@
 #include <cstdio>
 #include <cstring>
 
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+#define ROUNDPIPE_TEST_SANITIZER_ALLOCATOR 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
+#define ROUNDPIPE_TEST_SANITIZER_ALLOCATOR 1
+#endif
+#endif
+#ifdef ROUNDPIPE_TEST_SANITIZER_ALLOCATOR
+#include <sanitizer/allocator_interface.h>
+#endif
+
 namespace roundpipe::testing {
 namespace {
 
@@ -112,6 +123,14 @@ int64_t rss_bytes() {
   const int got = std::fscanf(f, "%ld %ld", &size, &resident);
   std::fclose(f);
   return got == 2 ? static_cast<int64_t>(resident) * ::sysconf(_SC_PAGESIZE) : -1;
+}
+
+int64_t process_memory_bytes() {
+#ifdef ROUNDPIPE_TEST_SANITIZER_ALLOCATOR
+  return static_cast<int64_t>(__sanitizer_get_current_allocated_bytes());
+#else
+  return rss_bytes();
+#endif
 }
 
 void warm_up_torch() {

@@ -36,6 +36,12 @@ struct CpuMemory {
 CpuMemory live_cpu_memory();
 /// Resident set size of the process in bytes (/proc/self/statm).
 int64_t rss_bytes();
+/// The process's memory for growth bounds: rss_bytes(), or in an ASan/TSan build the sanitizer
+/// allocator's bytes in use (__sanitizer_get_current_allocated_bytes). There RSS is no leak signal:
+/// freed blocks wait in ASan's quarantine (256 MiB by default) and the shadow memory grows with
+/// what was ever touched, so the RSS of a steady loop creeps up by thread timing (+24 MB over a
+/// 2,000-iteration soak, once in CI-local).
+int64_t process_memory_bytes();
 
 /// Runs a small forward/backward and a matrix product big enough for LibTorch to start its lazy
 /// threads (the intra-op pool), so they are not mistaken for leaks by a later count.

@@ -1,5 +1,6 @@
 // Soak (docs/reliability.md): 2,000 async iterations of a small model on 3 CPU devices. Memory
-// is steady (RSS growth and live CPU tensor memory after warm-up under stated bounds) and the
+// is steady (RSS growth, or under ASan/TSan the sanitizer allocator's bytes in use, and live CPU
+// tensor memory after warm-up under stated bounds) and the
 // final parameters are bitwise equal to an independent reference: a plain LibTorch loop that
 // reproduces the async step's staleness one (compute copy <- master before each iteration) and
 // RoundPipe's microbatching (three microbatches, forward and backward one after another,
@@ -23,7 +24,7 @@ namespace {
 constexpr int kIterations = 2000;
 constexpr int kWarmup = 200;
 constexpr int64_t kMicrobatches = 3;
-constexpr int64_t kRssGrowthBound = 16ll << 20;  // 16 MiB after warm-up
+constexpr int64_t kRssGrowthBound = 16ll << 20;  // 16 MiB after warm-up (testing::process_memory_bytes)
 constexpr unsigned kTestSeconds = 300;
 
 torch::Tensor microbatch_loss(const torch::Tensor& out, const torch::Tensor& y, int64_t full_numel) {
@@ -88,17 +89,17 @@ TEST(SoakTest, Async2000Iterations_SteadyMemoryAndBitwiseEqualToPlainLoop) {
     });
     if (it + 1 == warmup) {
       rp.synchronize();  // a quiescent point for the baseline (the reference publishes here too)
-      rss_after_warmup = testing::rss_bytes();
+      rss_after_warmup = testing::process_memory_bytes();
       cpu_after_warmup = testing::live_cpu_memory();
       threads_after_warmup = testing::thread_count();
     }
   }
   rp.synchronize();
   const auto cpu_end = testing::live_cpu_memory();
-  const int64_t rss_end = testing::rss_bytes();
+  const int64_t rss_end = testing::process_memory_bytes();
   RecordProperty("rss_growth_bytes", std::to_string(rss_end - rss_after_warmup));
   RecordProperty("iterations", std::to_string(iterations));
-  std::cout << "[soak] " << iterations << " async iterations; RSS after warm-up " << rss_after_warmup
+  std::cout << "[soak] " << iterations << " async iterations; memory (testing::process_memory_bytes) after warm-up " << rss_after_warmup
             << " B, at the end " << rss_end << " B (growth " << rss_end - rss_after_warmup
             << " B); live CPU tensors " << cpu_after_warmup.blocks << " blocks / " << cpu_after_warmup.bytes
             << " B after warm-up, " << cpu_end.blocks << " / " << cpu_end.bytes << " B at the end\n";
