@@ -7,6 +7,9 @@
 //     autograd): the same algorithm without Python, so the ratio isolates the method;
 //   - a dense SwiGLU MLP with the same active parameters (width top_k * expert width), the cost a
 //     perfectly balanced MoE layer cannot beat by much.
+// Each is timed with its parameters' .grad cleared before every call (a step's first microbatch);
+// ours and the dense MLP also with the .grad kept, the backward adding into it (every later
+// microbatch: Note [Expert gradients in place]).
 // After the table: the minor page faults per forward + backward of each (getrusage), i.e. how much
 // of the time is the allocator handing out fresh pages, and the bytes per token each forward keeps
 // for its backward (malloc's bytes in use while the output is held, less the output), beside the
@@ -179,11 +182,17 @@ int main(int argc, char** argv) {
     return static_cast<double>(usage.ru_minflt);
   };
   std::vector<std::pair<const char*, double>> faults;
-  auto run = [&](const char* name, auto forward) {
+  // `keep_grads`: the parameters' .grad from the previous call stays and the backward adds into it,
+  // as for every microbatch after the first of a training step (RoundPipe's stage jobs).
+  auto run = [&](const char* name, auto forward, bool keep_grads = false) {
+    block->zero_grad();
+    dense->zero_grad();
     const double before = minor_faults();
     const double ms = median_ms(s.reps, [&] {
-      block->zero_grad();
-      dense->zero_grad();
+      if (!keep_grads) {
+        block->zero_grad();
+        dense->zero_grad();
+      }
       x.mutable_grad() = at::Tensor();
       forward().sum().backward();
     });
@@ -193,6 +202,10 @@ int main(int argc, char** argv) {
   const double ours = run("ours", [&] { return block(x)[0]; });
   const double eager_port = run("eager port", [&] { return hf_eager_block(block, x, s.top_k); });
   const double dense_ms = run("dense", [&] { return dense(x); });
+  const double ours_kept = run(
+      "ours (.grad kept)", [&] { return block(x)[0]; }, true);
+  const double dense_kept = run(
+      "dense (.grad kept)", [&] { return dense(x); }, true);
   const auto hf = python_times(python, s, threads);
 
   // Bytes per token a forward keeps for the backward (the graph's saved tensors and small
@@ -229,6 +242,8 @@ int main(int argc, char** argv) {
   std::printf("| LibTorch port of transformers' eager loop | %.1f | %.2f |\n", eager_port, eager_port / ours);
   std::printf("| dense SwiGLU MLP, same active parameters (width %lld) | %.1f | %.2f (ours / dense = %.2f) |\n",
               static_cast<long long>(s.top_k * s.width), dense_ms, dense_ms / ours, ours / dense_ms);
+  std::printf("| ours, .grad kept (a microbatch after the first) | %.1f | |\n", ours_kept);
+  std::printf("| dense, .grad kept | %.1f | (ours / dense = %.2f) |\n", dense_kept, ours_kept / dense_kept);
   std::printf("minor page faults per forward + backward:");
   for (const auto& [name, count] : faults) std::printf(" %s %.0f;", name, count);
   std::printf("\n");

@@ -544,6 +544,73 @@ TEST(SortedExpertsTest, GatheredRowsWithRowWeightsMatchPlainAutograd) {
       tensors_close(models::detail::sorted_swiglu_experts(x, gu, dn, counts, w), sorted * w.unsqueeze(1), 1e-6));
 }
 
+// Note [Expert gradients in place]: from the second microbatch on, the experts add each expert's
+// weight gradient into the existing .grad instead of returning a whole fresh one: the .grad is
+// bitwise the first microbatch's gradient + the second's (what AccumulateGrad's grad += new makes),
+// for both expert kinds, fp32 and bf16, with an expert that has rows in the first microbatch only;
+// a hook on the weight sees only the first microbatch's gradient, an undefined one for the second
+// (the documented difference).
+TEST(SortedExpertsTest, LaterMicrobatchesAddIntoTheGradBitwise) {
+  const int64_t N = 6, H = 16, I = 8, E = 4;
+  struct Microbatch {
+    std::vector<int64_t> counts;
+    at::Tensor token_of_row, x, w, g_out;
+  };
+  torch::manual_seed(13);
+  const std::vector<Microbatch> microbatches = {{{2, 3, 1, 2},
+                                                 torch::tensor({0, 4, 1, 2, 5, 3, 0, 2}, torch::kLong),
+                                                 torch::randn({N, H}),
+                                                 torch::rand({8}) + 0.1,
+                                                 torch::randn({N, H})},
+                                                {{3, 0, 4, 1},
+                                                 torch::tensor({1, 3, 5, 0, 2, 4, 5, 3}, torch::kLong),
+                                                 torch::randn({N, H}),
+                                                 torch::rand({8}) + 0.1,
+                                                 torch::randn({N, H})}};
+  for (const bool clamped : {false, true}) {
+    const std::vector<at::Tensor> init =
+        clamped ? std::vector<at::Tensor>{torch::randn({E, H, 2 * I}) * 0.3, torch::randn({E, 2 * I}) * 0.3,
+                                          torch::randn({E, I, H}) * 0.3, torch::randn({E, H}) * 0.3}
+                : std::vector<at::Tensor>{torch::randn({E, 2 * I, H}) * 0.3, torch::randn({E, H, I}) * 0.3};
+    for (const at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
+      SCOPED_TRACE(::testing::Message() << (clamped ? "clamped GLU " : "SwiGLU ") << c10::toString(dtype));
+      std::vector<at::Tensor> weights;
+      for (const at::Tensor& t : init) weights.push_back(t.to(dtype, false, /*copy=*/true).requires_grad_());
+      auto backward = [&](const Microbatch& mb) {
+        const at::Tensor x = mb.x.to(dtype).requires_grad_();
+        const at::Tensor out =
+            clamped ? models::detail::clamped_glu_experts(x, mb.token_of_row, weights[0], weights[1], weights[2],
+                                                          weights[3], mb.counts, 1.702, 0.7, mb.w)
+                    : models::detail::swiglu_experts(x, mb.token_of_row, weights[0], weights[1], mb.counts, mb.w);
+        (out.to(at::kFloat) * mb.g_out).sum().backward();
+      };
+      // Each microbatch's gradients alone (.grad cleared in between), added as AccumulateGrad adds.
+      std::vector<at::Tensor> expected;
+      for (size_t m = 0; m < microbatches.size(); ++m) {
+        for (at::Tensor& w : weights) w.mutable_grad() = at::Tensor();
+        backward(microbatches[m]);
+        for (size_t i = 0; i < weights.size(); ++i) {
+          if (m == 0)
+            expected.push_back(weights[i].grad().clone());
+          else
+            expected[i] = expected[i] + weights[i].grad();
+        }
+      }
+      // Both microbatches into one .grad.
+      for (at::Tensor& w : weights) w.mutable_grad() = at::Tensor();
+      int hook_calls = 0;
+      weights[0].register_hook([&](const at::Tensor& g) { hook_calls += g.defined() ? 1 : 0; });
+      for (const Microbatch& mb : microbatches) backward(mb);
+      EXPECT_EQ(hook_calls, 1) << "the second microbatch's expert gradient goes into .grad in place";
+      for (size_t i = 0; i < weights.size(); ++i) {
+        EXPECT_TRUE(weights[i].grad().equal(expected[i])) << "weight " << i;
+      }
+      const at::Tensor& gate_up_grad = weights[0].grad();
+      EXPECT_FALSE(gate_up_grad[1].eq(0).all().item<bool>()) << "expert 1: rows in the first microbatch only";
+    }
+  }
+}
+
 // RoundPipe: the oracle's gradients through 3 CPU devices with the sparse layers in forward stages
 // (their recompute replays the routing), and 1 device (stage grain) vs 3 (layer grain) bitwise
 // with 2 microbatches.

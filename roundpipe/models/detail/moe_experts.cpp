@@ -33,6 +33,56 @@ at::Tensor expert_grad(const at::Tensor& weight, const std::vector<int64_t>& cou
   return grad;
 }
 
+// Note [Expert gradients in place]: autograd hands an expert weight one [E, ...] gradient per
+// backward pass and adds it into the weight's .grad (AccumulateGrad: grad += new). With several
+// microbatches the .grad exists from the second on, and that whole fresh tensor (the layer's expert
+// weights' size: 8x the dense layer's, 75 MB at moe_bench's shape) cost a page-faulting allocation
+// and a second pass per microbatch, and existed beside the .grad (on a GPU, a layer's expert
+// gradients twice: 1.6 GB more for one bf16 gpt-oss-20b layer). When the weight is a leaf that already has a .grad of
+// its dtype, device and shape and grad mode is off (no create_graph), the backward instead computes each expert's
+// gradient into one reused scratch slice and adds it into the expert's slice of .grad: the same `old + new` per
+// element, so the .grad is bitwise the one autograd would make (an expert without rows adds zero:
+// -0 becomes +0 as in grad += 0), and it returns no gradient for the weight. Otherwise (first
+// microbatch, create_graph, LoRA's non-leaf sum, a .grad of another dtype) the whole gradient as
+// before. As for the embedding (Note [Embedding gradient in place], token_embedding.cpp), hooks
+// registered on the weight do not see the part added in place.
+at::Tensor grad_to_add_into(const torch::autograd::AutogradContext* ctx, size_t input, const at::Tensor& weight) {
+  if (!ctx->needs_input_grad(input) || at::GradMode::is_enabled() || !weight.is_leaf()) return {};
+  at::Tensor existing = weight.grad();
+  if (!existing.defined() || existing.layout() != at::kStrided || existing.scalar_type() != weight.scalar_type() ||
+      existing.device() != weight.device() || existing.sizes() != weight.sizes()) {
+    return {};
+  }
+  return existing;
+}
+
+// The experts' gradient of one weight: written into `whole`[e] (returned to autograd), or into a
+// scratch slice that finish(e) adds into `into`[e], the existing .grad (Note [Expert gradients in
+// place]).
+struct ExpertGrad {
+  at::Tensor whole, into, scratch;
+
+  ExpertGrad(const torch::autograd::AutogradContext* ctx, size_t input, const at::Tensor& weight,
+             const std::vector<int64_t>& counts)
+      : into(grad_to_add_into(ctx, input, weight)) {
+    if (into.defined()) {
+      scratch = at::empty(weight.sizes().slice(1), weight.options());
+      for (size_t e = 0; e < counts.size(); ++e) {
+        if (counts[e] == 0) into[static_cast<int64_t>(e)].add_(0);  // what grad += new does to it
+      }
+    } else if (ctx->needs_input_grad(input)) {
+      whole = expert_grad(weight, counts);
+    }
+  }
+  bool defined() const { return whole.defined() || into.defined(); }
+  // Where expert e's gradient is written.
+  at::Tensor target(int64_t e) const { return into.defined() ? scratch : whole[e]; }
+  // After target(e) is written.
+  void finish(int64_t e) const {
+    if (into.defined()) into[e].add_(scratch);
+  }
+};
+
 // Note [Routing weights in the experts]: the experts multiply each row of their output by its
 // routing weight (`row_weights` [M], optional) inside the per-expert loop, as transformers
 // multiplies an expert's output by top_k_weights: y = (y_u.to(w) * w).to(x), in w's dtype (fp32
@@ -104,8 +154,8 @@ class SwigluExperts : public torch::autograd::Function<SwigluExperts> {
     const at::Tensor grad_out = grad_outputs.at(0).contiguous();
     const int64_t inter = down.size(2);
     at::Tensor grad_x = ctx->needs_input_grad(0) ? at::zeros_like(x, at::MemoryFormat::Contiguous) : at::Tensor();
-    at::Tensor grad_gate_up = ctx->needs_input_grad(2) ? expert_grad(gate_up, counts) : at::Tensor();
-    at::Tensor grad_down = ctx->needs_input_grad(3) ? expert_grad(down, counts) : at::Tensor();
+    const ExpertGrad grad_gate_up(ctx, 2, gate_up, counts);
+    const ExpertGrad grad_down(ctx, 3, down, counts);
     at::Tensor grad_weights =
         row_weights.defined() && ctx->needs_input_grad(4) ? at::empty_like(row_weights) : at::Tensor();
     // bf16/fp16: the elementwise SwiGLU derivative in fp32 (autograd's silu_backward computes in
@@ -136,8 +186,9 @@ class SwigluExperts : public torch::autograd::Function<SwigluExperts> {
         act = (act.to(compute) * wc).to(x.scalar_type());
       }
       if (grad_down.defined()) {
-        at::Tensor gd = grad_down[e];
+        at::Tensor gd = grad_down.target(e);
         at::mm_out(gd, g.t(), act);
+        grad_down.finish(e);
       }
       at::Tensor d_gu = at::empty({n, 2 * inter}, gate.options());
       at::Tensor d_gate = d_gu.narrow(1, 0, inter);
@@ -147,13 +198,14 @@ class SwigluExperts : public torch::autograd::Function<SwigluExperts> {
       at::mul_out(d_up, d_act, silu);
       if (low_precision) d_gu = d_gu.to(x.scalar_type());
       if (grad_gate_up.defined()) {
-        at::Tensor gg = grad_gate_up[e];
+        at::Tensor gg = grad_gate_up.target(e);
         at::mm_out(gg, d_gu.t(), gather_rows(x, token_of_row, offset, n));
+        grad_gate_up.finish(e);
       }
       if (grad_x.defined()) grad_x.index_add_(0, token_of_row.narrow(0, offset, n), at::mm(d_gu, gate_up[e]));
       offset += n;
     }
-    return {grad_x, at::Tensor(), grad_gate_up, grad_down, grad_weights, at::Tensor()};
+    return {grad_x, at::Tensor(), grad_gate_up.whole, grad_down.whole, grad_weights, at::Tensor()};
   }
 };
 
@@ -221,10 +273,10 @@ class ClampedGluExperts : public torch::autograd::Function<ClampedGluExperts> {
     const at::ScalarType compute = low_precision ? at::kFloat : x.scalar_type();
     const int64_t width = gate_up.size(2);
     at::Tensor grad_x = ctx->needs_input_grad(0) ? at::zeros_like(x, at::MemoryFormat::Contiguous) : at::Tensor();
-    at::Tensor grad_gate_up = ctx->needs_input_grad(2) ? expert_grad(gate_up, counts) : at::Tensor();
+    const ExpertGrad grad_gate_up(ctx, 2, gate_up, counts);
     at::Tensor grad_gate_up_bias =
         ctx->needs_input_grad(3) ? at::zeros({gate_up.size(0), width}, gate_up.options()) : at::Tensor();
-    at::Tensor grad_down = ctx->needs_input_grad(4) ? expert_grad(down, counts) : at::Tensor();
+    const ExpertGrad grad_down(ctx, 4, down, counts);
     at::Tensor grad_down_bias =
         ctx->needs_input_grad(5) ? at::zeros({down.size(0), down.size(2)}, down.options()) : at::Tensor();
     at::Tensor grad_weights =
@@ -250,8 +302,9 @@ class ClampedGluExperts : public torch::autograd::Function<ClampedGluExperts> {
         gy = (g.to(compute) * wc).to(x.scalar_type());
       }
       if (grad_down.defined()) {
-        at::Tensor gd = grad_down[e];
+        at::Tensor gd = grad_down.target(e);
         at::mm_out(gd, glu.t(), gy);
+        grad_down.finish(e);
       }
       if (grad_down_bias.defined()) grad_down_bias[e].copy_(gy.sum(0));
       const at::Tensor hf = h.to(compute);
@@ -268,15 +321,16 @@ class ClampedGluExperts : public torch::autograd::Function<ClampedGluExperts> {
       d_h.slice(1, 1, width, 2).copy_(d_u);
       if (low_precision) d_h = d_h.to(x.scalar_type());
       if (grad_gate_up.defined()) {
-        at::Tensor gg = grad_gate_up[e];
+        at::Tensor gg = grad_gate_up.target(e);
         at::mm_out(gg, gather_rows(x, token_of_row, offset, n).t(), d_h);
+        grad_gate_up.finish(e);
       }
       if (grad_gate_up_bias.defined()) grad_gate_up_bias[e].copy_(d_h.sum(0));
       if (grad_x.defined()) grad_x.index_add_(0, token_of_row.narrow(0, offset, n), at::mm(d_h, gate_up[e].t()));
       offset += n;
     }
-    return {grad_x,         at::Tensor(), grad_gate_up, grad_gate_up_bias, grad_down,
-            grad_down_bias, grad_weights, at::Tensor(), at::Tensor(),      at::Tensor()};
+    return {grad_x,         at::Tensor(), grad_gate_up.whole, grad_gate_up_bias, grad_down.whole,
+            grad_down_bias, grad_weights, at::Tensor(),       at::Tensor(),      at::Tensor()};
   }
 };
 
