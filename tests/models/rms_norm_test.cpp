@@ -7,20 +7,10 @@
 #include <malloc.h>
 #include <torch/torch.h>
 
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
-#define ROUNDPIPE_TEST_SANITIZER_ALLOCATOR 1
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
-#define ROUNDPIPE_TEST_SANITIZER_ALLOCATOR 1
-#endif
-#endif
-#ifdef ROUNDPIPE_TEST_SANITIZER_ALLOCATOR
-#include <sanitizer/allocator_interface.h>
-#endif
-
 #include <vector>
 
 #include "roundpipe/models/layers.h"
+#include "tests/common/sanitizer_memory.h"
 
 namespace roundpipe::testing {
 namespace {
@@ -87,12 +77,9 @@ TEST(RmsNormTest, BitwiseAutogradsGradients_EveryDtypeOrderShapeAndFrozenInput) 
 // Bytes the process's heap has in use: glibc's count, or the sanitizer's under ASan/TSan, whose
 // allocator replaces glibc's (mallinfo2 would not move).
 double heap_in_use() {
-#ifdef ROUNDPIPE_TEST_SANITIZER_ALLOCATOR
-  return static_cast<double>(__sanitizer_get_current_allocated_bytes());
-#else
+  if (const auto bytes = sanitizer_allocated_bytes()) return static_cast<double>(*bytes);
   const struct mallinfo2 m = ::mallinfo2();
   return static_cast<double>(m.uordblks + m.hblkhd);
-#endif
 }
 
 // What a forward keeps for the backward (the heap's bytes in use with the output held, after a

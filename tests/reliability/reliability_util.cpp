@@ -12,16 +12,7 @@
 #include <cstdio>
 #include <cstring>
 
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
-#define ROUNDPIPE_TEST_SANITIZER_ALLOCATOR 1
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
-#define ROUNDPIPE_TEST_SANITIZER_ALLOCATOR 1
-#endif
-#endif
-#ifdef ROUNDPIPE_TEST_SANITIZER_ALLOCATOR
-#include <sanitizer/allocator_interface.h>
-#endif
+#include "tests/common/sanitizer_memory.h"
 
 namespace roundpipe::testing {
 namespace {
@@ -125,13 +116,7 @@ int64_t rss_bytes() {
   return got == 2 ? static_cast<int64_t>(resident) * ::sysconf(_SC_PAGESIZE) : -1;
 }
 
-int64_t process_memory_bytes() {
-#ifdef ROUNDPIPE_TEST_SANITIZER_ALLOCATOR
-  return static_cast<int64_t>(__sanitizer_get_current_allocated_bytes());
-#else
-  return rss_bytes();
-#endif
-}
+int64_t process_memory_bytes() { return sanitizer_allocated_bytes().value_or(rss_bytes()); }
 
 void warm_up_torch() {
   torch::nn::Linear layer(64, 64);

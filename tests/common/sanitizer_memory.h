@@ -1,0 +1,36 @@
+// Heap measurements that still mean something in sanitizer builds.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+#define ROUNDPIPE_TEST_SANITIZER_ALLOCATOR 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
+#define ROUNDPIPE_TEST_SANITIZER_ALLOCATOR 1
+#endif
+#endif
+// GCC ships the sanitizer runtimes but not this header (clang does): without it, std::nullopt.
+#if defined(ROUNDPIPE_TEST_SANITIZER_ALLOCATOR) && !__has_include(<sanitizer/allocator_interface.h>)
+#undef ROUNDPIPE_TEST_SANITIZER_ALLOCATOR
+#endif
+#ifdef ROUNDPIPE_TEST_SANITIZER_ALLOCATOR
+#include <sanitizer/allocator_interface.h>
+#endif
+
+namespace roundpipe::testing {
+
+/// In an ASan or TSan build, the sanitizer allocator's bytes in use; std::nullopt otherwise (and
+/// with GCC, which lacks the header declaring the count: the TSan phase builds with GCC). Its
+/// allocator replaces glibc's, so mallinfo2 does not move there, and the RSS includes freed blocks
+/// waiting in ASan's quarantine and the shadow memory: neither measures what a test holds.
+inline std::optional<int64_t> sanitizer_allocated_bytes() {
+#ifdef ROUNDPIPE_TEST_SANITIZER_ALLOCATOR
+  return static_cast<int64_t>(__sanitizer_get_current_allocated_bytes());
+#else
+  return std::nullopt;
+#endif
+}
+
+}  // namespace roundpipe::testing
