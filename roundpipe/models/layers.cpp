@@ -590,22 +590,27 @@ void LmHeadImpl::set_router_aux_loss_coef(double coef) {
 
 // ---- randomness ----------------------------------------------------------------------------------
 
+namespace {
+
+// Whether `m` is a `DropoutKind` (torch::nn's dropout modules) with p > 0.
+template <typename DropoutKind>
+bool drops(const torch::nn::Module* m) {
+  const auto* d = dynamic_cast<const DropoutKind*>(m);
+  return d != nullptr && d->options.p() > 0;
+}
+
+}  // namespace
+
 bool draws_in_training(const torch::nn::Module& module) {
   for (const auto& m : module.modules(/*include_self=*/true)) {
     if (const auto* attention = dynamic_cast<const AttentionImpl*>(m.get())) {
       if (attention->dropout() > 0) return true;
     } else if (const auto* linear = dynamic_cast<const LinearImpl*>(m.get())) {
       if (linear->lora_dropout() > 0) return true;
-    } else if (const auto* d = dynamic_cast<const torch::nn::DropoutImpl*>(m.get())) {
-      if (d->options.p() > 0) return true;
-    } else if (const auto* d2 = dynamic_cast<const torch::nn::Dropout2dImpl*>(m.get())) {
-      if (d2->options.p() > 0) return true;
-    } else if (const auto* d3 = dynamic_cast<const torch::nn::Dropout3dImpl*>(m.get())) {
-      if (d3->options.p() > 0) return true;
-    } else if (const auto* alpha = dynamic_cast<const torch::nn::AlphaDropoutImpl*>(m.get())) {
-      if (alpha->options.p() > 0) return true;
-    } else if (const auto* feature = dynamic_cast<const torch::nn::FeatureAlphaDropoutImpl*>(m.get())) {
-      if (feature->options.p() > 0) return true;
+    } else if (drops<torch::nn::DropoutImpl>(m.get()) || drops<torch::nn::Dropout2dImpl>(m.get()) ||
+               drops<torch::nn::Dropout3dImpl>(m.get()) || drops<torch::nn::AlphaDropoutImpl>(m.get()) ||
+               drops<torch::nn::FeatureAlphaDropoutImpl>(m.get())) {
+      return true;
     }
   }
   return false;

@@ -99,7 +99,8 @@ TEST(SoakTest, Async2000Iterations_SteadyMemoryAndBitwiseEqualToPlainLoop) {
   const int64_t rss_end = testing::process_memory_bytes();
   RecordProperty("rss_growth_bytes", std::to_string(rss_end - rss_after_warmup));
   RecordProperty("iterations", std::to_string(iterations));
-  std::cout << "[soak] " << iterations << " async iterations; memory (testing::process_memory_bytes) after warm-up " << rss_after_warmup
+  std::cout << "[soak] " << iterations << " async iterations; memory (testing::process_memory_bytes) after warm-up "
+            << rss_after_warmup
             << " B, at the end " << rss_end << " B (growth " << rss_end - rss_after_warmup
             << " B); live CPU tensors " << cpu_after_warmup.blocks << " blocks / " << cpu_after_warmup.bytes
             << " B after warm-up, " << cpu_end.blocks << " / " << cpu_end.bytes << " B at the end\n";

@@ -19,6 +19,8 @@
 
 #include <numeric>
 
+#include "roundpipe/models/detail/grad_in_place.h"
+
 namespace roundpipe::models::detail {
 namespace {
 
@@ -35,26 +37,18 @@ at::Tensor expert_grad(const at::Tensor& weight, const std::vector<int64_t>& cou
 
 // Note [Expert gradients in place]: autograd hands an expert weight one [E, ...] gradient per
 // backward pass and adds it into the weight's .grad (AccumulateGrad: grad += new). With several
-// microbatches the .grad exists from the second on, and that whole fresh tensor (the layer's expert
-// weights' size: 8x the dense layer's, 75 MB at moe_bench's shape) cost a page-faulting allocation
-// and a second pass per microbatch, and existed beside the .grad (on a GPU, a layer's expert
-// gradients twice: 1.6 GB more for one bf16 gpt-oss-20b layer). When the weight is a leaf that already has a .grad of
-// its dtype, device and shape and grad mode is off (no create_graph), the backward instead computes each expert's
-// gradient into one reused scratch slice and adds it into the expert's slice of .grad: the same `old + new` per
-// element, so the .grad is bitwise the one autograd would make (an expert without rows adds zero:
-// -0 becomes +0 as in grad += 0), and it returns no gradient for the weight. Otherwise (first
+// microbatches the .grad exists from the second on, and that whole fresh tensor (the layer's
+// expert weights' size: 8x the dense layer's, 75 MB at moe_bench's shape) cost a page-faulting
+// allocation and a second pass per microbatch, and existed beside the .grad (on a GPU, a layer's
+// expert gradients twice: 1.6 GB more for one bf16 gpt-oss-20b layer). When the .grad may take it
+// in place (grad_to_add_into in grad_in_place.h: a leaf weight, a contiguous .grad of its dtype,
+// device and shape, no create_graph), the backward instead computes each expert's gradient into
+// one reused scratch slice and adds it into the expert's slice of .grad: the same `old + new` per
+// element, so the .grad is bitwise the one autograd would make (an expert without rows adds zero: -0
+// becomes +0 as in grad += 0), and it returns no gradient for the weight. Otherwise (first
 // microbatch, create_graph, LoRA's non-leaf sum, a .grad of another dtype) the whole gradient as
 // before. As for the embedding (Note [Embedding gradient in place], token_embedding.cpp), hooks
 // registered on the weight do not see the part added in place.
-at::Tensor grad_to_add_into(const torch::autograd::AutogradContext* ctx, size_t input, const at::Tensor& weight) {
-  if (!ctx->needs_input_grad(input) || at::GradMode::is_enabled() || !weight.is_leaf()) return {};
-  at::Tensor existing = weight.grad();
-  if (!existing.defined() || existing.layout() != at::kStrided || existing.scalar_type() != weight.scalar_type() ||
-      existing.device() != weight.device() || existing.sizes() != weight.sizes()) {
-    return {};
-  }
-  return existing;
-}
 
 // The experts' gradient of one weight: written into `whole`[e] (returned to autograd), or into a
 // scratch slice that finish(e) adds into `into`[e], the existing .grad (Note [Expert gradients in
@@ -64,7 +58,8 @@ struct ExpertGrad {
 
   ExpertGrad(const torch::autograd::AutogradContext* ctx, size_t input, const at::Tensor& weight,
              const std::vector<int64_t>& counts)
-      : into(grad_to_add_into(ctx, input, weight)) {
+      : into(ctx->needs_input_grad(input) ? grad_to_add_into(weight, weight.scalar_type(), weight.device())
+                                          : at::Tensor()) {
     if (into.defined()) {
       scratch = at::empty(weight.sizes().slice(1), weight.options());
       for (size_t e = 0; e < counts.size(); ++e) {

@@ -7,6 +7,8 @@
 
 #include <tuple>
 
+#include "roundpipe/models/detail/grad_in_place.h"
+
 namespace roundpipe::models::detail {
 namespace {
 
@@ -42,13 +44,10 @@ class EmbeddingLookup : public torch::autograd::Function<EmbeddingLookup> {
     const int64_t padding_idx = ctx->saved_data["padding_idx"].toInt();
     const at::Tensor& grad = grad_outputs.at(0);
     if (!ctx->needs_input_grad(0) || !grad.defined()) return {at::Tensor(), at::Tensor(), at::Tensor()};
-    if (!at::GradMode::is_enabled() && weight.is_leaf()) {  // .grad of a non-leaf is not ours to read
-      at::Tensor existing = weight.grad();
-      if (existing.defined() && existing.layout() == at::kStrided && existing.scalar_type() == grad.scalar_type() &&
-          existing.device() == grad.device() && existing.sizes() == weight.sizes() && existing.is_contiguous()) {
-        add_rows(existing, ids, grad, padding_idx);
-        return {at::Tensor(), at::Tensor(), at::Tensor()};
-      }
+    at::Tensor existing = grad_to_add_into(weight, grad.scalar_type(), grad.device());
+    if (existing.defined()) {
+      add_rows(existing, ids, grad, padding_idx);
+      return {at::Tensor(), at::Tensor(), at::Tensor()};
     }
     return {at::embedding_dense_backward(grad, ids, weight.size(0), padding_idx, /*scale_grad_by_freq=*/false),
             at::Tensor(), at::Tensor()};
