@@ -9,7 +9,8 @@
 // triad a[i] = b[i] + s*c[i] 12 B/element (16 B really move: the store's line is read first; Adam
 // reads every line it writes anyway, so its 28 B are all real). GB/s = bytes / seconds / 1e9.
 // 8-bit states (AdamStateDtype::kInt8): read p, g, the two code bytes and two absmax per 256;
-// write p, codes, absmax: 16 + 16/256 B/param (14 + 16/256 with bf16 gradients).
+// write p, codes, absmax: 16 + 16/256 B/param (14 + 16/256 with bf16 gradients). On an AVX-512
+// CPU with VBMI the 8-bit step is also timed with the AVX-512F dequantize ("without VBMI").
 // bf16 masters with Kahan compensation (AdamOptions::kahan_sum, bf16 gradients): read p, g, c, m,
 // v; write p, c, m, v: 26 B/param.
 // Adafactor (not a single pass: torch's two norms need the sums first): a matrix [n / 4096, 4096]
@@ -24,6 +25,7 @@
 
 #include "optim/adafactor.h"
 #include "optim/adam.h"
+#include "optim/detail/adam_kernel.h"
 #include "optim/detail/parallel_tasks.h"
 #include "optim/lion.h"
 
@@ -176,6 +178,12 @@ int main(int argc, char** argv) {
             {param}, roundpipe::optim::AdamOptions(1e-3).state_dtype(roundpipe::optim::AdamStateDtype::kInt8));
         opt.set_kernel_isa(isa);
         rows.push_back({"roundpipe Adam, 8-bit states", median_seconds(reps, [&] { opt.step(); }), int8_bytes});
+        if (isa == roundpipe::optim::CpuIsa::kAvx512 && roundpipe::optim::detail::cpu_has_avx512_vbmi()) {
+          // The same kernel with the AVX-512F dequantize instead of the VBMI byte planes.
+          roundpipe::optim::detail::set_avx512_vbmi_allowed(false);
+          rows.push_back({"8-bit states, without VBMI", median_seconds(reps, [&] { opt.step(); }), int8_bytes});
+          roundpipe::optim::detail::set_avx512_vbmi_allowed(true);
+        }
         param.mutable_grad() = g.to(torch::kBFloat16);
         rows.push_back(
             {"bf16 g: roundpipe Adam, 8-bit", median_seconds(reps, [&] { opt.step(); }), int8_bytes - 2.0 * n});

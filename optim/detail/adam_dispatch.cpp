@@ -1,5 +1,7 @@
 // Runtime selection of the kernel ISA (baseline flags; never calls into a TU the CPU lacks), and the
 // public optim/cpu_isa.h functions.
+#include <atomic>
+
 #include "optim/cpu_isa.h"
 #include "optim/detail/adam_kernel.h"
 #include "optim/detail/lion_kernel.h"
@@ -19,7 +21,25 @@ bool cpu_has_f16c() {
 }
 #endif
 
+std::atomic<bool> vbmi_allowed{true};
+
 }  // namespace
+
+namespace detail {
+
+bool cpu_has_avx512_vbmi() {
+#if ROUNDPIPE_OPTIM_X86
+  return __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("avx512bw");
+#else
+  return false;
+#endif
+}
+
+void set_avx512_vbmi_allowed(bool allowed) { vbmi_allowed.store(allowed, std::memory_order_relaxed); }
+
+bool avx512_vbmi_allowed() { return vbmi_allowed.load(std::memory_order_relaxed); }
+
+}  // namespace detail
 
 bool cpu_supports(CpuIsa isa) {
   switch (isa) {

@@ -87,6 +87,15 @@ void adam_update_scalar(const AdamTensor& t, int64_t begin, int64_t end);
 void adam_update_avx2(const AdamTensor& t, int64_t begin, int64_t end);
 void adam_update_avx512(const AdamTensor& t, int64_t begin, int64_t end);
 
+/// True when the CPU has AVX-512 VBMI and BW (the AVX-512 kernel's byte-plane dequantize of 8-bit
+/// states, Note [Byte-plane dequantize] in adam_kernel_avx512.cpp).
+bool cpu_has_avx512_vbmi();
+/// Whether the AVX-512 kernel may use that dequantize where the CPU has it (default true). Tests
+/// and benchmarks turn it off to run the AVX-512F dequantize on the same CPU; both give the same
+/// bits. A relaxed atomic: change it only while no step runs.
+void set_avx512_vbmi_allowed(bool allowed);
+bool avx512_vbmi_allowed();
+
 using AdamUpdateFn = void (*)(const AdamTensor&, int64_t, int64_t);
 /// The kernel for `isa` (which must be supported).
 AdamUpdateFn adam_update_fn(CpuIsa isa);

@@ -1,6 +1,7 @@
 #include "optim/detail/quant_map.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
@@ -23,6 +24,58 @@ float float_of(uint32_t bits) {
   float f;
   std::memcpy(&f, &bits, sizeof(f));
   return f;
+}
+
+// Note [Decade code lookup]: the tables for the map `table` (thresholds filled in), built by the
+// construction below (kScale, n_i values per decade); aborts if the thresholds do not have the
+// structure the lookup assumes.
+DecadeLookup build_decades(const QuantMapTable& table, bool is_signed, const double (&scales)[7]) {
+  DecadeLookup d{};
+  const float* t = table.thresholds;
+  const int first_positive = is_signed ? 127 : 0;
+  const int positives = 255 - first_positive;
+  float boundary[8];
+  int k = first_positive;  // the boundary below decade i's first value
+  for (int i = 0; i < 7; ++i) {
+    const int n = is_signed ? 1 << i : 1 << (i + 1);
+    const double step = 0.9 / n;
+    const int below = k - first_positive + 1;  // thresholds <= the boundary
+    boundary[i] = t[k];
+    d.scale[1 + i] = static_cast<float>(1.0 / (scales[i] * step));
+    d.offset[1 + i] = static_cast<float>(-0.1 / step + below);
+    d.top[1 + i] = below + n - 1;
+    k += n;
+  }
+  if (k != 254 || !(t[k] > 0.0f) || !(t[first_positive] > 0.0f) ||
+      (first_positive > 0 && t[first_positive - 1] >= 0.0f)) {
+    std::abort();
+  }
+  boundary[7] = t[254];  // between the last decade's largest value and 1
+  for (int slot : {0, 8, 9, 10, 11, 12, 13, 14, 15}) {
+    d.scale[slot] = 0.0f;
+    d.offset[slot] = (slot == 0 ? 0.0f : static_cast<float>(positives)) + 0.5f;  // trunc -> the count, never ambiguous
+    d.top[slot] = slot == 0 ? 0 : positives;
+  }
+  for (int b = 0; b < 32; ++b) {
+    const int exponent = 104 + std::min(b, 24);
+    const float lo = b == 0 ? 0.0f : std::ldexp(1.0f, exponent - 127);
+    const float hi = exponent >= 128 ? std::numeric_limits<float>::infinity() : std::ldexp(1.0f, exponent - 126);
+    int slot = 0;
+    int inside = 0;
+    d.boundary_of_binade[b] = std::numeric_limits<float>::infinity();
+    for (const float bound : boundary) {
+      slot += bound < lo ? 1 : 0;
+      if (bound >= lo && bound < hi) {
+        d.boundary_of_binade[b] = bound;
+        ++inside;
+      }
+    }
+    if (inside > 1) {
+      std::abort();
+    }
+    d.slot_of_binade[b] = slot;
+  }
+  return d;
 }
 
 // Note [Dynamic quantization map]. Compiled with -ffp-contract=off: the Python reference in
@@ -91,7 +144,15 @@ QuantMapTable build(bool is_signed) {
       table.fine[negative * kFineBuckets + b] = (static_cast<uint32_t>(base) << 16) | (0xFFFFu - limit);
     }
   }
+  for (int k = 0; k < 256; ++k) {
+    const uint32_t bits = bits_of(table.values[k]);
+    for (int q = 0; q < 4; ++q) {
+      table.value_bytes[q][k] = static_cast<uint8_t>(bits >> (8 * q));
+    }
+  }
+  table.decades = build_decades(table, is_signed, kScale);
   table.zero_code = quantize_code(table, 0.0f);
+  table.is_signed = is_signed;
   return table;
 }
 

@@ -17,6 +17,33 @@ inline constexpr uint32_t kFineLowBits = 104u << 23;   ///< bits of 2^-23
 inline constexpr uint32_t kFineHighBits = 128u << 23;  ///< bits of 2.0f
 inline constexpr int kFineBuckets = static_cast<int>((kFineHighBits - kFineLowBits) >> kFineShift) + 1;
 
+/// Note [Decade code lookup]: the AVX-512 kernel's code lookup without a gather (a 16-lane gather
+/// took three quarters of the 8-bit step on the development machine, an AMD EPYC Zen 5). The map's
+/// positive thresholds are regular inside each decade: decade i (i = 0..6, scale s = 10^(i-6)) holds
+/// n_i values s * (0.1 + (j + 0.5) * h), h = 0.9 / n_i, whose thresholds lie at s * (0.1 + (j + 1) *
+/// h) up to float rounding; the threshold below a decade's first value and the one below 1.0 are
+/// irregular ("boundaries", at most one per binade of |x|). So the count P of positive thresholds
+/// below a = |x| is
+///   slot = slot_of_binade[b] + (boundary_of_binade[b] < a),   b = clamp(exponent of a, 104, 128) - 104
+///   F    = a * scale[slot] + offset[slot]        (one fma; offset includes the thresholds below the decade)
+///   P    = min(trunc(F), top[slot])
+/// where slot 0 is below the first boundary and slot 8 above the last (scale 0, offset count + 0.5).
+/// Then code = 127 + P (signed map, x >= 0), 127 - min(P, 127) (signed, x < 0: the negative
+/// thresholds mirror the first 127 positive ones), P (unsigned, x >= 0) or 0 (unsigned, x < 0).
+/// The float rounding of F and of the thresholds matters only where F is within 2^-12 of an
+/// integer, where a equals a boundary (then a negative x would also need the tie rule), and for NaN:
+/// those lanes ("ambiguous") take Note [Fine code lookup] instead (the kernel gathers for the whole
+/// vector; about 0.05% of elements). Checked when written (a throw-away program) against
+/// quantize_code for all 2^32 floats of both maps: no difference outside the ambiguous lanes, which
+/// are 0.4% of all bit patterns, nearly all of them NaNs; tests/optim/adam_int8_test.cpp pins a sweep.
+struct DecadeLookup {
+  alignas(64) int32_t slot_of_binade[32];
+  alignas(64) float boundary_of_binade[32];  ///< +inf where the binade holds no boundary
+  alignas(64) float scale[16];
+  alignas(64) float offset[16];
+  alignas(64) int32_t top[16];
+};
+
 /// A 256-entry quantization map and its decision thresholds.
 ///
 /// Note [Dynamic quantization map]: the dynamic (non-linear) map of Dettmers et al. 2021 as
@@ -38,7 +65,12 @@ struct QuantMapTable {
   float thresholds[256];  ///< thresholds[255] = +inf
   /// [sign bit of x * kFineBuckets + fine bucket of |x|] -> base << 16 | (0xFFFF - limit) (Note [Fine code lookup]).
   uint32_t fine[2 * kFineBuckets];
-  uint8_t zero_code;  ///< code of 0.0 (127 signed, 0 unsigned)
+  /// Byte q of values[k]'s float bits at [q][k] (little endian): the AVX-512 VBMI dequantize
+  /// looks up 64 codes per byte permute (Note [Byte-plane dequantize] in adam_kernel_avx512.cpp).
+  alignas(64) uint8_t value_bytes[4][256];
+  DecadeLookup decades;  ///< Note [Decade code lookup]
+  uint8_t zero_code;     ///< code of 0.0 (127 signed, 0 unsigned)
+  bool is_signed;
 };
 
 /// Note [Fine code lookup]: the code of Note [Dynamic quantization map] from one table entry (one

@@ -4,12 +4,14 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <cmath>
 #include <limits>
 #include <sstream>
 #include <string>
 #include <vector>
 
 #include "optim/adam.h"
+#include "optim/detail/adam_kernel.h"
 #include "optim/quantized_state.h"
 #include "tests/common/python_oracle.h"
 #include "tests/common/tensor_compare.h"
@@ -67,6 +69,37 @@ const std::vector<std::vector<int64_t>> kShapes = {{1000}, {4096}, {5000}, {70, 
 constexpr size_t kBf16GradParam = 3;
 constexpr int kSteps = 6;
 
+// A kernel to test: an ISA, and for AVX-512 whether it may use its VBMI dequantize (Note [Byte-plane
+// dequantize] in optim/detail/adam_kernel_avx512.cpp).
+struct Kernel {
+  CpuIsa isa;
+  bool vbmi;
+  std::string name() const {
+    return std::string(cpu_isa_name(isa)) + (isa == CpuIsa::kAvx512 && !vbmi ? " without VBMI" : "");
+  }
+};
+
+// Every supported ISA, and AVX-512 a second time without VBMI where the CPU has VBMI.
+std::vector<Kernel> kernels() {
+  std::vector<Kernel> out;
+  for (const CpuIsa isa : supported_cpu_isas()) {
+    out.push_back({isa, true});
+    if (isa == CpuIsa::kAvx512 && detail::cpu_has_avx512_vbmi()) {
+      out.push_back({isa, false});
+    }
+  }
+  return out;
+}
+
+// Allows or forbids the VBMI dequantize while in scope.
+class VbmiScope {
+ public:
+  explicit VbmiScope(bool allowed) { detail::set_avx512_vbmi_allowed(allowed); }
+  ~VbmiScope() { detail::set_avx512_vbmi_allowed(true); }
+  VbmiScope(const VbmiScope&) = delete;
+  VbmiScope& operator=(const VbmiScope&) = delete;
+};
+
 TEST(AdamInt8Test, MatchesPythonReferenceOfTheSameQuantization_AdamAndAdamW_EveryIsaAndThreadCount) {
   ROUNDPIPE_REQUIRE_ORACLE();
   // Adam with L2, AdamW, and beta1 = 0.4 (lerp weight >= 0.5, ATen's other branch) with maximize.
@@ -85,12 +118,13 @@ TEST(AdamInt8Test, MatchesPythonReferenceOfTheSameQuantization_AdamAndAdamW_Ever
       inputs[key("g", i, s)] = i == kBf16GradParam ? g.to(torch::kBFloat16) : g;
     }
   }
-  const std::vector<CpuIsa> isas = supported_cpu_isas();
   for (const auto& c : configs) {
     inputs["config"] = torch::tensor(
         {c.lr, c.beta1, c.beta2, c.eps, c.weight_decay, double(c.decoupled), double(c.maximize)}, torch::kDouble);
     const TensorMap ref = roundpipe::testing::run_python(reference_run(kShapes.size(), kSteps), inputs);
-    for (const auto& isa : isas) {
+    for (const auto& kernel : kernels()) {
+      const CpuIsa isa = kernel.isa;
+      const VbmiScope vbmi(kernel.vbmi);
       for (int threads : {1, 2}) {
         std::vector<torch::Tensor> params;
         for (const auto& t : init) {
@@ -106,7 +140,7 @@ TEST(AdamInt8Test, MatchesPythonReferenceOfTheSameQuantization_AdamAndAdamW_Ever
         opt.set_kernel_isa(isa);
         opt.set_num_threads(threads);
         const std::string what = "lr " + std::to_string(c.lr) + ", decoupled " + std::to_string(c.decoupled) +
-                                 ", isa " + cpu_isa_name(isa) + ", threads " + std::to_string(threads);
+                                 ", isa " + kernel.name() + ", threads " + std::to_string(threads);
         bool bitwise = true;
         for (int s = 0; s < kSteps; ++s) {
           for (size_t i = 0; i < params.size(); ++i) {
@@ -155,6 +189,11 @@ torch::Tensor edges(QuantMap map) {
   const auto inf = torch::full({1}, std::numeric_limits<float>::infinity());
   auto all = torch::cat({v, mid});
   all = torch::cat({all, torch::nextafter(all, inf), torch::nextafter(all, -inf)});
+  // Relative distances 2^-23..2^-8 from each midpoint, both sides: across the edges of the band
+  // around a threshold where the AVX-512 kernel falls back to its gather (Note [Decade code lookup]).
+  for (int k = 8; k <= 23; ++k) {
+    all = torch::cat({all, mid * (1.0f + std::ldexp(1.0f, -k)), mid * (1.0f - std::ldexp(1.0f, -k))});
+  }
   all = torch::cat({all, -all}).clamp(-1, 1);
   const int64_t blocks = (all.numel() + kQuantBlockSize - 2) / (kQuantBlockSize - 1);
   const auto padded = torch::cat({all, torch::zeros({blocks * (kQuantBlockSize - 1) - all.numel()})});
@@ -400,18 +439,40 @@ TEST(AdamInt8Test, EveryIsaQuantizesLikeTheScalarReference_RandomBitsAndEdges) {
   g = torch::cat({g, edges(QuantMap::kSignedDynamic), edges(QuantMap::kUnsignedDynamic), special, torch::randn({100})});
   const auto m_ref = quantize_blockwise(g, QuantMap::kSignedDynamic);
   const auto v_ref = quantize_blockwise(g * g, QuantMap::kUnsignedDynamic);
-  const std::vector<CpuIsa> isas = supported_cpu_isas();
-  for (const auto& isa : isas) {
+  for (const auto& kernel : kernels()) {
+    const VbmiScope vbmi(kernel.vbmi);
     auto param = torch::zeros_like(g);
     param.mutable_grad() = g;
     Adam opt({param}, AdamOptions(1e-3).betas({0.0, 0.0}).state_dtype(AdamStateDtype::kInt8));
-    opt.set_kernel_isa(isa);
+    opt.set_kernel_isa(kernel.isa);
     opt.step();
     const auto& st = static_cast<const AdamParamState&>(*opt.state().at(param.unsafeGetTensorImpl()));
-    EXPECT_TRUE(torch::equal(st.exp_avg(), m_ref.first)) << cpu_isa_name(isa) << ": exp_avg codes";
-    EXPECT_TRUE(torch::equal(st.exp_avg_absmax(), m_ref.second)) << cpu_isa_name(isa) << ": exp_avg absmax";
-    EXPECT_TRUE(torch::equal(st.exp_avg_sq(), v_ref.first)) << cpu_isa_name(isa) << ": exp_avg_sq codes";
-    EXPECT_TRUE(torch::equal(st.exp_avg_sq_absmax(), v_ref.second)) << cpu_isa_name(isa) << ": exp_avg_sq absmax";
+    EXPECT_TRUE(torch::equal(st.exp_avg(), m_ref.first)) << kernel.name() << ": exp_avg codes";
+    EXPECT_TRUE(torch::equal(st.exp_avg_absmax(), m_ref.second)) << kernel.name() << ": exp_avg absmax";
+    EXPECT_TRUE(torch::equal(st.exp_avg_sq(), v_ref.first)) << kernel.name() << ": exp_avg_sq codes";
+    EXPECT_TRUE(torch::equal(st.exp_avg_sq_absmax(), v_ref.second)) << kernel.name() << ": exp_avg_sq absmax";
+  }
+  // Two steps with the usual betas: the second dequantizes the first's codes of these values, so
+  // every kernel's dequantize and update must give the scalar kernel's bits (NaNs included).
+  const auto two_steps = [&](const Kernel& kernel) {
+    const VbmiScope vbmi(kernel.vbmi);
+    auto param = torch::zeros_like(g);
+    Adam opt({param}, AdamOptions(1e-3).state_dtype(AdamStateDtype::kInt8));
+    opt.set_kernel_isa(kernel.isa);
+    for (const auto& grad : {g, g.flip(0)}) {
+      param.mutable_grad() = grad;
+      opt.step();
+    }
+    const auto& st = static_cast<const AdamParamState&>(*opt.state().at(param.unsafeGetTensorImpl()));
+    return std::vector<torch::Tensor>{param.view(torch::kInt), st.exp_avg(), st.exp_avg_absmax().view(torch::kInt),
+                                      st.exp_avg_sq(), st.exp_avg_sq_absmax().view(torch::kInt)};
+  };
+  const auto expected = two_steps({CpuIsa::kScalar, true});
+  for (const auto& kernel : kernels()) {
+    const auto got = two_steps(kernel);
+    for (size_t k = 0; k < got.size(); ++k) {
+      EXPECT_TRUE(torch::equal(got[k], expected[k])) << kernel.name() << ": two steps, tensor " << k;
+    }
   }
 }
 
