@@ -184,8 +184,7 @@ struct VecAvx512 {
   /// A map's Note [Decade code lookup] tables in registers.
   struct DecadeRegs {
     __m512i slot_lo, slot_hi;
-    __m512 bound_lo, bound_hi, scale, offset;
-    __m512i top;
+    __m512 bound_lo, bound_hi, scale, offset, top;
     bool is_signed;
     explicit DecadeRegs(const QuantMapTable& map)
         : slot_lo(_mm512_load_si512(map.decades.slot_of_binade)),
@@ -194,7 +193,7 @@ struct VecAvx512 {
           bound_hi(_mm512_load_ps(map.decades.boundary_of_binade + 16)),
           scale(_mm512_load_ps(map.decades.scale)),
           offset(_mm512_load_ps(map.decades.offset)),
-          top(_mm512_load_si512(map.decades.top)),
+          top(_mm512_load_ps(map.decades.top)),
           is_signed(map.is_signed) {}
   };
 
@@ -204,9 +203,9 @@ struct VecAvx512 {
     const __m512i bits = _mm512_castps_si512(scaled);
     const __m512i abs_bits = _mm512_and_si512(bits, _mm512_set1_epi32(0x7FFFFFFF));
     const __m512 a = _mm512_castsi512_ps(abs_bits);
-    const __m512i exponent = _mm512_min_epi32(_mm512_max_epi32(_mm512_srli_epi32(abs_bits, 23), _mm512_set1_epi32(104)),
-                                              _mm512_set1_epi32(128));
-    const __m512i binade = _mm512_sub_epi32(exponent, _mm512_set1_epi32(104));
+    // The clamped exponent; the permutes read its low 5 bits (the tables are indexed mod 32).
+    const __m512i binade = _mm512_min_epi32(
+        _mm512_srli_epi32(_mm512_max_epi32(abs_bits, _mm512_set1_epi32(104 << 23)), 23), _mm512_set1_epi32(128));
     const __m512i slot0 = _mm512_permutex2var_epi32(d.slot_lo, binade, d.slot_hi);
     const __m512 bound = _mm512_permutex2var_ps(d.bound_lo, binade, d.bound_hi);
     const __mmask16 above = _mm512_cmp_ps_mask(bound, a, _CMP_LT_OQ);
@@ -217,14 +216,13 @@ struct VecAvx512 {
         _mm512_sub_ps(f, _mm512_roundscale_ps(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
     *ambiguous = static_cast<__mmask16>(
         on_bound_or_nan | _mm512_cmp_ps_mask(_mm512_abs_ps(from_integer), _mm512_set1_ps(0x1p-12f), _CMP_LT_OQ));
-    const __m512i count = _mm512_min_epi32(_mm512_cvttps_epi32(f), _mm512_permutexvar_epi32(slot, d.top));
-    const __mmask16 negative = _mm512_cmplt_epi32_mask(bits, _mm512_setzero_si512());
+    const __m512 clamped = _mm512_min_ps(f, _mm512_permutexvar_ps(slot, d.top));
+    const __mmask16 negative = _mm512_test_epi32_mask(bits, _mm512_set1_epi32(static_cast<int>(0x80000000u)));
     if (d.is_signed) {
-      const __m512i mid = _mm512_set1_epi32(127);
-      return _mm512_cvtepi32_epi8(
-          _mm512_mask_sub_epi32(_mm512_add_epi32(mid, count), negative, mid, _mm512_min_epi32(count, mid)));
+      return _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(_mm512_mask_sub_ps(
+          _mm512_add_ps(clamped, _mm512_set1_ps(127.0f)), negative, _mm512_set1_ps(128.0f), clamped)));
     }
-    return _mm512_cvtepi32_epi8(_mm512_maskz_mov_epi32(static_cast<__mmask16>(~negative), count));
+    return _mm512_cvtepi32_epi8(_mm512_maskz_cvttps_epi32(static_cast<__mmask16>(~negative), clamped));
   }
 
   /// codes[j] = the code of x[j] * scale for j < n16 (a multiple of 16, at most kQuantBlock):

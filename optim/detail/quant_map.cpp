@@ -43,7 +43,7 @@ DecadeLookup build_decades(const QuantMapTable& table, bool is_signed, const dou
     boundary[i] = t[k];
     d.scale[1 + i] = static_cast<float>(1.0 / (scales[i] * step));
     d.offset[1 + i] = static_cast<float>(-0.1 / step + below);
-    d.top[1 + i] = below + n - 1;
+    d.top[1 + i] = static_cast<float>(below + n - 1) + 0.5f;
     k += n;
   }
   if (k != 254 || !(t[k] > 0.0f) || !(t[first_positive] > 0.0f) ||
@@ -54,11 +54,11 @@ DecadeLookup build_decades(const QuantMapTable& table, bool is_signed, const dou
   for (int slot : {0, 8, 9, 10, 11, 12, 13, 14, 15}) {
     d.scale[slot] = 0.0f;
     d.offset[slot] = (slot == 0 ? 0.0f : static_cast<float>(positives)) + 0.5f;  // trunc -> the count, never ambiguous
-    d.top[slot] = slot == 0 ? 0 : positives;
+    d.top[slot] = (slot == 0 ? 0.0f : static_cast<float>(positives)) + 0.5f;
   }
-  for (int b = 0; b < 32; ++b) {
-    const int exponent = 104 + std::min(b, 24);
-    const float lo = b == 0 ? 0.0f : std::ldexp(1.0f, exponent - 127);
+  for (int b = 0; b < 32; ++b) {  // entry b: the clamped exponent in [104, 128] that is b mod 32
+    const int exponent = b >= 8 ? 96 + b : std::min(128 + b, 128);
+    const float lo = exponent == 104 ? 0.0f : std::ldexp(1.0f, exponent - 127);
     const float hi = exponent >= 128 ? std::numeric_limits<float>::infinity() : std::ldexp(1.0f, exponent - 126);
     int slot = 0;
     int inside = 0;
