@@ -87,6 +87,12 @@ void adam_update_scalar(const AdamTensor& t, int64_t begin, int64_t end);
 void adam_update_avx2(const AdamTensor& t, int64_t begin, int64_t end);
 void adam_update_avx512(const AdamTensor& t, int64_t begin, int64_t end);
 
+/// codes[j] = the code of x[j] under `map` by the AVX-512 kernel's lookup (Note [Decade code
+/// lookup] in quant_map.h, with its gather for ambiguous lanes) for j < n: the kernel's quantize
+/// with absmax 1, for tests (each must equal quantize_code(map, x[j])). Only on a CPU with
+/// AVX-512 (cpu_supports(CpuIsa::kAvx512)) and on x86 builds.
+void quantize_scaled_avx512(const float* x, int64_t n, const QuantMapTable& map, uint8_t* codes);
+
 /// True when the CPU has AVX-512 VBMI and BW (the AVX-512 kernel's byte-plane dequantize of 8-bit
 /// states, Note [Byte-plane dequantize] in adam_kernel_avx512.cpp).
 bool cpu_has_avx512_vbmi();

@@ -275,6 +275,17 @@ void adam_update_avx512(const AdamTensor& t, int64_t begin, int64_t end) {
   avx512_isa::adam_update<avx512_isa::VecAvx512>(t, begin, end);
 }
 
+void quantize_scaled_avx512(const float* x, int64_t n, const QuantMapTable& map, uint8_t* codes) {
+  using V = avx512_isa::VecAvx512;
+  const V::DecadeRegs decades(map);
+  for (int64_t lo = 0; lo < n; lo += kQuantBlock) {
+    const int64_t block = std::min<int64_t>(kQuantBlock, n - lo);
+    const int64_t n16 = block - block % 16;
+    V::quantize_vectors(x + lo, n16, _mm512_set1_ps(1.0f), map, decades, codes + lo);
+    avx512_isa::quantize_scaled_scalar(x + lo + n16, block - n16, 1.0f, map, codes + lo + n16);
+  }
+}
+
 void lion_update_avx512(const LionTensor& t, int64_t begin, int64_t end) { avx512_isa::lion_update(t, begin, end); }
 
 }  // namespace roundpipe::optim::detail

@@ -5,6 +5,7 @@
 #include <torch/torch.h>
 
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <sstream>
 #include <string>
@@ -474,6 +475,61 @@ TEST(AdamInt8Test, EveryIsaQuantizesLikeTheScalarReference_RandomBitsAndEdges) {
       EXPECT_TRUE(torch::equal(got[k], expected[k])) << kernel.name() << ": two steps, tensor " << k;
     }
   }
+}
+
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+constexpr bool kSanitized = true;
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
+constexpr bool kSanitized = true;
+#else
+constexpr bool kSanitized = false;
+#endif
+#else
+constexpr bool kSanitized = false;
+#endif
+
+// Note [Decade code lookup] (optim/detail/quant_map.h) rests on float rounding staying away from
+// the thresholds outside its ambiguous band: the AVX-512 lookup, gather fallback included, gives
+// quantize_code's code for every float bit pattern, both maps (~30 s; every 61st pattern in
+// sanitizer builds, which are several times slower).
+TEST(AdamInt8Test, Avx512CodeLookupEqualsTheScalarOneForEveryFloat) {
+#if defined(__x86_64__)
+  if (!cpu_supports(CpuIsa::kAvx512)) {
+    GTEST_SKIP() << "the CPU has no AVX-512";
+  }
+  const uint64_t stride = kSanitized ? 61 : 1;
+  std::vector<float> x(size_t{1} << 20);
+  std::vector<uint8_t> codes(x.size());
+  for (const bool is_signed : {true, false}) {
+    const detail::QuantMapTable& map = is_signed ? detail::signed_dynamic_map() : detail::unsigned_dynamic_map();
+    int64_t checked = 0;
+    int64_t mismatches = 0;
+    std::string first;
+    for (uint64_t start = 0; start < (uint64_t{1} << 32); start += x.size() * stride) {
+      size_t n = 0;
+      for (; n < x.size() && start + n * stride < (uint64_t{1} << 32); ++n) {
+        const auto bits = static_cast<uint32_t>(start + n * stride);
+        std::memcpy(&x[n], &bits, sizeof(bits));
+      }
+      detail::quantize_scaled_avx512(x.data(), static_cast<int64_t>(n), map, codes.data());
+      for (size_t i = 0; i < n; ++i) {
+        const uint8_t expected = detail::quantize_code(map, x[i]);
+        if (codes[i] != expected && mismatches++ == 0) {
+          std::ostringstream os;
+          os << "x = " << x[i] << " (bits " << std::hex << start + i * stride << std::dec << "): code " << int{codes[i]}
+             << ", expected " << int{expected};
+          first = os.str();
+        }
+      }
+      checked += static_cast<int64_t>(n);
+    }
+    EXPECT_EQ(mismatches, 0) << (is_signed ? "signed" : "unsigned") << " map, first: " << first;
+    EXPECT_EQ(checked, static_cast<int64_t>(((uint64_t{1} << 32) + stride - 1) / stride));
+  }
+#else
+  GTEST_SKIP() << "the AVX-512 kernel is built on x86 only";
+#endif
 }
 
 }  // namespace
