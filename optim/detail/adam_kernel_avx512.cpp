@@ -71,8 +71,8 @@ __attribute__((target("avx512f,avx512bw,avx512vbmi"))) int64_t dequantize_vbmi(c
 
 /// Whether dequantize_block takes dequantize_vbmi.
 bool use_vbmi() {
-  static const bool cpu = cpu_has_avx512_vbmi();
-  return cpu && avx512_vbmi_allowed();
+  static const bool kCpuHasVbmi = cpu_has_avx512_vbmi();
+  return kCpuHasVbmi && avx512_vbmi_allowed();
 }
 
 struct VecAvx512 {
