@@ -35,7 +35,7 @@ struct UnpackOrder {
 constexpr UnpackOrder kUnpackOrder{};
 
 __attribute__((target("avx512f,avx512bw,avx512vbmi"))) __m512i byte_plane(const uint8_t* plane, __m512i codes,
-                                                                           __mmask64 high) {
+                                                                          __mmask64 high) {
   const __m512i low_half = _mm512_permutex2var_epi8(_mm512_load_si512(plane), codes, _mm512_load_si512(plane + 64));
   const __m512i high_half =
       _mm512_permutex2var_epi8(_mm512_load_si512(plane + 128), codes, _mm512_load_si512(plane + 192));
@@ -44,8 +44,8 @@ __attribute__((target("avx512f,avx512bw,avx512vbmi"))) __m512i byte_plane(const 
 
 /// out[j] = map.values[codes[j]] * absmax for whole groups of 64 from 0; returns where it stopped.
 __attribute__((target("avx512f,avx512bw,avx512vbmi"))) int64_t dequantize_vbmi(const uint8_t* codes, float absmax,
-                                                                                const QuantMapTable& map, float* out,
-                                                                                int64_t n) {
+                                                                               const QuantMapTable& map, float* out,
+                                                                               int64_t n) {
   const __m512 scale = _mm512_set1_ps(absmax);
   const __m512i order = _mm512_load_si512(kUnpackOrder.index);
   int64_t j = 0;
@@ -219,8 +219,8 @@ struct VecAvx512 {
     const __m512 clamped = _mm512_min_ps(f, _mm512_permutexvar_ps(slot, d.top));
     const __mmask16 negative = _mm512_test_epi32_mask(bits, _mm512_set1_epi32(static_cast<int>(0x80000000u)));
     if (d.is_signed) {
-      return _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(_mm512_mask_sub_ps(
-          _mm512_add_ps(clamped, _mm512_set1_ps(127.0f)), negative, _mm512_set1_ps(128.0f), clamped)));
+      return _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(_mm512_mask_sub_ps(_mm512_add_ps(clamped, _mm512_set1_ps(127.0f)),
+                                                                         negative, _mm512_set1_ps(128.0f), clamped)));
     }
     return _mm512_cvtepi32_epi8(_mm512_maskz_cvttps_epi32(static_cast<__mmask16>(~negative), clamped));
   }
@@ -228,8 +228,8 @@ struct VecAvx512 {
   /// codes[j] = the code of x[j] * scale for j < n16 (a multiple of 16, at most kQuantBlock):
   /// Note [Decade code lookup] for all, then the gather for the vectors with an ambiguous lane
   /// (one branch per block instead of one per vector, which cost a quarter of the step).
-  static void quantize_vectors(const float* x, int64_t n16, __m512 scale, const QuantMapTable& map,
-                               const DecadeRegs& d, uint8_t* codes) {
+  static void quantize_vectors(const float* x, int64_t n16, __m512 scale, const QuantMapTable& map, const DecadeRegs& d,
+                               uint8_t* codes) {
     __mmask16 ambiguous[kQuantBlock / 16];
     __mmask16 any = 0;
     for (int64_t j = 0; j < n16; j += 16) {
@@ -247,6 +247,15 @@ struct VecAvx512 {
     }
   }
 
+  /// codes[j] = the code of x[j] * inv for j < n (at most kQuantBlock): quantize_vectors, then
+  /// quantize_scaled_scalar for the last n % 16.
+  static void quantize_scaled(const float* x, int64_t n, float inv, const QuantMapTable& map, const DecadeRegs& d,
+                              uint8_t* codes) {
+    const int64_t n16 = n - n % 16;
+    quantize_vectors(x, n16, _mm512_set1_ps(inv), map, d, codes);
+    quantize_scaled_scalar(x + n16, n - n16, inv, map, codes + n16);
+  }
+
   /// Both moments of a block (Note [8-bit Adam states]).
   static void quantize_pair(const float* m, const float* v, int64_t n, const QuantMapTable& m_map,
                             const QuantMapTable& v_map, uint8_t* m_codes, uint8_t* v_codes, float* m_absmax,
@@ -255,14 +264,8 @@ struct VecAvx512 {
     const float v_max = block_absmax(v, n);
     const float m_inv = inverse_scale(m_max);
     const float v_inv = inverse_scale(v_max);
-    const __m512 m_scale = _mm512_set1_ps(m_inv);
-    const __m512 v_scale = _mm512_set1_ps(v_inv);
-    const int64_t n16 = n - n % 16;
-    quantize_vectors(m, n16, m_scale, m_map, DecadeRegs(m_map), m_codes);
-    quantize_vectors(v, n16, v_scale, v_map, DecadeRegs(v_map), v_codes);
-    const int64_t j = n16;
-    quantize_scaled_scalar(m + j, n - j, m_inv, m_map, m_codes + j);
-    quantize_scaled_scalar(v + j, n - j, v_inv, v_map, v_codes + j);
+    quantize_scaled(m, n, m_inv, m_map, DecadeRegs(m_map), m_codes);
+    quantize_scaled(v, n, v_inv, v_map, DecadeRegs(v_map), v_codes);
     *m_absmax = m_max;
     *v_absmax = v_max;
   }
@@ -279,10 +282,7 @@ void quantize_scaled_avx512(const float* x, int64_t n, const QuantMapTable& map,
   using V = avx512_isa::VecAvx512;
   const V::DecadeRegs decades(map);
   for (int64_t lo = 0; lo < n; lo += kQuantBlock) {
-    const int64_t block = std::min<int64_t>(kQuantBlock, n - lo);
-    const int64_t n16 = block - block % 16;
-    V::quantize_vectors(x + lo, n16, _mm512_set1_ps(1.0f), map, decades, codes + lo);
-    avx512_isa::quantize_scaled_scalar(x + lo + n16, block - n16, 1.0f, map, codes + lo + n16);
+    V::quantize_scaled(x + lo, std::min<int64_t>(kQuantBlock, n - lo), 1.0f, map, decades, codes + lo);
   }
 }
 

@@ -54,10 +54,12 @@ DecadeLookup build_decades(const QuantMapTable& table, bool is_signed, const dou
   for (int slot : {0, 8, 9, 10, 11, 12, 13, 14, 15}) {
     d.scale[slot] = 0.0f;
     d.offset[slot] = (slot == 0 ? 0.0f : static_cast<float>(positives)) + 0.5f;  // trunc -> the count, never ambiguous
-    d.top[slot] = (slot == 0 ? 0.0f : static_cast<float>(positives)) + 0.5f;
+    d.top[slot] = d.offset[slot];
   }
-  for (int b = 0; b < 32; ++b) {  // entry b: the clamped exponent in [104, 128] that is b mod 32
-    const int exponent = b >= 8 ? 96 + b : std::min(128 + b, 128);
+  // Entry b: the clamped exponent in [104, 128] that is b mod 32 (entries 1..7, exponents
+  // 129..135, are never read; they repeat entry 0's).
+  for (int b = 0; b < 32; ++b) {
+    const int exponent = b >= 8 ? 96 + b : 128;
     const float lo = exponent == 104 ? 0.0f : std::ldexp(1.0f, exponent - 127);
     const float hi = exponent >= 128 ? std::numeric_limits<float>::infinity() : std::ldexp(1.0f, exponent - 126);
     int slot = 0;

@@ -5,11 +5,14 @@
 #include <optional>
 
 #if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
-#define ROUNDPIPE_TEST_SANITIZER_ALLOCATOR 1
+#define ROUNDPIPE_TEST_SANITIZER_BUILD 1
 #elif defined(__has_feature)
 #if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
-#define ROUNDPIPE_TEST_SANITIZER_ALLOCATOR 1
+#define ROUNDPIPE_TEST_SANITIZER_BUILD 1
 #endif
+#endif
+#ifdef ROUNDPIPE_TEST_SANITIZER_BUILD
+#define ROUNDPIPE_TEST_SANITIZER_ALLOCATOR 1
 #endif
 // GCC ships the sanitizer runtimes but not this header (clang does): without it, std::nullopt.
 #if defined(ROUNDPIPE_TEST_SANITIZER_ALLOCATOR) && !__has_include(<sanitizer/allocator_interface.h>)
@@ -20,6 +23,13 @@
 #endif
 
 namespace roundpipe::testing {
+
+/// True in an ASan or TSan build (GCC or clang): tests that sweep large inputs sample them there.
+#ifdef ROUNDPIPE_TEST_SANITIZER_BUILD
+inline constexpr bool kSanitizerBuild = true;
+#else
+inline constexpr bool kSanitizerBuild = false;
+#endif
 
 /// In an ASan or TSan build, the sanitizer allocator's bytes in use; std::nullopt otherwise (and
 /// with GCC, which lacks the header declaring the count: the TSan phase builds with GCC). Its

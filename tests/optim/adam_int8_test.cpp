@@ -15,6 +15,7 @@
 #include "optim/detail/adam_kernel.h"
 #include "optim/quantized_state.h"
 #include "tests/common/python_oracle.h"
+#include "tests/common/sanitizer_memory.h"
 #include "tests/common/tensor_compare.h"
 #include "tests/optim/adam_int8_reference.h"
 
@@ -477,18 +478,6 @@ TEST(AdamInt8Test, EveryIsaQuantizesLikeTheScalarReference_RandomBitsAndEdges) {
   }
 }
 
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
-constexpr bool kSanitized = true;
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
-constexpr bool kSanitized = true;
-#else
-constexpr bool kSanitized = false;
-#endif
-#else
-constexpr bool kSanitized = false;
-#endif
-
 // Note [Decade code lookup] (optim/detail/quant_map.h) rests on float rounding staying away from
 // the thresholds outside its ambiguous band: the AVX-512 lookup, gather fallback included, gives
 // quantize_code's code for every float bit pattern, both maps (~30 s; every 61st pattern in
@@ -498,7 +487,7 @@ TEST(AdamInt8Test, Avx512CodeLookupEqualsTheScalarOneForEveryFloat) {
   if (!cpu_supports(CpuIsa::kAvx512)) {
     GTEST_SKIP() << "the CPU has no AVX-512";
   }
-  const uint64_t stride = kSanitized ? 61 : 1;
+  const uint64_t stride = roundpipe::testing::kSanitizerBuild ? 61 : 1;
   std::vector<float> x(size_t{1} << 20);
   std::vector<uint8_t> codes(x.size());
   for (const bool is_signed : {true, false}) {
