@@ -225,9 +225,15 @@ class Adam : public torch::optim::Optimizer {
 /// 1e-6) clamped to 1), but applies the coefficient inside the next step()
 /// (Adam::scale_next_gradients) instead of writing it into the gradients: bf16/fp16 gradients are
 /// reduced in float32 and never rounded back, and float32 ones are left as they are, saving a pass.
-/// With float32 gradients the step's result is bitwise that of clip_grad_norm_ + step().
-/// Returns the total norm before clipping (0 without gradients). Call it where clip_grad_norm_
-/// would go: after GradScaler::unscale_, right before step().
+/// With float32 gradients the step's result is bitwise that of clip_grad_norm_ + step(). A
+/// contiguous bf16/fp16 gradient of more than kClipNormPiece elements is normed in pieces of that
+/// many (the pieces' norms then combined as the tensors' are): torch's norm of a 16-bit tensor
+/// with a float32 result first copies the whole tensor to float32 (docs/optimizer.md, "Gradient
+/// clipping inside the step"). Returns the total norm before clipping (0 without gradients). Call it where
+/// clip_grad_norm_ would go: after GradScaler::unscale_, right before step().
 double clip_grad_norm(Adam& optimizer, double max_norm);
+
+/// The piece size of clip_grad_norm's 16-bit gradients, in elements (16 MiB of float32).
+inline constexpr int64_t kClipNormPiece = int64_t{1} << 22;
 
 }  // namespace roundpipe::optim

@@ -332,13 +332,14 @@ TEST(AdamTest, RejectsInvalidOptionsAndParams_WithClearMessages) {
 
 // clip_grad_norm(Adam&) == torch::nn::utils::clip_grad_norm_ followed by step(): the same total
 // norm and bitwise the same parameters, for float32 gradients and for bf16 ones (against clipping
-// their float32 values), clipping (a small max_norm) or not (a large one), over 4 steps with two
-// param groups and a parameter without a gradient.
+// their float32 values; a bf16 gradient of more than kClipNormPiece elements given to torch as its
+// pieces, Note [Clip norms in pieces]), clipping (a small max_norm) or not (a large one), over 4
+// steps with two param groups and a parameter without a gradient.
 TEST(AdamTest, ClipGradNorm_EqualsTorchClipGradNormThenStep) {
   for (const auto grad_dtype : {torch::kFloat, torch::kBFloat16}) {
     for (const double max_norm : {0.5, 1e6}) {
       torch::manual_seed(3);
-      const std::vector<std::vector<int64_t>> shapes = {{300, 7}, {1000003}, {17}, {5}};
+      const std::vector<std::vector<int64_t>> shapes = {{300, 7}, {1000003}, {2, kClipNormPiece + 5}, {17}, {5}};
       std::vector<torch::Tensor> ours, ref;
       for (const auto& shape : shapes) {
         ours.push_back(torch::randn(shape));
@@ -359,8 +360,23 @@ TEST(AdamTest, ClipGradNorm_EqualsTorchClipGradNormThenStep) {
           ours[i].mutable_grad() = g;
           ref[i].mutable_grad() = g.to(torch::kFloat, /*non_blocking=*/false, /*copy=*/true);  // torch's clip writes it
         }
+        // torch's clip_grad_norm_ takes the pieces as parameters of their own, each with a view
+        // of the float32 gradient as its gradient (its coefficient is written into the views)
+        std::vector<torch::Tensor> ref_pieces;
+        for (const auto& p : ref) {
+          if (!p.grad().defined() || grad_dtype == torch::kFloat || p.numel() <= kClipNormPiece) {
+            ref_pieces.push_back(p);
+            continue;
+          }
+          const torch::Tensor flat = p.grad().view({-1});
+          for (int64_t lo = 0; lo < flat.numel(); lo += kClipNormPiece) {
+            ref_pieces.push_back(torch::zeros({std::min(kClipNormPiece, flat.numel() - lo)}));
+            ref_pieces.back().mutable_grad() = flat.slice(0, lo, lo + ref_pieces.back().numel());
+          }
+        }
+        ASSERT_EQ(ref_pieces.size(), grad_dtype == torch::kFloat ? shapes.size() : shapes.size() + 2);
         const double our_norm = clip_grad_norm(*our_opt, max_norm);
-        const double ref_norm = torch::nn::utils::clip_grad_norm_(ref, max_norm);
+        const double ref_norm = torch::nn::utils::clip_grad_norm_(ref_pieces, max_norm);
         EXPECT_EQ(our_norm, ref_norm) << grad_dtype << ", max_norm " << max_norm << ", step " << step;
         ASSERT_TRUE(our_opt->next_gradient_factor().has_value());
         EXPECT_EQ(*our_opt->next_gradient_factor() == 1.0f, max_norm > 1e5);

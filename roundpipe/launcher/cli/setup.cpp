@@ -273,8 +273,9 @@ bool in_place_masters(const LauncherConfig& config) {
 // (RoundPipeOptions::master_grad_dtype). What else reads the master gradients must not round
 // them: train.clip_grad_norm computes the norm in float32 and applies the coefficient inside the
 // step (optim::clip_grad_norm), so the update is the one the float32 buffers gave (bitwise, as the
-// norms of widened values are the same); GradScaler would unscale in 16 bits, so with amp.scaler
-// the buffers stay, as they do for SGD, Lion and Adafactor.
+// norms of widened values are the same, except that gradients of more than 2^22 elements are
+// normed in pieces: Note [Clip norms in pieces] in optim/adam.cpp); GradScaler would unscale in 16
+// bits, so with amp.scaler the buffers stay, as they do for SGD, Lion and Adafactor.
 std::optional<c10::ScalarType> master_grad_dtype(const LauncherConfig& config) {
   const c10::ScalarType compute = config.model.dtype;
   const bool sixteen_bit = compute == at::kBFloat16 || compute == at::kHalf;
