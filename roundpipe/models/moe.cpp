@@ -158,13 +158,35 @@ at::Tensor ExpertsImpl::forward(const at::Tensor& x, const std::vector<int64_t>&
   return forward_tokens(x, at::arange(x.size(0), x.options().dtype(at::kLong)), counts, row_weights);
 }
 
+namespace {
+
+// PEFT's factors as the experts take them (Note [Expert LoRA on the rows] in
+// detail/moe_experts.h): A [E, r, in], B [E, out, r] (views of lora_A [E r, in] and lora_B [out,
+// r E], as ExpertsImpl::adapted reads them), in the weight's dtype.
+detail::ExpertLora expert_lora(const at::Tensor& weight, const at::Tensor& lora_a, const at::Tensor& lora_b,
+                               int64_t experts, int64_t rank, double alpha) {
+  if (!lora_a.defined()) return {};
+  return {lora_a.reshape({experts, rank, lora_a.size(1)}).to(weight.scalar_type()),
+          lora_b.reshape({lora_b.size(0), rank, experts}).permute({2, 0, 1}).to(weight.scalar_type()),
+          alpha / static_cast<double>(rank)};
+}
+
+}  // namespace
+
 at::Tensor ExpertsImpl::forward_tokens(const at::Tensor& x, const at::Tensor& token_of_row,
                                        const std::vector<int64_t>& counts, const at::Tensor& row_weights) {
-  const at::Tensor gate_up = adapted(gate_up_proj, lora_A_gate_up_proj, lora_B_gate_up_proj);
-  const at::Tensor down = adapted(down_proj, lora_A_down_proj, lora_B_down_proj);
-  if (!gate_up_proj_bias.defined()) return detail::swiglu_experts(x, token_of_row, gate_up, down, counts, row_weights);
-  return detail::clamped_glu_experts(x, token_of_row, gate_up, gate_up_proj_bias, down, down_proj_bias, counts,
-                                     config_.swiglu_alpha, config_.swiglu_limit, row_weights);
+  const int64_t e = config_.num_experts;
+  const detail::ExpertLora gate_up_lora =
+      expert_lora(gate_up_proj, lora_A_gate_up_proj, lora_B_gate_up_proj, e, lora_rank_, lora_alpha_);
+  const detail::ExpertLora down_lora =
+      expert_lora(down_proj, lora_A_down_proj, lora_B_down_proj, e, lora_rank_, lora_alpha_);
+  if (!gate_up_proj_bias.defined()) {
+    return detail::swiglu_experts(x, token_of_row, gate_up_proj, down_proj, counts, row_weights, gate_up_lora,
+                                  down_lora);
+  }
+  return detail::clamped_glu_experts(x, token_of_row, gate_up_proj, gate_up_proj_bias, down_proj, down_proj_bias,
+                                     counts, config_.swiglu_alpha, config_.swiglu_limit, row_weights, gate_up_lora,
+                                     down_lora);
 }
 
 // ---- SparseMoeBlock ------------------------------------------------------------------------------

@@ -65,8 +65,9 @@ class ExpertsImpl : public torch::nn::Cloneable<ExpertsImpl> {
   /// weight), on gate_up_proj and/or down_proj. For a target with in/out features (gate_up_proj:
   /// H -> 2I, down_proj: I -> H, whichever way the weight is stored) the factors are lora_A
   /// [E r, in] (expert e's A: rows e r .. e r + r - 1) and lora_B [out, r E] (expert e's B: columns
-  /// j E + e), and the forward uses W_e + (alpha / r) B_e A_e, as PEFT's parametrization does (one
-  /// baddbmm per target and forward, the size of W). Parameters lora_A_gate_up_proj,
+  /// j E + e), and the forward uses W_e + (alpha / r) B_e A_e, as PEFT's parametrization does,
+  /// computed on each expert's rows without materializing it (docs/models.md, "LoRA on the
+  /// experts"). Parameters lora_A_gate_up_proj,
   /// lora_B_gate_up_proj, lora_A_down_proj, lora_B_down_proj (undefined when not targeted),
   /// uninitialised: lora.h's apply_lora initialises them as PEFT does.
   void enable_lora(bool gate_up, bool down, int64_t rank, double alpha);
@@ -83,7 +84,7 @@ class ExpertsImpl : public torch::nn::Cloneable<ExpertsImpl> {
 
  private:
   void register_lora();
-  /// `weight` (gate_up_proj or down_proj) plus its adapters' update, or `weight` itself.
+  /// `weight` (gate_up_proj or down_proj) plus its adapters' update, or `weight` itself (merge_lora).
   at::Tensor adapted(const at::Tensor& weight, const at::Tensor& lora_a, const at::Tensor& lora_b) const;
 
   ModelConfig config_;

@@ -5,6 +5,7 @@
 #include "roundpipe/models/moe.h"
 
 #include <gtest/gtest.h>
+#include <malloc.h>
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -18,6 +19,7 @@
 #include "roundpipe/recompute_data.h"
 #include "roundpipe/round_pipe.h"
 #include "tests/common/python_oracle.h"
+#include "tests/common/sanitizer_memory.h"
 #include "tests/common/tensor_compare.h"
 #include "tests/models/hf_oracle.h"
 
@@ -542,6 +544,109 @@ TEST(SortedExpertsTest, GatheredRowsWithRowWeightsMatchPlainAutograd) {
   const at::Tensor sorted = models::detail::sorted_swiglu_experts(x, gu, dn, counts);
   EXPECT_TRUE(
       tensors_close(models::detail::sorted_swiglu_experts(x, gu, dn, counts, w), sorted * w.unsqueeze(1), 1e-6));
+}
+
+// Bytes the process's heap has in use: glibc's count, or the sanitizer's under ASan/TSan (whose
+// allocator replaces glibc's).
+double heap_in_use() {
+  if (const auto bytes = sanitizer_allocated_bytes()) return static_cast<double>(*bytes);
+  const struct mallinfo2 m = ::mallinfo2();
+  return static_cast<double>(m.uordblks + m.hblkhd);
+}
+
+// Note [Expert LoRA on the rows]: the experts with LoRA factors on both weights (frozen base
+// weights, as PEFT's target_parameters leaves them) == the same experts on PEFT's adapted weights
+// W + scaling B A (gpt-oss: W + scaling A^T B^T), materialized by baddbmm under autograd, on the
+// output and on the gradients of x, both factors of both weights and the row weights (an expert
+// without rows: zero factor gradients), for SwiGLU and the clamped GLU; and a forward keeps no
+// copy of the adapted weights (heap in use with the output held), while the base weights get no
+// gradient.
+TEST(SortedExpertsTest, LoraOnTheRowsMatchesTheAdaptedWeightsAndKeepsNoWeightCopy) {
+  const int64_t N = 7, H = 16, I = 8, E = 4, r = 3;
+  const std::vector<int64_t> counts = {3, 0, 5, 2};
+  const at::Tensor token_of_row = torch::tensor({0, 2, 5, 1, 2, 3, 5, 0, 3, 5}, torch::kLong);
+  const int64_t M = token_of_row.size(0);
+  const double scaling = 2.5, alpha = 1.702, limit = 0.7;
+  for (const bool clamped : {false, true}) {
+    SCOPED_TRACE(clamped ? "clamped GLU (gpt-oss)" : "SwiGLU");
+    torch::manual_seed(21);
+    // [in, out] of gate_up and down
+    const int64_t gu_in = H, gu_out = 2 * I, dn_in = I, dn_out = H;
+    const at::Tensor x0 = torch::randn({N, H}), w0 = torch::rand({M}) + 0.1, g_out = torch::randn({N, H});
+    const at::Tensor gate_up = clamped ? torch::randn({E, H, 2 * I}) * 0.3 : torch::randn({E, 2 * I, H}) * 0.3;
+    const at::Tensor down = clamped ? torch::randn({E, I, H}) * 0.3 : torch::randn({E, H, I}) * 0.3;
+    const at::Tensor gate_up_bias = torch::randn({E, 2 * I}) * 0.3, down_bias = torch::randn({E, H}) * 0.3;
+    const std::vector<at::Tensor> factors0 = {torch::randn({E, r, gu_in}) * 0.3, torch::randn({E, gu_out, r}) * 0.3,
+                                              torch::randn({E, r, dn_in}) * 0.3, torch::randn({E, dn_out, r}) * 0.3};
+    // [out, grad x, grad of each factor..., grad w]
+    auto run = [&](bool on_rows) {
+      const at::Tensor x = x0.clone().requires_grad_(), w = w0.clone().requires_grad_();
+      std::vector<at::Tensor> f;
+      for (const at::Tensor& t : factors0) f.push_back(t.clone().requires_grad_());
+      at::Tensor gu = gate_up, dn = down;
+      models::detail::ExpertLora gu_lora, dn_lora;
+      if (on_rows) {
+        gu_lora = {f[0], f[1], scaling};
+        dn_lora = {f[2], f[3], scaling};
+      } else if (clamped) {  // [E, in, out] + scaling A^T B^T
+        gu = at::baddbmm(gate_up, f[0].transpose(1, 2), f[1].transpose(1, 2), 1, scaling);
+        dn = at::baddbmm(down, f[2].transpose(1, 2), f[3].transpose(1, 2), 1, scaling);
+      } else {  // [E, out, in] + scaling B A
+        gu = at::baddbmm(gate_up, f[1], f[0], 1, scaling);
+        dn = at::baddbmm(down, f[3], f[2], 1, scaling);
+      }
+      const at::Tensor out = clamped
+                                 ? models::detail::clamped_glu_experts(x, token_of_row, gu, gate_up_bias, dn, down_bias,
+                                                                       counts, alpha, limit, w, gu_lora, dn_lora)
+                                 : models::detail::swiglu_experts(x, token_of_row, gu, dn, counts, w, gu_lora, dn_lora);
+      (out * g_out).sum().backward();
+      std::vector<at::Tensor> result = {out.detach(), x.grad()};
+      for (const at::Tensor& t : f) result.push_back(t.grad());
+      result.push_back(w.grad());
+      return result;
+    };
+    const auto ref = run(false), ours = run(true);
+    ASSERT_EQ(ours.size(), ref.size());
+    for (size_t i = 0; i < ref.size(); ++i) {
+      ASSERT_TRUE(ours[i].defined()) << "tensor " << i;
+      const double scale = std::max(1.0, ref[i].abs().max().item<double>());
+      EXPECT_LE((ours[i] - ref[i]).abs().max().item<double>(), 1e-6 * scale) << "tensor " << i;
+    }
+    for (size_t i = 2; i < 6; ++i) {
+      EXPECT_TRUE(ours[i][1].eq(0).all().item<bool>()) << "expert 1 has no rows: factor " << i - 2;
+      EXPECT_GT(ours[i].abs().max().item<double>(), 0.0) << "factor " << i - 2;
+    }
+    EXPECT_FALSE(gate_up.grad().defined());
+    EXPECT_FALSE(down.grad().defined());
+  }
+
+  // What a SwiGLU forward keeps for the backward: the adapted weights (E 3 I H floats) with PEFT's
+  // materialization, none on the rows (x G^T | x U^T rows and bookkeeping).
+  const int64_t e = 8, h = 256, i = 128, m = 64;
+  torch::manual_seed(22);
+  const at::Tensor x = torch::randn({m, h}).requires_grad_();
+  const at::Tensor tokens = torch::arange(m, torch::kLong);
+  const std::vector<int64_t> even(static_cast<size_t>(e), m / e);
+  const at::Tensor gate_up = torch::randn({e, 2 * i, h}), down = torch::randn({e, h, i});
+  const at::Tensor a_gu = torch::randn({e, r, h}).requires_grad_(), b_gu = torch::randn({e, 2 * i, r}).requires_grad_();
+  const at::Tensor a_dn = torch::randn({e, r, i}).requires_grad_(), b_dn = torch::randn({e, h, r}).requires_grad_();
+  auto kept = [&](auto forward) {
+    forward();  // a first call, so that one-time allocations are not counted
+    const double before = heap_in_use();
+    const at::Tensor y = forward();
+    return heap_in_use() - before - static_cast<double>(y.nbytes());
+  };
+  const double adapted_bytes = static_cast<double>(gate_up.nbytes() + down.nbytes());
+  const double materialized = kept([&] {
+    return models::detail::swiglu_experts(x, tokens, at::baddbmm(gate_up, b_gu, a_gu, 1, scaling),
+                                          at::baddbmm(down, b_dn, a_dn, 1, scaling), even);
+  });
+  const double on_rows = kept([&] {
+    return models::detail::swiglu_experts(x, tokens, gate_up, down, even, {}, {a_gu, b_gu, scaling},
+                                          {a_dn, b_dn, scaling});
+  });
+  EXPECT_GT(materialized, 0.9 * adapted_bytes) << "the reference keeps the adapted weights (the measure works)";
+  EXPECT_LT(on_rows, 0.2 * adapted_bytes) << "on the rows: " << on_rows << " bytes kept";
 }
 
 // Note [Expert gradients in place]: from the second microbatch on, the experts add each expert's

@@ -101,11 +101,55 @@ at::Tensor weigh(at::Tensor ye, const at::Tensor& row_weights, int64_t offset, i
   return (ye.to(w.scalar_type()) * w).to(ye.scalar_type());
 }
 
+// A custom autograd function takes no undefined tensor (its VariableInfo needs a device): an
+// absent optional tensor (row weights, LoRA factors) goes in as an empty one and is undefined
+// again inside. (With no rows at all, empty row weights change nothing.)
+at::Tensor or_empty(const at::Tensor& t, const at::Tensor& like) { return t.defined() ? t : like.new_empty({0}); }
+at::Tensor none_if_empty(const at::Tensor& t) { return t.numel() > 0 ? t : at::Tensor(); }
+
+// The factors a custom function got (empty ones: none).
+ExpertLora lora_of(const at::Tensor& a, const at::Tensor& b, double scaling) {
+  return a.numel() > 0 ? ExpertLora{a, b, scaling} : ExpertLora{};
+}
+
+// Note [Expert LoRA on the rows] (moe_experts.h): out [n, out] += scaling (rows A_e^T) B_e^T.
+void lora_forward(const ExpertLora& l, const at::Tensor& rows, int64_t e, at::Tensor& out) {
+  if (l.defined()) out.addmm_(at::mm(rows, l.a[e].t()), l.b[e].t(), 1, l.scaling);
+}
+
+// The factors' gradients of one weight, [E, r, in] and [E, out, r] (zero for experts without
+// rows), each only if it is needed.
+struct LoraGrads {
+  at::Tensor a, b;
+  LoraGrads(const torch::autograd::AutogradContext* ctx, size_t a_input, size_t b_input, const ExpertLora& l) {
+    if (!l.defined()) return;
+    if (ctx->needs_input_grad(a_input)) a = at::zeros_like(l.a, at::MemoryFormat::Contiguous);
+    if (ctx->needs_input_grad(b_input)) b = at::zeros_like(l.b, at::MemoryFormat::Contiguous);
+  }
+};
+
+// Expert e's LoRA backward of one weight, whose output rows have the gradient d [n, out] and
+// whose input rows were `rows` [n, in]: d B_e [n, r] (the input rows' LoRA gradient is
+// scaling (d B_e) A_e: lora_input_grad), dA_e = scaling (d B_e)^T rows, dB_e = scaling d^T (rows
+// A_e^T), as autograd through PEFT's W + scaling B A would give them.
+at::Tensor lora_d_b(const ExpertLora& l, const at::Tensor& d, int64_t e) {
+  return l.defined() ? at::mm(d, l.b[e]) : at::Tensor();
+}
+void lora_input_grad(const ExpertLora& l, const at::Tensor& d_b, int64_t e, at::Tensor& d_rows) {
+  if (l.defined()) d_rows.addmm_(d_b, l.a[e], 1, l.scaling);
+}
+void lora_weight_grads(const ExpertLora& l, const at::Tensor& d, const at::Tensor& d_b, const at::Tensor& rows,
+                       int64_t e, LoraGrads& grads) {
+  if (grads.a.defined()) grads.a[e].copy_(at::mm(d_b.t(), rows).mul_(l.scaling));
+  if (grads.b.defined()) grads.b[e].copy_(at::mm(d.t(), at::mm(rows, l.a[e].t())).mul_(l.scaling));
+}
+
 // out [N, H] += each expert's (weighted) output rows, added into their tokens expert by expert;
 // `gate_up_rows` [M, 2I] receives x G^T | x U^T when defined.
 void experts_forward(const at::Tensor& x, const at::Tensor& token_of_row, const at::Tensor& gate_up,
                      const at::Tensor& down, const std::vector<int64_t>& counts, const at::Tensor& row_weights,
-                     at::Tensor& out, const at::Tensor& gate_up_rows) {
+                     const ExpertLora& gate_up_lora, const ExpertLora& down_lora, at::Tensor& out,
+                     const at::Tensor& gate_up_rows) {
   const int64_t inter = down.size(2);
   int64_t offset = 0;
   for (size_t k = 0; k < counts.size(); ++k) {
@@ -115,8 +159,10 @@ void experts_forward(const at::Tensor& x, const at::Tensor& token_of_row, const 
     const at::Tensor xe = gather_rows(x, token_of_row, offset, n);
     at::Tensor gu = gate_up_rows.defined() ? gate_up_rows.narrow(0, offset, n) : at::empty({n, 2 * inter}, x.options());
     at::mm_out(gu, xe, gate_up[e].t());
+    lora_forward(gate_up_lora, xe, e, gu);
     const at::Tensor act = at::silu(gu.narrow(1, 0, inter)) * gu.narrow(1, inter, inter);
-    const at::Tensor ye = at::mm(act, down[e].t());
+    at::Tensor ye = at::mm(act, down[e].t());
+    lora_forward(down_lora, act, e, ye);
     out.index_add_(0, token_of_row.narrow(0, offset, n), weigh(ye, row_weights, offset, n));
     offset += n;
   }
@@ -125,14 +171,24 @@ void experts_forward(const at::Tensor& x, const at::Tensor& token_of_row, const 
 class SwigluExperts : public torch::autograd::Function<SwigluExperts> {
  public:
   // `row_weights`: undefined, or [M] (Note [Routing weights in the experts]).
+  // Inputs 6-11: the LoRA factors of gate_up and down and their scalings (Note [Expert LoRA on the
+  // rows]; undefined tensors without).
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& token_of_row,
                             const at::Tensor& gate_up, const at::Tensor& down, const at::Tensor& row_weights,
-                            const std::vector<int64_t>& counts) {
+                            const std::vector<int64_t>& counts, const at::Tensor& gate_up_a,
+                            const at::Tensor& gate_up_b, const at::Tensor& down_a, const at::Tensor& down_b,
+                            double gate_up_scaling, double down_scaling) {
+    const ExpertLora gate_up_lora = lora_of(gate_up_a, gate_up_b, gate_up_scaling);
+    const ExpertLora down_lora = lora_of(down_a, down_b, down_scaling);
     at::Tensor out = at::zeros({x.size(0), x.size(1)}, x.options());
     at::Tensor gate_up_rows = at::empty({token_of_row.size(0), 2 * down.size(2)}, x.options());
-    experts_forward(x, token_of_row, gate_up, down, counts, row_weights, out, gate_up_rows);
-    ctx->save_for_backward({x, token_of_row, gate_up, down, gate_up_rows, row_weights});
+    experts_forward(x, token_of_row, gate_up, down, counts, none_if_empty(row_weights), gate_up_lora, down_lora, out,
+                    gate_up_rows);
+    ctx->save_for_backward(
+        {x, token_of_row, gate_up, down, gate_up_rows, row_weights, gate_up_a, gate_up_b, down_a, down_b});
     ctx->saved_data["counts"] = counts;
+    ctx->saved_data["gate_up_scaling"] = gate_up_scaling;
+    ctx->saved_data["down_scaling"] = down_scaling;
     return out;
   }
 
@@ -144,7 +200,12 @@ class SwigluExperts : public torch::autograd::Function<SwigluExperts> {
     const at::Tensor& gate_up = saved[2];
     const at::Tensor& down = saved[3];
     const at::Tensor& gate_up_rows = saved[4];
-    const at::Tensor& row_weights = saved[5];
+    const at::Tensor row_weights = none_if_empty(saved[5]);
+    const ExpertLora gate_up_lora = lora_of(saved[6], saved[7], ctx->saved_data["gate_up_scaling"].toDouble());
+    const ExpertLora down_lora = lora_of(saved[8], saved[9], ctx->saved_data["down_scaling"].toDouble());
+    // needs_input_grad counts the tensor arguments only (counts is not one)
+    LoraGrads gate_up_lora_grads(ctx, 5, 6, gate_up_lora);
+    LoraGrads down_lora_grads(ctx, 7, 8, down_lora);
     const std::vector<int64_t> counts = ctx->saved_data["counts"].toIntVector();
     const at::Tensor grad_out = grad_outputs.at(0).contiguous();
     const int64_t inter = down.size(2);
@@ -169,7 +230,10 @@ class SwigluExperts : public torch::autograd::Function<SwigluExperts> {
       const at::Tensor silu = at::silu(gate);
       // transformers computes act(gate) * up in the model's dtype: the same rounding here.
       at::Tensor act = low_precision ? at::silu(gu.narrow(1, 0, inter)) * gu.narrow(1, inter, inter) : silu * up;
-      at::Tensor d_act = at::mm(g, down[e]).to(compute);  // g D [n, I]
+      at::Tensor d_act = at::mm(g, down[e]);  // g D [n, I]
+      const at::Tensor g_down_b = lora_d_b(down_lora, g, e);
+      lora_input_grad(down_lora, g_down_b, e, d_act);
+      d_act = d_act.to(compute);
       if (row_weights.defined()) {
         const at::Tensor w = row_weights.narrow(0, offset, n);
         const at::Tensor wc = w.to(compute).unsqueeze(1);
@@ -185,6 +249,7 @@ class SwigluExperts : public torch::autograd::Function<SwigluExperts> {
         at::mm_out(gd, g.t(), act);
         grad_down.finish(e);
       }
+      if (down_lora.defined()) lora_weight_grads(down_lora, g, g_down_b, act, e, down_lora_grads);
       at::Tensor d_gu = at::empty({n, 2 * inter}, gate.options());
       at::Tensor d_gate = d_gu.narrow(1, 0, inter);
       at::Tensor d_up = d_gu.narrow(1, inter, inter);
@@ -192,15 +257,25 @@ class SwigluExperts : public torch::autograd::Function<SwigluExperts> {
       at::silu_backward_out(d_gate, d_act * up, gate);
       at::mul_out(d_up, d_act, silu);
       if (low_precision) d_gu = d_gu.to(x.scalar_type());
+      const at::Tensor xe =
+          grad_gate_up.defined() || gate_up_lora.defined() ? gather_rows(x, token_of_row, offset, n) : at::Tensor();
       if (grad_gate_up.defined()) {
         at::Tensor gg = grad_gate_up.target(e);
-        at::mm_out(gg, d_gu.t(), gather_rows(x, token_of_row, offset, n));
+        at::mm_out(gg, d_gu.t(), xe);
         grad_gate_up.finish(e);
       }
-      if (grad_x.defined()) grad_x.index_add_(0, token_of_row.narrow(0, offset, n), at::mm(d_gu, gate_up[e]));
+      const at::Tensor d_gu_b = lora_d_b(gate_up_lora, d_gu, e);
+      if (gate_up_lora.defined()) lora_weight_grads(gate_up_lora, d_gu, d_gu_b, xe, e, gate_up_lora_grads);
+      if (grad_x.defined()) {
+        at::Tensor dxe = at::mm(d_gu, gate_up[e]);
+        lora_input_grad(gate_up_lora, d_gu_b, e, dxe);
+        grad_x.index_add_(0, token_of_row.narrow(0, offset, n), dxe);
+      }
       offset += n;
     }
-    return {grad_x, at::Tensor(), grad_gate_up.whole, grad_down.whole, grad_weights, at::Tensor()};
+    return {grad_x,       at::Tensor(),         grad_gate_up.whole,   grad_down.whole,   grad_weights,
+            at::Tensor(), gate_up_lora_grads.a, gate_up_lora_grads.b, down_lora_grads.a, down_lora_grads.b,
+            at::Tensor(), at::Tensor()};
   }
 };
 
@@ -215,7 +290,8 @@ at::Tensor clamped_glu(const at::Tensor& h, double alpha, double limit) {
 void clamped_forward(const at::Tensor& x, const at::Tensor& token_of_row, const at::Tensor& gate_up,
                      const at::Tensor& gate_up_bias, const at::Tensor& down, const at::Tensor& down_bias,
                      const std::vector<int64_t>& counts, double alpha, double limit, const at::Tensor& row_weights,
-                     at::Tensor& out, const at::Tensor& gate_up_rows) {
+                     const ExpertLora& gate_up_lora, const ExpertLora& down_lora, at::Tensor& out,
+                     const at::Tensor& gate_up_rows) {
   const int64_t width = gate_up.size(2);
   int64_t offset = 0;
   for (size_t k = 0; k < counts.size(); ++k) {
@@ -224,9 +300,13 @@ void clamped_forward(const at::Tensor& x, const at::Tensor& token_of_row, const 
     const auto e = static_cast<int64_t>(k);
     at::Tensor h = gate_up_rows.defined() ? gate_up_rows.narrow(0, offset, n) : at::empty({n, width}, x.options());
     // transformers: x @ W + b (a product, then the bias added).
-    at::mm_out(h, gather_rows(x, token_of_row, offset, n), gate_up[e]);
+    const at::Tensor xe = gather_rows(x, token_of_row, offset, n);
+    at::mm_out(h, xe, gate_up[e]);
+    lora_forward(gate_up_lora, xe, e, h);
     h.add_(gate_up_bias[e]);
-    at::Tensor ye = at::mm(clamped_glu(h, alpha, limit), down[e]);
+    const at::Tensor glu = clamped_glu(h, alpha, limit);
+    at::Tensor ye = at::mm(glu, down[e]);
+    lora_forward(down_lora, glu, e, ye);
     ye.add_(down_bias[e]);
     out.index_add_(0, token_of_row.narrow(0, offset, n), weigh(ye, row_weights, offset, n));
     offset += n;
@@ -238,13 +318,20 @@ class ClampedGluExperts : public torch::autograd::Function<ClampedGluExperts> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& token_of_row,
                             const at::Tensor& gate_up, const at::Tensor& gate_up_bias, const at::Tensor& down,
                             const at::Tensor& down_bias, const at::Tensor& row_weights,
-                            const std::vector<int64_t>& counts, double alpha, double limit) {
+                            const std::vector<int64_t>& counts, double alpha, double limit, const at::Tensor& gate_up_a,
+                            const at::Tensor& gate_up_b, const at::Tensor& down_a, const at::Tensor& down_b,
+                            double gate_up_scaling, double down_scaling) {
+    const ExpertLora gate_up_lora = lora_of(gate_up_a, gate_up_b, gate_up_scaling);
+    const ExpertLora down_lora = lora_of(down_a, down_b, down_scaling);
     at::Tensor out = at::zeros({x.size(0), down.size(2)}, x.options());
     at::Tensor rows = at::empty({token_of_row.size(0), gate_up.size(2)}, x.options());
-    clamped_forward(x, token_of_row, gate_up, gate_up_bias, down, down_bias, counts, alpha, limit, row_weights, out,
-                    rows);
-    ctx->save_for_backward({x, token_of_row, gate_up, down, down_bias, rows, row_weights});
+    clamped_forward(x, token_of_row, gate_up, gate_up_bias, down, down_bias, counts, alpha, limit,
+                    none_if_empty(row_weights), gate_up_lora, down_lora, out, rows);
+    ctx->save_for_backward(
+        {x, token_of_row, gate_up, down, down_bias, rows, row_weights, gate_up_a, gate_up_b, down_a, down_b});
     ctx->saved_data["counts"] = counts;
+    ctx->saved_data["gate_up_scaling"] = gate_up_scaling;
+    ctx->saved_data["down_scaling"] = down_scaling;
     ctx->saved_data["alpha"] = alpha;
     ctx->saved_data["limit"] = limit;
     return out;
@@ -259,7 +346,12 @@ class ClampedGluExperts : public torch::autograd::Function<ClampedGluExperts> {
     const at::Tensor& down = saved[3];
     const at::Tensor& down_bias = saved[4];
     const at::Tensor& rows = saved[5];
-    const at::Tensor& row_weights = saved[6];
+    const at::Tensor row_weights = none_if_empty(saved[6]);
+    const ExpertLora gate_up_lora = lora_of(saved[7], saved[8], ctx->saved_data["gate_up_scaling"].toDouble());
+    const ExpertLora down_lora = lora_of(saved[9], saved[10], ctx->saved_data["down_scaling"].toDouble());
+    // needs_input_grad counts the tensor arguments only (counts, alpha, limit are not)
+    LoraGrads gate_up_lora_grads(ctx, 7, 8, gate_up_lora);
+    LoraGrads down_lora_grads(ctx, 9, 10, down_lora);
     const std::vector<int64_t> counts = ctx->saved_data["counts"].toIntVector();
     const double alpha = ctx->saved_data["alpha"].toDouble();
     const double limit = ctx->saved_data["limit"].toDouble();
@@ -283,9 +375,12 @@ class ClampedGluExperts : public torch::autograd::Function<ClampedGluExperts> {
       const auto e = static_cast<int64_t>(k);
       const at::Tensor g = gather_rows(grad_out, token_of_row, offset, n);  // [n, H]
       const at::Tensor h = rows.narrow(0, offset, n);
-      at::Tensor glu = clamped_glu(h, alpha, limit);          // transformers' rounding of the GLU
-      at::Tensor d_out = at::mm(g, down[e].t()).to(compute);  // g D^T [n, I]
-      at::Tensor gy = g;                                      // the gradient of the weighted rows
+      at::Tensor glu = clamped_glu(h, alpha, limit);  // transformers' rounding of the GLU
+      at::Tensor d_out = at::mm(g, down[e].t());      // g D^T [n, I]
+      const at::Tensor g_down_b = lora_d_b(down_lora, g, e);
+      lora_input_grad(down_lora, g_down_b, e, d_out);
+      d_out = d_out.to(compute);
+      at::Tensor gy = g;  // the gradient of the weighted rows
       if (row_weights.defined()) {
         // y = (y_u.to(w) * w).to(x), y_u = glu D + d: sum(g * y_u) = rowsum((g D^T) * glu) + g d.
         const at::Tensor wc = row_weights.narrow(0, offset, n).to(compute).unsqueeze(1);
@@ -301,6 +396,11 @@ class ClampedGluExperts : public torch::autograd::Function<ClampedGluExperts> {
         at::mm_out(gd, glu.t(), gy);
         grad_down.finish(e);
       }
+      if (down_lora.defined()) {
+        // the weighted rows' gradient gy through B: (g B) w, as gy = g w
+        const at::Tensor gy_b = row_weights.defined() ? lora_d_b(down_lora, gy, e) : g_down_b;
+        lora_weight_grads(down_lora, gy, gy_b, glu, e, down_lora_grads);
+      }
       if (grad_down_bias.defined()) grad_down_bias[e].copy_(gy.sum(0));
       const at::Tensor hf = h.to(compute);
       const at::Tensor g_raw = hf.slice(1, 0, width, 2);
@@ -315,17 +415,39 @@ class ClampedGluExperts : public torch::autograd::Function<ClampedGluExperts> {
       d_h.slice(1, 0, width, 2).copy_(d_g);
       d_h.slice(1, 1, width, 2).copy_(d_u);
       if (low_precision) d_h = d_h.to(x.scalar_type());
+      const at::Tensor xe =
+          grad_gate_up.defined() || gate_up_lora.defined() ? gather_rows(x, token_of_row, offset, n) : at::Tensor();
       if (grad_gate_up.defined()) {
         at::Tensor gg = grad_gate_up.target(e);
-        at::mm_out(gg, gather_rows(x, token_of_row, offset, n).t(), d_h);
+        at::mm_out(gg, xe.t(), d_h);
         grad_gate_up.finish(e);
       }
+      const at::Tensor d_h_b = lora_d_b(gate_up_lora, d_h, e);
+      if (gate_up_lora.defined()) lora_weight_grads(gate_up_lora, d_h, d_h_b, xe, e, gate_up_lora_grads);
       if (grad_gate_up_bias.defined()) grad_gate_up_bias[e].copy_(d_h.sum(0));
-      if (grad_x.defined()) grad_x.index_add_(0, token_of_row.narrow(0, offset, n), at::mm(d_h, gate_up[e].t()));
+      if (grad_x.defined()) {
+        at::Tensor dxe = at::mm(d_h, gate_up[e].t());
+        lora_input_grad(gate_up_lora, d_h_b, e, dxe);
+        grad_x.index_add_(0, token_of_row.narrow(0, offset, n), dxe);
+      }
       offset += n;
     }
-    return {grad_x,         at::Tensor(), grad_gate_up.whole, grad_gate_up_bias, grad_down.whole,
-            grad_down_bias, grad_weights, at::Tensor(),       at::Tensor(),      at::Tensor()};
+    return {grad_x,
+            at::Tensor(),
+            grad_gate_up.whole,
+            grad_gate_up_bias,
+            grad_down.whole,
+            grad_down_bias,
+            grad_weights,
+            at::Tensor(),
+            at::Tensor(),
+            at::Tensor(),
+            gate_up_lora_grads.a,
+            gate_up_lora_grads.b,
+            down_lora_grads.a,
+            down_lora_grads.b,
+            at::Tensor(),
+            at::Tensor()};
   }
 };
 
@@ -342,12 +464,28 @@ void check_rows(const at::Tensor& token_of_row, const std::vector<int64_t>& coun
               row_weights.defined() ? c10::str(row_weights.sizes()) : std::string("undefined"));
 }
 
+// LoRA factors of a [E, out, in] (swiglu) or [E, in, out] (gpt-oss: `in_out`) weight.
+void check_lora(const ExpertLora& l, const at::Tensor& weight, bool in_out, const char* name) {
+  if (!l.defined()) return;
+  const int64_t in = weight.size(in_out ? 1 : 2), out = weight.size(in_out ? 2 : 1);
+  TORCH_CHECK(l.b.defined() && l.a.dim() == 3 && l.b.dim() == 3 && l.a.size(0) == weight.size(0) &&
+                  l.b.size(0) == weight.size(0) && l.a.size(2) == in && l.b.size(1) == out &&
+                  l.b.size(2) == l.a.size(1),
+              "experts: the LoRA factors of ", name, " ", weight.sizes(), " must be A [E, r, ", in, "] and B [E, ", out,
+              ", r], got ", l.a.sizes(), " and ", l.b.defined() ? c10::str(l.b.sizes()) : std::string("undefined"));
+  TORCH_CHECK(l.a.scalar_type() == weight.scalar_type() && l.b.scalar_type() == weight.scalar_type(),
+              "experts: the LoRA factors of ", name, " must have the weight's dtype ", weight.scalar_type());
+}
+
+bool requires_grad(const ExpertLora& l) { return l.defined() && (l.a.requires_grad() || l.b.requires_grad()); }
+
 }  // namespace
 
 at::Tensor clamped_glu_experts(const at::Tensor& x, const at::Tensor& token_of_row, const at::Tensor& gate_up,
                                const at::Tensor& gate_up_bias, const at::Tensor& down, const at::Tensor& down_bias,
                                const std::vector<int64_t>& counts, double alpha, double limit,
-                               const at::Tensor& row_weights) {
+                               const at::Tensor& row_weights, const ExpertLora& gate_up_lora,
+                               const ExpertLora& down_lora) {
   TORCH_CHECK(x.dim() == 2 && gate_up.dim() == 3 && down.dim() == 3 && gate_up_bias.dim() == 2 && down_bias.dim() == 2,
               "experts: expected x [N, H], gate_up [E, H, 2I], gate_up_bias [E, 2I], down [E, I, H], down_bias [E, H]");
   const int64_t experts = gate_up.size(0);
@@ -356,22 +494,30 @@ at::Tensor clamped_glu_experts(const at::Tensor& x, const at::Tensor& token_of_r
                   gate_up_bias.size(1) == gate_up.size(2) && down_bias.size(1) == down.size(2),
               "experts: inconsistent shapes x ", x.sizes(), ", gate_up ", gate_up.sizes(), ", down ", down.sizes());
   check_rows(token_of_row, counts, row_weights);
+  check_lora(gate_up_lora, gate_up, /*in_out=*/true, "gate_up");
+  check_lora(down_lora, down, /*in_out=*/true, "down");
   const at::Tensor xc = x.contiguous();
   const at::Tensor tc = token_of_row.contiguous();
   const at::Tensor wc = row_weights.defined() ? row_weights.contiguous() : row_weights;
   const bool records = at::GradMode::is_enabled() &&
                        (x.requires_grad() || gate_up.requires_grad() || gate_up_bias.requires_grad() ||
-                        down.requires_grad() || down_bias.requires_grad() || (wc.defined() && wc.requires_grad()));
+                        down.requires_grad() || down_bias.requires_grad() || (wc.defined() && wc.requires_grad()) ||
+                        requires_grad(gate_up_lora) || requires_grad(down_lora));
   if (records) {
-    return ClampedGluExperts::apply(xc, tc, gate_up, gate_up_bias, down, down_bias, wc, counts, alpha, limit);
+    return ClampedGluExperts::apply(xc, tc, gate_up, gate_up_bias, down, down_bias, or_empty(wc, xc), counts, alpha,
+                                    limit, or_empty(gate_up_lora.a, xc), or_empty(gate_up_lora.b, xc),
+                                    or_empty(down_lora.a, xc), or_empty(down_lora.b, xc), gate_up_lora.scaling,
+                                    down_lora.scaling);
   }
   at::Tensor out = at::zeros({x.size(0), down.size(2)}, x.options());
-  clamped_forward(xc, tc, gate_up, gate_up_bias, down, down_bias, counts, alpha, limit, wc, out, at::Tensor());
+  clamped_forward(xc, tc, gate_up, gate_up_bias, down, down_bias, counts, alpha, limit, wc, gate_up_lora, down_lora,
+                  out, at::Tensor());
   return out;
 }
 
 at::Tensor swiglu_experts(const at::Tensor& x, const at::Tensor& token_of_row, const at::Tensor& gate_up,
-                          const at::Tensor& down, const std::vector<int64_t>& counts, const at::Tensor& row_weights) {
+                          const at::Tensor& down, const std::vector<int64_t>& counts, const at::Tensor& row_weights,
+                          const ExpertLora& gate_up_lora, const ExpertLora& down_lora) {
   TORCH_CHECK(x.dim() == 2 && gate_up.dim() == 3 && down.dim() == 3, "experts: expected x [N, H], gate_up [E, 2I, H], ",
               "down [E, H, I], got ", x.sizes(), ", ", gate_up.sizes(), ", ", down.sizes());
   const int64_t experts = gate_up.size(0);
@@ -380,14 +526,21 @@ at::Tensor swiglu_experts(const at::Tensor& x, const at::Tensor& token_of_row, c
               "experts: inconsistent shapes x ", x.sizes(), ", gate_up ", gate_up.sizes(), ", down ", down.sizes(),
               ", ", counts.size(), " counts");
   check_rows(token_of_row, counts, row_weights);
+  check_lora(gate_up_lora, gate_up, /*in_out=*/false, "gate_up");
+  check_lora(down_lora, down, /*in_out=*/false, "down");
   const at::Tensor xc = x.contiguous();
   const at::Tensor tc = token_of_row.contiguous();
   const at::Tensor wc = row_weights.defined() ? row_weights.contiguous() : row_weights;
   const bool records = at::GradMode::is_enabled() && (x.requires_grad() || gate_up.requires_grad() ||
-                                                      down.requires_grad() || (wc.defined() && wc.requires_grad()));
-  if (records) return SwigluExperts::apply(xc, tc, gate_up, down, wc, counts);
+                                                      down.requires_grad() || (wc.defined() && wc.requires_grad()) ||
+                                                      requires_grad(gate_up_lora) || requires_grad(down_lora));
+  if (records) {
+    return SwigluExperts::apply(xc, tc, gate_up, down, or_empty(wc, xc), counts, or_empty(gate_up_lora.a, xc),
+                                or_empty(gate_up_lora.b, xc), or_empty(down_lora.a, xc), or_empty(down_lora.b, xc),
+                                gate_up_lora.scaling, down_lora.scaling);
+  }
   at::Tensor out = at::zeros({x.size(0), x.size(1)}, x.options());
-  experts_forward(xc, tc, gate_up, down, counts, wc, out, at::Tensor());
+  experts_forward(xc, tc, gate_up, down, counts, wc, gate_up_lora, down_lora, out, at::Tensor());
   return out;
 }
 

@@ -29,9 +29,28 @@ namespace roundpipe::models::detail {
 /// make a full-size zero tensor per expert and sum them. The forward keeps x G^T and x U^T
 /// ([M, 2I]) for the backward, and x itself. `counts` are host integers: on a GPU the caller syncs
 /// once to get them (moe.cpp replays them in recompute).
+///
+/// Note [Expert LoRA on the rows]: a weight may carry LoRA factors (ExpertLora, PEFT's
+/// target_parameters): it then acts as W_e + scaling B_e A_e, computed on each expert's rows as
+/// x W_e^T + scaling (x A_e^T) B_e^T (gpt-oss's [in, out] weights: x W_e + the same), never as the
+/// adapted [E, out, in] weight PEFT materializes. The backward gives A and B their gradients from
+/// the rows (dB_e = scaling d^T (x A_e^T), dA_e = scaling (d B_e)^T x, d the output rows'
+/// gradient) and the rows theirs through W_e and the factors; the base weight gets a gradient
+/// only if it requires one. So a LoRA layer keeps neither the adapted weights (the expert weights'
+/// size, in the forward until the backward) nor a full-size weight gradient (in the backward), and
+/// costs r (in + out) more multiply-adds per row and weight instead of E out in r for the adapted
+/// weights.
+struct ExpertLora {
+  at::Tensor a;  ///< [E, r, in] (PEFT's lora_A [E r, in] reshaped), the weight's dtype
+  at::Tensor b;  ///< [E, out, r] (PEFT's lora_B [out, r E], its columns j E + e as B_e[:, j])
+  double scaling = 0;
+  bool defined() const { return a.defined(); }
+};
+
 at::Tensor swiglu_experts(const at::Tensor& x, const at::Tensor& token_of_row, const at::Tensor& gate_up,
                           const at::Tensor& down, const std::vector<int64_t>& counts,
-                          const at::Tensor& row_weights = {});
+                          const at::Tensor& row_weights = {}, const ExpertLora& gate_up_lora = {},
+                          const ExpertLora& down_lora = {});
 
 /// swiglu_experts on rows already sorted by expert: x [M, H] -> y [M, H] (row r is its own token).
 at::Tensor sorted_swiglu_experts(const at::Tensor& x, const at::Tensor& gate_up, const at::Tensor& down,
@@ -45,6 +64,7 @@ at::Tensor sorted_swiglu_experts(const at::Tensor& x, const at::Tensor& gate_up,
 at::Tensor clamped_glu_experts(const at::Tensor& x, const at::Tensor& token_of_row, const at::Tensor& gate_up,
                                const at::Tensor& gate_up_bias, const at::Tensor& down, const at::Tensor& down_bias,
                                const std::vector<int64_t>& counts, double alpha, double limit,
-                               const at::Tensor& row_weights = {});
+                               const at::Tensor& row_weights = {}, const ExpertLora& gate_up_lora = {},
+                               const ExpertLora& down_lora = {});
 
 }  // namespace roundpipe::models::detail
