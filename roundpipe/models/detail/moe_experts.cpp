@@ -171,8 +171,8 @@ void experts_forward(const at::Tensor& x, const at::Tensor& token_of_row, const 
 class SwigluExperts : public torch::autograd::Function<SwigluExperts> {
  public:
   // `row_weights`: undefined, or [M] (Note [Routing weights in the experts]).
-  // Inputs 6-11: the LoRA factors of gate_up and down and their scalings (Note [Expert LoRA on the
-  // rows]; undefined tensors without).
+  // Arguments 6-11: the LoRA factors of gate_up and down and their scalings (Note [Expert LoRA on
+  // the rows]; empty tensors without, as row_weights: or_empty).
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& token_of_row,
                             const at::Tensor& gate_up, const at::Tensor& down, const at::Tensor& row_weights,
                             const std::vector<int64_t>& counts, const at::Tensor& gate_up_a,
@@ -315,6 +315,7 @@ void clamped_forward(const at::Tensor& x, const at::Tensor& token_of_row, const 
 
 class ClampedGluExperts : public torch::autograd::Function<ClampedGluExperts> {
  public:
+  // Arguments 10-15: the LoRA factors and scalings, as SwigluExperts' 6-11.
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& token_of_row,
                             const at::Tensor& gate_up, const at::Tensor& gate_up_bias, const at::Tensor& down,
                             const at::Tensor& down_bias, const at::Tensor& row_weights,
