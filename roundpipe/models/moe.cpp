@@ -51,6 +51,17 @@ Routing route(const at::Tensor& probs, int64_t k, int64_t num_experts) {
   return r;
 }
 
+// PEFT's ParamWrapper with one adapter (its _LoraFactorsProxy), as the experts take its factors
+// (Note [Expert LoRA on the rows] in detail/moe_experts.h): lora_A [E r, in] -> A [E, r, in],
+// lora_B [out, r E] -> [out, r, E] -> B [E, out, r], in the weight's dtype; scaling alpha / r.
+detail::ExpertLora expert_lora(const at::Tensor& weight, const at::Tensor& lora_a, const at::Tensor& lora_b,
+                               int64_t experts, int64_t rank, double alpha) {
+  if (!lora_a.defined()) return {};
+  return {lora_a.reshape({experts, rank, lora_a.size(1)}).to(weight.scalar_type()),
+          lora_b.reshape({lora_b.size(0), rank, experts}).permute({2, 0, 1}).to(weight.scalar_type()),
+          alpha / static_cast<double>(rank)};
+}
+
 }  // namespace
 
 at::Tensor empty_router_stats(int64_t num_experts, c10::Device device) {
@@ -122,19 +133,15 @@ void ExpertsImpl::enable_lora(bool gate_up, bool down, int64_t rank, double alph
   register_lora();
 }
 
-// PEFT's ParamWrapper with one adapter (its _LoraFactorsProxy): lora_A [E r, in] -> A [E, r, in],
-// lora_B [out, r E] -> [out, r, E] -> B [E, out, r]; W + scaling B A for weights stored
-// [E, out, in], W + scaling A^T B^T for gpt-oss's [E, in, out], in the weight's dtype.
+// W + scaling B A for weights stored [E, out, in], W + scaling A^T B^T for gpt-oss's [E, in, out],
+// in the weight's dtype (expert_lora's A and B).
 at::Tensor ExpertsImpl::adapted(const at::Tensor& weight, const at::Tensor& lora_a, const at::Tensor& lora_b) const {
   if (!lora_a.defined()) return weight;
-  const int64_t e = config_.num_experts;
-  const at::Tensor a = lora_a.reshape({e, lora_rank_, lora_a.size(1)}).to(weight.scalar_type());
-  const at::Tensor b = lora_b.reshape({lora_b.size(0), lora_rank_, e}).permute({2, 0, 1}).to(weight.scalar_type());
-  const double scaling = lora_alpha_ / static_cast<double>(lora_rank_);
+  const detail::ExpertLora l = expert_lora(weight, lora_a, lora_b, config_.num_experts, lora_rank_, lora_alpha_);
   if (config_.architecture == Architecture::kGptOss) {
-    return at::baddbmm(weight, a.transpose(1, 2), b.transpose(1, 2), /*beta=*/1, /*alpha=*/scaling);
+    return at::baddbmm(weight, l.a.transpose(1, 2), l.b.transpose(1, 2), /*beta=*/1, /*alpha=*/l.scaling);
   }
-  return at::baddbmm(weight, b, a, /*beta=*/1, /*alpha=*/scaling);
+  return at::baddbmm(weight, l.b, l.a, /*beta=*/1, /*alpha=*/l.scaling);
 }
 
 void ExpertsImpl::merge_lora() {
@@ -157,21 +164,6 @@ at::Tensor ExpertsImpl::forward(const at::Tensor& x, const std::vector<int64_t>&
   TORCH_CHECK(x.dim() == 2, "Experts: expected sorted rows [M, ", config_.hidden_size, "], got ", x.sizes());
   return forward_tokens(x, at::arange(x.size(0), x.options().dtype(at::kLong)), counts, row_weights);
 }
-
-namespace {
-
-// PEFT's factors as the experts take them (Note [Expert LoRA on the rows] in
-// detail/moe_experts.h): A [E, r, in], B [E, out, r] (views of lora_A [E r, in] and lora_B [out,
-// r E], as ExpertsImpl::adapted reads them), in the weight's dtype.
-detail::ExpertLora expert_lora(const at::Tensor& weight, const at::Tensor& lora_a, const at::Tensor& lora_b,
-                               int64_t experts, int64_t rank, double alpha) {
-  if (!lora_a.defined()) return {};
-  return {lora_a.reshape({experts, rank, lora_a.size(1)}).to(weight.scalar_type()),
-          lora_b.reshape({lora_b.size(0), rank, experts}).permute({2, 0, 1}).to(weight.scalar_type()),
-          alpha / static_cast<double>(rank)};
-}
-
-}  // namespace
 
 at::Tensor ExpertsImpl::forward_tokens(const at::Tensor& x, const at::Tensor& token_of_row,
                                        const std::vector<int64_t>& counts, const at::Tensor& row_weights) {

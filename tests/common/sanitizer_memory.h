@@ -1,6 +1,8 @@
 // Heap measurements that still mean something in sanitizer builds.
 #pragma once
 
+#include <malloc.h>
+
 #include <cstdint>
 #include <optional>
 
@@ -41,6 +43,14 @@ inline std::optional<int64_t> sanitizer_allocated_bytes() {
 #else
   return std::nullopt;
 #endif
+}
+
+/// Bytes the process's heap has in use: the sanitizer allocator's count under ASan/TSan (where it
+/// has one), else glibc's (mallinfo2: in-use chunks and mmapped blocks).
+inline double heap_in_use() {
+  if (const auto bytes = sanitizer_allocated_bytes()) return static_cast<double>(*bytes);
+  const struct mallinfo2 m = ::mallinfo2();
+  return static_cast<double>(m.uordblks + m.hblkhd);
 }
 
 }  // namespace roundpipe::testing

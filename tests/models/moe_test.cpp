@@ -5,7 +5,6 @@
 #include "roundpipe/models/moe.h"
 
 #include <gtest/gtest.h>
-#include <malloc.h>
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -544,14 +543,6 @@ TEST(SortedExpertsTest, GatheredRowsWithRowWeightsMatchPlainAutograd) {
   const at::Tensor sorted = models::detail::sorted_swiglu_experts(x, gu, dn, counts);
   EXPECT_TRUE(
       tensors_close(models::detail::sorted_swiglu_experts(x, gu, dn, counts, w), sorted * w.unsqueeze(1), 1e-6));
-}
-
-// Bytes the process's heap has in use: glibc's count, or the sanitizer's under ASan/TSan (whose
-// allocator replaces glibc's).
-double heap_in_use() {
-  if (const auto bytes = sanitizer_allocated_bytes()) return static_cast<double>(*bytes);
-  const struct mallinfo2 m = ::mallinfo2();
-  return static_cast<double>(m.uordblks + m.hblkhd);
 }
 
 // Note [Expert LoRA on the rows]: the experts with LoRA factors on both weights (frozen base

@@ -4,7 +4,6 @@
 // orders (LlamaRMSNorm, GptOssRMSNorm), 3-D and 4-D inputs (q/k norms), either input frozen; and it
 // keeps fewer bytes for the backward.
 #include <gtest/gtest.h>
-#include <malloc.h>
 #include <torch/torch.h>
 
 #include <vector>
@@ -72,14 +71,6 @@ TEST(RmsNormTest, BitwiseAutogradsGradients_EveryDtypeOrderShapeAndFrozenInput) 
       }
     }
   }
-}
-
-// Bytes the process's heap has in use: glibc's count, or the sanitizer's under ASan/TSan, whose
-// allocator replaces glibc's (mallinfo2 would not move).
-double heap_in_use() {
-  if (const auto bytes = sanitizer_allocated_bytes()) return static_cast<double>(*bytes);
-  const struct mallinfo2 m = ::mallinfo2();
-  return static_cast<double>(m.uordblks + m.hblkhd);
 }
 
 // What a forward keeps for the backward (the heap's bytes in use with the output held, after a
