@@ -707,6 +707,82 @@ TEST(SortedExpertsTest, LaterMicrobatchesAddIntoTheGradBitwise) {
   }
 }
 
+// Note [Experts in parallel on CPU]: on 2 intra-op threads the experts run in parallel (one
+// thread each, outputs and input-row gradients combined in expert order per group of experts),
+// in fp32 bitwise equal to the serial loop on 1 thread (where every GEMM runs on one thread too;
+// bf16 within its rounding, and bitwise the same on every parallel run): the
+// output, x's gradient, the routing weights' and every weight's and LoRA factor's gradient, over a
+// first backward and a second one adding into the existing .grad (per-thread scratch), for both
+// expert kinds, fp32 and bf16, with experts without rows and enough rows for several groups.
+TEST(SortedExpertsTest, ParallelExpertsEqualTheSerialLoopBitwise) {
+  const int previous_threads = at::get_num_threads();
+  const int64_t N = 40, H = 16, I = 8, E = 12, k = 3, r = 2;
+  torch::manual_seed(31);
+  // Each token's k distinct experts among those other than 3 and 7 (no rows for them), sorted by expert.
+  const at::Tensor scores = torch::rand({N, E}).index_fill_(1, torch::tensor({3, 7}), -1.0);
+  const at::Tensor experts = std::get<1>(scores.topk(k)).flatten();
+  const at::Tensor order = experts.argsort(/*stable=*/true);
+  const at::Tensor token_of_row = order.div(k, "floor");
+  const at::Tensor bincount = experts.bincount({}, E);
+  const std::vector<int64_t> counts(bincount.data_ptr<int64_t>(), bincount.data_ptr<int64_t>() + E);
+  const int64_t M = N * k;
+  const at::Tensor x0 = torch::randn({N, H}), w0 = torch::rand({M}) + 0.1, g_out = torch::randn({N, H});
+  for (const bool clamped : {false, true}) {
+    const std::vector<at::Tensor> init =
+        clamped ? std::vector<at::Tensor>{torch::randn({E, H, 2 * I}) * 0.3, torch::randn({E, 2 * I}) * 0.3,
+                                          torch::randn({E, I, H}) * 0.3, torch::randn({E, H}) * 0.3}
+                : std::vector<at::Tensor>{torch::randn({E, 2 * I, H}) * 0.3, torch::randn({E, H, I}) * 0.3};
+    const int64_t gu_in = clamped ? H : H, gu_out = 2 * I, dn_in = I, dn_out = H;
+    const std::vector<at::Tensor> factors0 = {torch::randn({E, r, gu_in}) * 0.3, torch::randn({E, gu_out, r}) * 0.3,
+                                              torch::randn({E, r, dn_in}) * 0.3, torch::randn({E, dn_out, r}) * 0.3};
+    for (const at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
+      SCOPED_TRACE(::testing::Message() << (clamped ? "clamped GLU " : "SwiGLU ") << c10::toString(dtype));
+      // [out, x grad, w grad, weight grads..., factor grads...] after two backward passes.
+      auto run = [&](int threads) {
+        at::set_num_threads(threads);
+        std::vector<at::Tensor> weights, factors;
+        for (const at::Tensor& t : init) weights.push_back(t.to(dtype, false, /*copy=*/true).requires_grad_());
+        for (const at::Tensor& t : factors0) factors.push_back(t.to(dtype, false, /*copy=*/true).requires_grad_());
+        const at::Tensor x = x0.to(dtype, false, /*copy=*/true).requires_grad_(), w = w0.clone().requires_grad_();
+        const models::detail::ExpertLora gu_lora{factors[0], factors[1], 2.0}, dn_lora{factors[2], factors[3], 2.0};
+        at::Tensor out;
+        for (int pass = 0; pass < 2; ++pass) {
+          out = clamped ? models::detail::clamped_glu_experts(x, token_of_row, weights[0], weights[1], weights[2],
+                                                              weights[3], counts, 1.702, 0.7, w, gu_lora, dn_lora)
+                        : models::detail::swiglu_experts(x, token_of_row, weights[0], weights[1], counts, w, gu_lora,
+                                                         dn_lora);
+          (out.to(at::kFloat) * g_out).sum().backward();
+        }
+        std::vector<at::Tensor> result = {out.detach(), x.grad(), w.grad()};
+        for (const at::Tensor& t : weights) result.push_back(t.grad());
+        for (const at::Tensor& t : factors) result.push_back(t.grad());
+        return result;
+      };
+      const auto serial = run(1);
+      at::set_num_threads(2);
+      ASSERT_GT(models::detail::expert_threads(x0, counts), 1) << "the parallel path must run";
+      const auto parallel = run(2), again = run(2);
+      at::set_num_threads(previous_threads);
+      ASSERT_EQ(parallel.size(), serial.size());
+      for (size_t i = 0; i < serial.size(); ++i) {
+        ASSERT_TRUE(serial[i].defined() && parallel[i].defined()) << "tensor " << i;
+        const double diff = (parallel[i].to(at::kFloat) - serial[i].to(at::kFloat)).abs().max().item<double>();
+        if (dtype == at::kFloat) {
+          EXPECT_TRUE(parallel[i].equal(serial[i])) << "tensor " << i << ": max difference " << diff;
+        } else {
+          // bf16 products go through oneDNN, whose blocking depends on the threads it sees: the
+          // same on every run, not across thread counts.
+          const double scale = std::max(1.0, serial[i].abs().max().item<double>());
+          EXPECT_LE(diff, 2e-2 * scale) << "tensor " << i;
+        }
+        EXPECT_TRUE(again[i].equal(parallel[i])) << "tensor " << i << ": the parallel path is deterministic";
+      }
+      EXPECT_TRUE(parallel[3][3].eq(0).all().item<bool>()) << "expert 3 has no rows";
+    }
+  }
+  EXPECT_EQ(models::detail::expert_threads(x0.to(at::kMeta), counts), 1) << "not on CPU: serial";
+}
+
 // RoundPipe: the oracle's gradients through 3 CPU devices with the sparse layers in forward stages
 // (their recompute replays the routing), and 1 device (stage grain) vs 3 (layer grain) bitwise
 // with 2 microbatches.

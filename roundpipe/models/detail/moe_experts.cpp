@@ -1,5 +1,7 @@
 #include "roundpipe/models/detail/moe_experts.h"
 
+#include <ATen/Parallel.h>
+#include <ATen/ThreadLocalState.h>
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/arange.h>
 #include <ATen/ops/empty.h>
@@ -15,10 +17,16 @@
 #include <ATen/ops/zeros.h>
 #include <ATen/ops/zeros_like.h>
 #include <c10/util/Exception.h>
+#include <dlfcn.h>
 #include <torch/csrc/autograd/custom_function.h>
 
+#include <algorithm>
+#include <atomic>
+#include <functional>
+#include <mutex>
 #include <numeric>
 
+#include "base/thread_budget.h"
 #include "roundpipe/models/detail/grad_in_place.h"
 
 namespace roundpipe::models::detail {
@@ -54,14 +62,15 @@ at::Tensor expert_grad(const at::Tensor& weight, const std::vector<int64_t>& cou
 // scratch slice that finish(e) adds into `into`[e], the existing .grad (Note [Expert gradients in
 // place]).
 struct ExpertGrad {
-  at::Tensor whole, into, scratch;
+  at::Tensor whole, into;
+  std::vector<at::Tensor> scratch;  // one per task (Note [Experts in parallel on CPU])
 
   ExpertGrad(const torch::autograd::AutogradContext* ctx, size_t input, const at::Tensor& weight,
-             const std::vector<int64_t>& counts)
+             const std::vector<int64_t>& counts, int64_t tasks)
       : into(ctx->needs_input_grad(input) ? grad_to_add_into(weight, weight.scalar_type(), weight.device())
                                           : at::Tensor()) {
     if (into.defined()) {
-      scratch = at::empty(weight.sizes().slice(1), weight.options());
+      for (int64_t t = 0; t < tasks; ++t) scratch.push_back(at::empty(weight.sizes().slice(1), weight.options()));
       for (size_t e = 0; e < counts.size(); ++e) {
         if (counts[e] == 0) into[static_cast<int64_t>(e)].add_(0);  // what grad += new does to it
       }
@@ -70,11 +79,13 @@ struct ExpertGrad {
     }
   }
   bool defined() const { return whole.defined() || into.defined(); }
-  // Where expert e's gradient is written.
-  at::Tensor target(int64_t e) const { return into.defined() ? scratch : whole[e]; }
-  // After target(e) is written.
-  void finish(int64_t e) const {
-    if (into.defined()) into[e].add_(scratch);
+  // Where expert e's gradient is written by task `task`.
+  at::Tensor target(int64_t e, int64_t task) const {
+    return into.defined() ? scratch[static_cast<size_t>(task)] : whole[e];
+  }
+  // After target(e, task) is written.
+  void finish(int64_t e, int64_t task) const {
+    if (into.defined()) into[e].add_(scratch[static_cast<size_t>(task)]);
   }
 };
 
@@ -87,18 +98,150 @@ struct ExpertGrad {
 // derivative needs anyway (d_act = w (g D)), and D's gradient is g^T (w act). gpt-oss's
 // y_u = glu D + d (D stored [I, H]) adds g d: rowsum((g D^T) * glu) + g d.
 
+// Note [Experts in parallel on CPU]: an expert's GEMMs are small (rows ~ tokens k / E), and a
+// small GEMM scales badly over threads: at moe_bench's shape (2048 tokens, 64 experts of width
+// 192, top-8) the 448 GEMMs of a forward + backward took 317 ms with MKL on 2 threads each and
+// 342 ms on 1, but 157 ms when two threads each ran half the experts on one thread (a 2-core
+// Xeon VM, 2026-12-03). So on CPU the experts run in parallel, one thread per expert, on an
+// OpenMP team of the caller's intra-op threads: the team LibTorch's own kernels use (libgomp's
+// GOMP_parallel, what `#pragma omp parallel` compiles to, found at run time in the OpenMP runtime
+// LibTorch loaded; this library is not compiled with OpenMP: Note [Why not at::parallel_for] in
+// optim/detail/parallel_tasks.h). Inside the team's region ATen's kernels and MKL run on their
+// calling thread (nested regions get one thread), and no other thread competes for the cores: a
+// pool of threads of our own beside the team was slower than the serial loop (the team's
+// threads spin after each region; 293 against 251 ms). Each team thread takes the caller's
+// thread-local state (grad mode, dispatch keys: at::ThreadLocalStateGuard) and the next expert of
+// the group from a shared counter.
+// Results stay bitwise those of the serial loop with one intra-op thread: every expert is
+// computed alone on one thread, whichever it is, and what experts share is added in expert order
+// on the caller. The experts are taken in groups of consecutive experts of at most max(tokens,
+// largest count) rows; a group's experts write their output rows (forward) or input-row
+// gradients (backward) into a buffer of the group's rows, which the caller then adds into the
+// tokens with one index_add_ in row order: per token the same sums in the same order as one
+// index_add_ per expert (CPU index_add_ adds an index's rows in order). So the extra memory is one
+// buffer of at most max(tokens, largest count) rows of H, the output's size, never [M, H]. Each
+// thread has its own weight-gradient scratch (Note [Expert gradients in place]); everything else
+// an expert writes is its own slice. On CUDA, inside a parallel region and with one thread the
+// loop is serial, each expert its own group (CUDA's index_add_ of one expert's rows, whose tokens
+// are distinct, stays deterministic; a group's repeated tokens would make it depend on the order
+// of atomic adds).
+
+// libgomp's entry points, from the OpenMP runtime LibTorch already loaded (Note [Experts in
+// parallel on CPU]); null without one.
+struct Gomp {
+  void (*parallel)(void (*)(void*), void*, unsigned, unsigned) = nullptr;  // what `#pragma omp parallel` calls
+  int (*thread_num)() = nullptr;
+  bool available() const { return parallel != nullptr && thread_num != nullptr; }
+};
+
+const Gomp& gomp() {
+  static const Gomp kGomp = [] {
+    Gomp g;
+    g.parallel =
+        reinterpret_cast<void (*)(void (*)(void*), void*, unsigned, unsigned)>(dlsym(RTLD_DEFAULT, "GOMP_parallel"));
+    g.thread_num = reinterpret_cast<int (*)()>(dlsym(RTLD_DEFAULT, "omp_get_thread_num"));
+    return g;
+  }();
+  return kGomp;
+}
+
+// Runs fn(thread) on each thread of an OpenMP team of at most `tasks` threads (the caller is
+// thread 0), as `#pragma omp parallel num_threads(tasks)` would; rethrows the first exception.
+void run_team(int64_t tasks, const std::function<void(int64_t)>& fn) {
+  struct Shared {
+    const std::function<void(int64_t)>* fn;
+    std::mutex mutex;
+    std::exception_ptr error;  // guarded by mutex
+  } shared{&fn, {}, {}};
+  gomp().parallel(
+      [](void* data) {
+        auto* s = static_cast<Shared*>(data);
+        try {
+          (*s->fn)(gomp().thread_num());
+        } catch (...) {
+          std::lock_guard<std::mutex> lock(s->mutex);
+          if (!s->error) s->error = std::current_exception();
+        }
+      },
+      &shared, static_cast<unsigned>(tasks), 0);
+  if (shared.error) std::rethrow_exception(shared.error);
+}
+
+// Threads for the experts of x's device: 1 on a GPU, inside a parallel region or without
+// libgomp, else ATen's intra-op threads (capped by the caller's base::thread_budget) and at most
+// the experts with rows.
+int64_t expert_tasks(const at::Tensor& x, const std::vector<int64_t>& counts) {
+  if (!x.device().is_cpu() || !gomp().available() || at::in_parallel_region()) return 1;
+  int64_t threads = at::get_num_threads();
+  if (base::thread_budget() > 0) threads = std::min(threads, base::thread_budget());
+  const auto with_rows = std::count_if(counts.begin(), counts.end(), [](int64_t n) { return n > 0; });
+  return std::max<int64_t>(1, std::min<int64_t>(threads, with_rows));
+}
+
+// One expert's rows: expert e, rows [offset, offset + n) of the sorted rows, `local` their first
+// row in the group's buffer, `task` the thread's index (< tasks).
+struct ExpertRows {
+  int64_t e, offset, n, local, task;
+};
+
+// The most rows a group of experts has (the group buffer's rows): with several tasks
+// max(tokens, the largest count), serially the largest count (each expert its own group).
+int64_t expert_group_rows(const std::vector<int64_t>& counts, int64_t tokens, int64_t tasks) {
+  const int64_t largest = counts.empty() ? 0 : *std::max_element(counts.begin(), counts.end());
+  return tasks > 1 ? std::max(tokens, largest) : largest;
+}
+
+// Runs expert(rows) for every expert with rows, in groups of consecutive experts of at most
+// `group_rows` rows (one expert alone may be the group), then combine(begin, rows) on the caller
+// for the group's sorted rows [begin, begin + rows) (Note [Experts in parallel on CPU]): with
+// tasks > 1 a group's experts on `tasks` threads, with tasks == 1 serially, each expert its own
+// group.
+void for_each_expert(const std::vector<int64_t>& counts, int64_t tasks, int64_t group_rows,
+                     const std::function<void(const ExpertRows&)>& expert,
+                     const std::function<void(int64_t, int64_t)>& combine) {
+  const size_t experts = counts.size();
+  std::vector<int64_t> offsets(experts + 1, 0);
+  for (size_t e = 0; e < experts; ++e) offsets[e + 1] = offsets[e] + counts[e];
+  size_t first = 0;
+  while (first < experts) {
+    // the group: experts [first, last), at least one, at most group_rows rows unless one alone exceeds it
+    size_t last = first + 1;
+    while (tasks > 1 && last < experts && offsets[last + 1] - offsets[first] <= group_rows) ++last;
+    const int64_t begin = offsets[first], rows = offsets[last] - begin;
+    if (rows > 0) {
+      if (tasks <= 1) {
+        expert({static_cast<int64_t>(first), begin, rows, 0, 0});
+      } else {
+        std::atomic<size_t> next{first};
+        const at::ThreadLocalState state;
+        run_team(tasks, [&](int64_t task) {
+          const at::ThreadLocalStateGuard guard(state);
+          for (size_t e = next++; e < last; e = next++) {
+            if (counts[e] > 0) expert({static_cast<int64_t>(e), offsets[e], counts[e], offsets[e] - begin, task});
+          }
+        });
+      }
+      combine(begin, rows);
+    }
+    first = last;
+  }
+}
+
 // One expert's rows of a token-indexed tensor: rows token_of_row[offset .. offset + n) of `t`.
 at::Tensor gather_rows(const at::Tensor& t, const at::Tensor& token_of_row, int64_t offset, int64_t n) {
   return t.index_select(0, token_of_row.narrow(0, offset, n));
 }
 
 // Each row's output times its routing weight in the weights' dtype, cast back to the rows'
-// (Note [Routing weights in the experts]); in place when the dtypes agree.
-at::Tensor weigh(at::Tensor ye, const at::Tensor& row_weights, int64_t offset, int64_t n) {
-  if (!row_weights.defined()) return ye;
+// (Note [Routing weights in the experts]), in place.
+void weigh(at::Tensor& ye, const at::Tensor& row_weights, int64_t offset, int64_t n) {
+  if (!row_weights.defined()) return;
   const at::Tensor w = row_weights.narrow(0, offset, n).unsqueeze(1);
-  if (w.scalar_type() == ye.scalar_type()) return ye.mul_(w);
-  return (ye.to(w.scalar_type()) * w).to(ye.scalar_type());
+  if (w.scalar_type() == ye.scalar_type()) {
+    ye.mul_(w);
+  } else {
+    ye.copy_((ye.to(w.scalar_type()) * w).to(ye.scalar_type()));
+  }
 }
 
 // A custom autograd function takes no undefined tensor (its VariableInfo needs a device): an
@@ -151,21 +294,26 @@ void experts_forward(const at::Tensor& x, const at::Tensor& token_of_row, const 
                      const ExpertLora& gate_up_lora, const ExpertLora& down_lora, at::Tensor& out,
                      const at::Tensor& gate_up_rows) {
   const int64_t inter = down.size(2);
-  int64_t offset = 0;
-  for (size_t k = 0; k < counts.size(); ++k) {
-    const int64_t n = counts[k];
-    if (n == 0) continue;
-    const auto e = static_cast<int64_t>(k);
-    const at::Tensor xe = gather_rows(x, token_of_row, offset, n);
-    at::Tensor gu = gate_up_rows.defined() ? gate_up_rows.narrow(0, offset, n) : at::empty({n, 2 * inter}, x.options());
-    at::mm_out(gu, xe, gate_up[e].t());
-    lora_forward(gate_up_lora, xe, e, gu);
-    const at::Tensor act = at::silu(gu.narrow(1, 0, inter)) * gu.narrow(1, inter, inter);
-    at::Tensor ye = at::mm(act, down[e].t());
-    lora_forward(down_lora, act, e, ye);
-    out.index_add_(0, token_of_row.narrow(0, offset, n), weigh(ye, row_weights, offset, n));
-    offset += n;
-  }
+  const int64_t tasks = expert_tasks(x, counts);
+  const int64_t group_rows = expert_group_rows(counts, x.size(0), tasks);
+  const at::Tensor y = at::empty({group_rows, out.size(1)}, x.options());  // a group's output rows
+  for_each_expert(
+      counts, tasks, group_rows,
+      [&](const ExpertRows& r) {
+        const at::Tensor xe = gather_rows(x, token_of_row, r.offset, r.n);
+        at::Tensor gu =
+            gate_up_rows.defined() ? gate_up_rows.narrow(0, r.offset, r.n) : at::empty({r.n, 2 * inter}, x.options());
+        at::mm_out(gu, xe, gate_up[r.e].t());
+        lora_forward(gate_up_lora, xe, r.e, gu);
+        const at::Tensor act = at::silu(gu.narrow(1, 0, inter)) * gu.narrow(1, inter, inter);
+        at::Tensor ye = y.narrow(0, r.local, r.n);
+        at::mm_out(ye, act, down[r.e].t());
+        lora_forward(down_lora, act, r.e, ye);
+        weigh(ye, row_weights, r.offset, r.n);
+      },
+      [&](int64_t begin, int64_t rows) {
+        out.index_add_(0, token_of_row.narrow(0, begin, rows), y.narrow(0, 0, rows));
+      });
 }
 
 class SwigluExperts : public torch::autograd::Function<SwigluExperts> {
@@ -210,69 +358,74 @@ class SwigluExperts : public torch::autograd::Function<SwigluExperts> {
     const at::Tensor grad_out = grad_outputs.at(0).contiguous();
     const int64_t inter = down.size(2);
     at::Tensor grad_x = ctx->needs_input_grad(0) ? at::zeros_like(x, at::MemoryFormat::Contiguous) : at::Tensor();
-    const ExpertGrad grad_gate_up(ctx, 2, gate_up, counts);
-    const ExpertGrad grad_down(ctx, 3, down, counts);
+    const int64_t tasks = expert_tasks(x, counts);
+    const int64_t group_rows = expert_group_rows(counts, x.size(0), tasks);
+    const ExpertGrad grad_gate_up(ctx, 2, gate_up, counts, tasks);
+    const ExpertGrad grad_down(ctx, 3, down, counts, tasks);
     at::Tensor grad_weights =
         row_weights.defined() && ctx->needs_input_grad(4) ? at::empty_like(row_weights) : at::Tensor();
     // bf16/fp16: the elementwise SwiGLU derivative in fp32 (autograd's silu_backward computes in
     // fp32 too), the products in the model's dtype.
     const bool low_precision = x.scalar_type() != at::kFloat && x.scalar_type() != at::kDouble;
     const at::ScalarType compute = low_precision ? at::kFloat : x.scalar_type();
-    int64_t offset = 0;
-    for (size_t k = 0; k < counts.size(); ++k) {
-      const int64_t n = counts[k];
-      if (n == 0) continue;
-      const auto e = static_cast<int64_t>(k);
-      const at::Tensor g = gather_rows(grad_out, token_of_row, offset, n);  // [n, H]
-      const at::Tensor gu = gate_up_rows.narrow(0, offset, n);
-      const at::Tensor gate = gu.narrow(1, 0, inter).to(compute);
-      const at::Tensor up = gu.narrow(1, inter, inter).to(compute);
-      const at::Tensor silu = at::silu(gate);
-      // transformers computes act(gate) * up in the model's dtype: the same rounding here.
-      at::Tensor act = low_precision ? at::silu(gu.narrow(1, 0, inter)) * gu.narrow(1, inter, inter) : silu * up;
-      at::Tensor d_act = at::mm(g, down[e]);  // g D [n, I]
-      const at::Tensor g_down_b = lora_d_b(down_lora, g, e);
-      lora_input_grad(down_lora, g_down_b, e, d_act);
-      d_act = d_act.to(compute);
-      if (row_weights.defined()) {
-        const at::Tensor w = row_weights.narrow(0, offset, n);
-        const at::Tensor wc = w.to(compute).unsqueeze(1);
-        if (grad_weights.defined()) {
-          at::Tensor gw = grad_weights.narrow(0, offset, n);
-          gw.copy_((d_act * act.to(compute)).sum(1));
-        }
-        d_act.mul_(wc);
-        act = (act.to(compute) * wc).to(x.scalar_type());
-      }
-      if (grad_down.defined()) {
-        at::Tensor gd = grad_down.target(e);
-        at::mm_out(gd, g.t(), act);
-        grad_down.finish(e);
-      }
-      if (down_lora.defined()) lora_weight_grads(down_lora, g, g_down_b, act, e, down_lora_grads);
-      at::Tensor d_gu = at::empty({n, 2 * inter}, gate.options());
-      at::Tensor d_gate = d_gu.narrow(1, 0, inter);
-      at::Tensor d_up = d_gu.narrow(1, inter, inter);
-      // silu_backward: g sig (1 + x (1 - sig)), fused, each writing its half of d_gu.
-      at::silu_backward_out(d_gate, d_act * up, gate);
-      at::mul_out(d_up, d_act, silu);
-      if (low_precision) d_gu = d_gu.to(x.scalar_type());
-      const at::Tensor xe =
-          grad_gate_up.defined() || gate_up_lora.defined() ? gather_rows(x, token_of_row, offset, n) : at::Tensor();
-      if (grad_gate_up.defined()) {
-        at::Tensor gg = grad_gate_up.target(e);
-        at::mm_out(gg, d_gu.t(), xe);
-        grad_gate_up.finish(e);
-      }
-      const at::Tensor d_gu_b = lora_d_b(gate_up_lora, d_gu, e);
-      if (gate_up_lora.defined()) lora_weight_grads(gate_up_lora, d_gu, d_gu_b, xe, e, gate_up_lora_grads);
-      if (grad_x.defined()) {
-        at::Tensor dxe = at::mm(d_gu, gate_up[e]);
-        lora_input_grad(gate_up_lora, d_gu_b, e, dxe);
-        grad_x.index_add_(0, token_of_row.narrow(0, offset, n), dxe);
-      }
-      offset += n;
-    }
+    // a group's input-row gradients (Note [Experts in parallel on CPU])
+    const at::Tensor dx = grad_x.defined() ? at::empty({group_rows, x.size(1)}, x.options()) : at::Tensor();
+    for_each_expert(
+        counts, tasks, group_rows,
+        [&](const ExpertRows& r) {
+          const int64_t e = r.e, offset = r.offset, n = r.n;
+          const at::Tensor g = gather_rows(grad_out, token_of_row, offset, n);  // [n, H]
+          const at::Tensor gu = gate_up_rows.narrow(0, offset, n);
+          const at::Tensor gate = gu.narrow(1, 0, inter).to(compute);
+          const at::Tensor up = gu.narrow(1, inter, inter).to(compute);
+          const at::Tensor silu = at::silu(gate);
+          // transformers computes act(gate) * up in the model's dtype: the same rounding here.
+          at::Tensor act = low_precision ? at::silu(gu.narrow(1, 0, inter)) * gu.narrow(1, inter, inter) : silu * up;
+          at::Tensor d_act = at::mm(g, down[e]);  // g D [n, I]
+          const at::Tensor g_down_b = lora_d_b(down_lora, g, e);
+          lora_input_grad(down_lora, g_down_b, e, d_act);
+          d_act = d_act.to(compute);
+          if (row_weights.defined()) {
+            const at::Tensor w = row_weights.narrow(0, offset, n);
+            const at::Tensor wc = w.to(compute).unsqueeze(1);
+            if (grad_weights.defined()) {
+              at::Tensor gw = grad_weights.narrow(0, offset, n);
+              gw.copy_((d_act * act.to(compute)).sum(1));
+            }
+            d_act.mul_(wc);
+            act = (act.to(compute) * wc).to(x.scalar_type());
+          }
+          if (grad_down.defined()) {
+            at::Tensor gd = grad_down.target(e, r.task);
+            at::mm_out(gd, g.t(), act);
+            grad_down.finish(e, r.task);
+          }
+          if (down_lora.defined()) lora_weight_grads(down_lora, g, g_down_b, act, e, down_lora_grads);
+          at::Tensor d_gu = at::empty({n, 2 * inter}, gate.options());
+          at::Tensor d_gate = d_gu.narrow(1, 0, inter);
+          at::Tensor d_up = d_gu.narrow(1, inter, inter);
+          // silu_backward: g sig (1 + x (1 - sig)), fused, each writing its half of d_gu.
+          at::silu_backward_out(d_gate, d_act * up, gate);
+          at::mul_out(d_up, d_act, silu);
+          if (low_precision) d_gu = d_gu.to(x.scalar_type());
+          const at::Tensor xe =
+              grad_gate_up.defined() || gate_up_lora.defined() ? gather_rows(x, token_of_row, offset, n) : at::Tensor();
+          if (grad_gate_up.defined()) {
+            at::Tensor gg = grad_gate_up.target(e, r.task);
+            at::mm_out(gg, d_gu.t(), xe);
+            grad_gate_up.finish(e, r.task);
+          }
+          const at::Tensor d_gu_b = lora_d_b(gate_up_lora, d_gu, e);
+          if (gate_up_lora.defined()) lora_weight_grads(gate_up_lora, d_gu, d_gu_b, xe, e, gate_up_lora_grads);
+          if (grad_x.defined()) {
+            at::Tensor dxe = dx.narrow(0, r.local, n);
+            at::mm_out(dxe, d_gu, gate_up[e]);
+            lora_input_grad(gate_up_lora, d_gu_b, e, dxe);
+          }
+        },
+        [&](int64_t begin, int64_t rows) {
+          if (grad_x.defined()) grad_x.index_add_(0, token_of_row.narrow(0, begin, rows), dx.narrow(0, 0, rows));
+        });
     return {grad_x,       at::Tensor(),         grad_gate_up.whole,   grad_down.whole,   grad_weights,
             at::Tensor(), gate_up_lora_grads.a, gate_up_lora_grads.b, down_lora_grads.a, down_lora_grads.b,
             at::Tensor(), at::Tensor()};
@@ -293,24 +446,29 @@ void clamped_forward(const at::Tensor& x, const at::Tensor& token_of_row, const 
                      const ExpertLora& gate_up_lora, const ExpertLora& down_lora, at::Tensor& out,
                      const at::Tensor& gate_up_rows) {
   const int64_t width = gate_up.size(2);
-  int64_t offset = 0;
-  for (size_t k = 0; k < counts.size(); ++k) {
-    const int64_t n = counts[k];
-    if (n == 0) continue;
-    const auto e = static_cast<int64_t>(k);
-    at::Tensor h = gate_up_rows.defined() ? gate_up_rows.narrow(0, offset, n) : at::empty({n, width}, x.options());
-    // transformers: x @ W + b (a product, then the bias added).
-    const at::Tensor xe = gather_rows(x, token_of_row, offset, n);
-    at::mm_out(h, xe, gate_up[e]);
-    lora_forward(gate_up_lora, xe, e, h);
-    h.add_(gate_up_bias[e]);
-    const at::Tensor glu = clamped_glu(h, alpha, limit);
-    at::Tensor ye = at::mm(glu, down[e]);
-    lora_forward(down_lora, glu, e, ye);
-    ye.add_(down_bias[e]);
-    out.index_add_(0, token_of_row.narrow(0, offset, n), weigh(ye, row_weights, offset, n));
-    offset += n;
-  }
+  const int64_t tasks = expert_tasks(x, counts);
+  const int64_t group_rows = expert_group_rows(counts, x.size(0), tasks);
+  const at::Tensor y = at::empty({group_rows, out.size(1)}, x.options());  // a group's output rows
+  for_each_expert(
+      counts, tasks, group_rows,
+      [&](const ExpertRows& r) {
+        const int64_t e = r.e, offset = r.offset, n = r.n;
+        at::Tensor h = gate_up_rows.defined() ? gate_up_rows.narrow(0, offset, n) : at::empty({n, width}, x.options());
+        // transformers: x @ W + b (a product, then the bias added).
+        const at::Tensor xe = gather_rows(x, token_of_row, offset, n);
+        at::mm_out(h, xe, gate_up[e]);
+        lora_forward(gate_up_lora, xe, e, h);
+        h.add_(gate_up_bias[e]);
+        const at::Tensor glu = clamped_glu(h, alpha, limit);
+        at::Tensor ye = y.narrow(0, r.local, n);
+        at::mm_out(ye, glu, down[e]);
+        lora_forward(down_lora, glu, e, ye);
+        ye.add_(down_bias[e]);
+        weigh(ye, row_weights, offset, n);
+      },
+      [&](int64_t begin, int64_t rows) {
+        out.index_add_(0, token_of_row.narrow(0, begin, rows), y.narrow(0, 0, rows));
+      });
 }
 
 class ClampedGluExperts : public torch::autograd::Function<ClampedGluExperts> {
@@ -361,78 +519,83 @@ class ClampedGluExperts : public torch::autograd::Function<ClampedGluExperts> {
     const at::ScalarType compute = low_precision ? at::kFloat : x.scalar_type();
     const int64_t width = gate_up.size(2);
     at::Tensor grad_x = ctx->needs_input_grad(0) ? at::zeros_like(x, at::MemoryFormat::Contiguous) : at::Tensor();
-    const ExpertGrad grad_gate_up(ctx, 2, gate_up, counts);
+    const int64_t tasks = expert_tasks(x, counts);
+    const int64_t group_rows = expert_group_rows(counts, x.size(0), tasks);
+    const ExpertGrad grad_gate_up(ctx, 2, gate_up, counts, tasks);
     at::Tensor grad_gate_up_bias =
         ctx->needs_input_grad(3) ? at::zeros({gate_up.size(0), width}, gate_up.options()) : at::Tensor();
-    const ExpertGrad grad_down(ctx, 4, down, counts);
+    const ExpertGrad grad_down(ctx, 4, down, counts, tasks);
     at::Tensor grad_down_bias =
         ctx->needs_input_grad(5) ? at::zeros({down.size(0), down.size(2)}, down.options()) : at::Tensor();
     at::Tensor grad_weights =
         row_weights.defined() && ctx->needs_input_grad(6) ? at::empty_like(row_weights) : at::Tensor();
-    int64_t offset = 0;
-    for (size_t k = 0; k < counts.size(); ++k) {
-      const int64_t n = counts[k];
-      if (n == 0) continue;
-      const auto e = static_cast<int64_t>(k);
-      const at::Tensor g = gather_rows(grad_out, token_of_row, offset, n);  // [n, H]
-      const at::Tensor h = rows.narrow(0, offset, n);
-      at::Tensor glu = clamped_glu(h, alpha, limit);  // transformers' rounding of the GLU
-      at::Tensor d_out = at::mm(g, down[e].t());      // g D^T [n, I]
-      const at::Tensor g_down_b = lora_d_b(down_lora, g, e);
-      lora_input_grad(down_lora, g_down_b, e, d_out);
-      d_out = d_out.to(compute);
-      at::Tensor gy = g;  // the gradient of the weighted rows
-      if (row_weights.defined()) {
-        // y = (y_u.to(w) * w).to(x), y_u = glu D + d: sum(g * y_u) = rowsum((g D^T) * glu) + g d.
-        const at::Tensor wc = row_weights.narrow(0, offset, n).to(compute).unsqueeze(1);
-        if (grad_weights.defined()) {
-          at::Tensor gw = grad_weights.narrow(0, offset, n);
-          gw.copy_((d_out * glu.to(compute)).sum(1) + at::mv(g.to(compute), down_bias[e].to(compute)));
-        }
-        d_out.mul_(wc);
-        gy = (g.to(compute) * wc).to(x.scalar_type());
-      }
-      if (grad_down.defined()) {
-        at::Tensor gd = grad_down.target(e);
-        at::mm_out(gd, glu.t(), gy);
-        grad_down.finish(e);
-      }
-      if (down_lora.defined()) {
-        // the weighted rows' gradient gy through B: (g B) w, as gy = g w
-        const at::Tensor gy_b = row_weights.defined() ? lora_d_b(down_lora, gy, e) : g_down_b;
-        lora_weight_grads(down_lora, gy, gy_b, glu, e, down_lora_grads);
-      }
-      if (grad_down_bias.defined()) grad_down_bias[e].copy_(gy.sum(0));
-      const at::Tensor hf = h.to(compute);
-      const at::Tensor g_raw = hf.slice(1, 0, width, 2);
-      const at::Tensor u_raw = hf.slice(1, 1, width, 2);
-      const at::Tensor gc = g_raw.clamp_max(limit);
-      const at::Tensor u = u_raw.clamp(-limit, limit);
-      const at::Tensor sig = at::sigmoid(gc * alpha);
-      // As torch's clamp backward: the gradient passes where min <= x <= max.
-      const at::Tensor d_g = d_out * (u + 1) * (sig + gc * alpha * sig * (1 - sig)) * g_raw.le(limit);
-      const at::Tensor d_u = d_out * (gc * sig) * u_raw.ge(-limit).logical_and(u_raw.le(limit));
-      at::Tensor d_h = at::empty({n, width}, hf.options());
-      d_h.slice(1, 0, width, 2).copy_(d_g);
-      d_h.slice(1, 1, width, 2).copy_(d_u);
-      if (low_precision) d_h = d_h.to(x.scalar_type());
-      const at::Tensor xe =
-          grad_gate_up.defined() || gate_up_lora.defined() ? gather_rows(x, token_of_row, offset, n) : at::Tensor();
-      if (grad_gate_up.defined()) {
-        at::Tensor gg = grad_gate_up.target(e);
-        at::mm_out(gg, xe.t(), d_h);
-        grad_gate_up.finish(e);
-      }
-      const at::Tensor d_h_b = lora_d_b(gate_up_lora, d_h, e);
-      if (gate_up_lora.defined()) lora_weight_grads(gate_up_lora, d_h, d_h_b, xe, e, gate_up_lora_grads);
-      if (grad_gate_up_bias.defined()) grad_gate_up_bias[e].copy_(d_h.sum(0));
-      if (grad_x.defined()) {
-        at::Tensor dxe = at::mm(d_h, gate_up[e].t());
-        lora_input_grad(gate_up_lora, d_h_b, e, dxe);
-        grad_x.index_add_(0, token_of_row.narrow(0, offset, n), dxe);
-      }
-      offset += n;
-    }
+    // a group's input-row gradients (Note [Experts in parallel on CPU])
+    const at::Tensor dx = grad_x.defined() ? at::empty({group_rows, x.size(1)}, x.options()) : at::Tensor();
+    for_each_expert(
+        counts, tasks, group_rows,
+        [&](const ExpertRows& r) {
+          const int64_t e = r.e, offset = r.offset, n = r.n;
+          const at::Tensor g = gather_rows(grad_out, token_of_row, offset, n);  // [n, H]
+          const at::Tensor h = rows.narrow(0, offset, n);
+          at::Tensor glu = clamped_glu(h, alpha, limit);  // transformers' rounding of the GLU
+          at::Tensor d_out = at::mm(g, down[e].t());      // g D^T [n, I]
+          const at::Tensor g_down_b = lora_d_b(down_lora, g, e);
+          lora_input_grad(down_lora, g_down_b, e, d_out);
+          d_out = d_out.to(compute);
+          at::Tensor gy = g;  // the gradient of the weighted rows
+          if (row_weights.defined()) {
+            // y = (y_u.to(w) * w).to(x), y_u = glu D + d: sum(g * y_u) = rowsum((g D^T) * glu) + g d.
+            const at::Tensor wc = row_weights.narrow(0, offset, n).to(compute).unsqueeze(1);
+            if (grad_weights.defined()) {
+              at::Tensor gw = grad_weights.narrow(0, offset, n);
+              gw.copy_((d_out * glu.to(compute)).sum(1) + at::mv(g.to(compute), down_bias[e].to(compute)));
+            }
+            d_out.mul_(wc);
+            gy = (g.to(compute) * wc).to(x.scalar_type());
+          }
+          if (grad_down.defined()) {
+            at::Tensor gd = grad_down.target(e, r.task);
+            at::mm_out(gd, glu.t(), gy);
+            grad_down.finish(e, r.task);
+          }
+          if (down_lora.defined()) {
+            // the weighted rows' gradient gy through B: (g B) w, as gy = g w
+            const at::Tensor gy_b = row_weights.defined() ? lora_d_b(down_lora, gy, e) : g_down_b;
+            lora_weight_grads(down_lora, gy, gy_b, glu, e, down_lora_grads);
+          }
+          if (grad_down_bias.defined()) grad_down_bias[e].copy_(gy.sum(0));
+          const at::Tensor hf = h.to(compute);
+          const at::Tensor g_raw = hf.slice(1, 0, width, 2);
+          const at::Tensor u_raw = hf.slice(1, 1, width, 2);
+          const at::Tensor gc = g_raw.clamp_max(limit);
+          const at::Tensor u = u_raw.clamp(-limit, limit);
+          const at::Tensor sig = at::sigmoid(gc * alpha);
+          // As torch's clamp backward: the gradient passes where min <= x <= max.
+          const at::Tensor d_g = d_out * (u + 1) * (sig + gc * alpha * sig * (1 - sig)) * g_raw.le(limit);
+          const at::Tensor d_u = d_out * (gc * sig) * u_raw.ge(-limit).logical_and(u_raw.le(limit));
+          at::Tensor d_h = at::empty({n, width}, hf.options());
+          d_h.slice(1, 0, width, 2).copy_(d_g);
+          d_h.slice(1, 1, width, 2).copy_(d_u);
+          if (low_precision) d_h = d_h.to(x.scalar_type());
+          const at::Tensor xe =
+              grad_gate_up.defined() || gate_up_lora.defined() ? gather_rows(x, token_of_row, offset, n) : at::Tensor();
+          if (grad_gate_up.defined()) {
+            at::Tensor gg = grad_gate_up.target(e, r.task);
+            at::mm_out(gg, xe.t(), d_h);
+            grad_gate_up.finish(e, r.task);
+          }
+          const at::Tensor d_h_b = lora_d_b(gate_up_lora, d_h, e);
+          if (gate_up_lora.defined()) lora_weight_grads(gate_up_lora, d_h, d_h_b, xe, e, gate_up_lora_grads);
+          if (grad_gate_up_bias.defined()) grad_gate_up_bias[e].copy_(d_h.sum(0));
+          if (grad_x.defined()) {
+            at::Tensor dxe = dx.narrow(0, r.local, n);
+            at::mm_out(dxe, d_h, gate_up[e].t());
+            lora_input_grad(gate_up_lora, d_h_b, e, dxe);
+          }
+        },
+        [&](int64_t begin, int64_t rows) {
+          if (grad_x.defined()) grad_x.index_add_(0, token_of_row.narrow(0, begin, rows), dx.narrow(0, 0, rows));
+        });
     return {grad_x,
             at::Tensor(),
             grad_gate_up.whole,
@@ -544,6 +707,8 @@ at::Tensor swiglu_experts(const at::Tensor& x, const at::Tensor& token_of_row, c
   experts_forward(xc, tc, gate_up, down, counts, wc, gate_up_lora, down_lora, out, at::Tensor());
   return out;
 }
+
+int64_t expert_threads(const at::Tensor& x, const std::vector<int64_t>& counts) { return expert_tasks(x, counts); }
 
 at::Tensor sorted_swiglu_experts(const at::Tensor& x, const at::Tensor& gate_up, const at::Tensor& down,
                                  const std::vector<int64_t>& counts, const at::Tensor& row_weights) {

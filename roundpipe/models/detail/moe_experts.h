@@ -20,9 +20,11 @@ namespace roundpipe::models::detail {
 /// expert, as transformers' index_add_ loop (zeros for a token without rows).
 ///
 /// Note [Sorted experts]: one GEMM pair per expert that has rows, on that expert's rows gathered
-/// from x, its output added straight into their tokens; an expert with none costs nothing. No
-/// [M, H] tensor is made in the forward or the backward (the gathered rows, the outputs and their
-/// gradients live one expert at a time): on CPU each [M, H] tensor of a realistic layer is a fresh
+/// from x, its output added into their tokens; an expert with none costs nothing. No [M, H] tensor
+/// is made in the forward or the backward (the gathered rows live one expert at a time, the
+/// outputs and their gradients one expert at a time on a GPU and one group of experts of at most
+/// max(N, the largest count) rows on CPU, where the experts run in parallel: Note [Experts in
+/// parallel on CPU] in moe_experts.cpp): on CPU each [M, H] tensor of a realistic layer is a fresh
 /// mmap whose pages fault on first touch, every call (docs/benchmarks.md, "Mixture of experts").
 /// Under autograd a custom function writes each expert's weight gradient straight into its slice
 /// of one [E, ...] gradient (zero for experts without rows), where autograd over `weight[e]` would
@@ -51,6 +53,10 @@ at::Tensor swiglu_experts(const at::Tensor& x, const at::Tensor& token_of_row, c
                           const at::Tensor& down, const std::vector<int64_t>& counts,
                           const at::Tensor& row_weights = {}, const ExpertLora& gate_up_lora = {},
                           const ExpertLora& down_lora = {});
+
+/// The threads the experts of a layer on x's device run on, `counts` its rows per expert: 1 on a
+/// GPU, else up to ATen's intra-op threads (Note [Experts in parallel on CPU] in moe_experts.cpp).
+int64_t expert_threads(const at::Tensor& x, const std::vector<int64_t>& counts);
 
 /// swiglu_experts on rows already sorted by expert: x [M, H] -> y [M, H] (row r is its own token).
 at::Tensor sorted_swiglu_experts(const at::Tensor& x, const at::Tensor& gate_up, const at::Tensor& down,
